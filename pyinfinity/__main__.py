@@ -1,0 +1,3 @@
+from pyinfinity.cli import main
+
+raise SystemExit(main())
