@@ -1,0 +1,297 @@
+// pybind11 bindings of the core as pyinfinity._C. Buffers pass as integer addresses plus a
+// "keepalive" object (the tensor) that the returned request holds until the transfer is done,
+// so no torch type enters the core and one build serves any torch version. Every blocking call
+// releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <limits>
+#include <optional>
+
+#include "pyinfinity/cuda_runtime.hpp"
+#include "pyinfinity/cuda_stager.hpp"
+#include "pyinfinity/defaults.hpp"
+#include "pyinfinity/error.hpp"
+#include "pyinfinity/fault.hpp"
+#include "pyinfinity/file_handle.hpp"
+#include "pyinfinity/io_backend.hpp"
+#include "pyinfinity/pinned_arena.hpp"
+#include "pyinfinity/swap_engine.hpp"
+
+namespace py = pybind11;
+using namespace pyinfinity;
+
+namespace {
+
+// A request plus the Python object owning its memory. If dropped before completion, waits
+// (without the GIL) so the memory is never freed under an in-flight transfer.
+template <typename R>
+struct Pending {
+  R req;
+  py::object keepalive;
+  Pending(R r, py::object k) : req(std::move(r)), keepalive(std::move(k)) {}
+  ~Pending() {
+    if (!req.done()) {
+      py::gil_scoped_release nogil;
+      while (!req.done()) {
+        try {
+          req.wait(std::numeric_limits<double>::max());
+        } catch (...) {
+          break;
+        }
+      }
+    }
+  }
+  void wait(std::optional<double> timeout) {
+    {
+      py::gil_scoped_release nogil;
+      req.wait(timeout ? *timeout : -1.0);
+    }
+  }
+};
+using PyRequest = Pending<Request>;
+using PyStageRequest = Pending<StageRequest>;
+
+OpenMode parse_mode(const std::string& m) {
+  if (m == "r") return OpenMode::read;
+  if (m == "w") return OpenMode::write;
+  if (m == "rw" || m == "r+" || m == "w+") return OpenMode::read_write;
+  throw ArgumentError("mode: expected 'r', 'w' or 'rw', got '" + m + "'");
+}
+
+py::dict direction(const DirectionStats& d) {
+  py::dict o;
+  o["bytes"] = d.bytes;
+  o["ops"] = d.ops;
+  o["errors"] = d.errors;
+  o["seconds"] = d.busy_seconds;
+  o["gbps"] = d.busy_seconds > 0 ? static_cast<double>(d.bytes) / d.busy_seconds / 1e9 : 0.0;
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pyinfinity core: async NVMe I/O, pinned host memory, CUDA staging";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const SystemError& e) {
+      py::object exc = py::module_::import("builtins").attr("OSError")(e.code(), e.message(), e.path());
+      PyErr_SetObject(PyExc_OSError, exc.ptr());
+    } catch (const ArgumentError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const TimeoutError& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    } catch (const CudaError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::class_<FileHandle, std::shared_ptr<FileHandle>>(m, "FileHandle")
+      .def(py::init([](const std::string& path, const std::string& mode, bool direct) {
+             return std::make_shared<FileHandle>(path, parse_mode(mode), direct);
+           }),
+           py::arg("path"), py::arg("mode") = "r", py::arg("direct") = true)
+      .def_property_readonly("path", &FileHandle::path)
+      .def_property_readonly("direct", &FileHandle::direct)
+      .def_property_readonly("closed", &FileHandle::closed)
+      .def_property_readonly("offset_align", &FileHandle::offset_align)
+      .def_property_readonly("memory_align", &FileHandle::memory_align)
+      .def_property_readonly("inflight", &FileHandle::inflight)
+      .def("size", &FileHandle::size)
+      .def("resize", &FileHandle::resize, py::arg("nbytes"))
+      .def("allocate", &FileHandle::allocate, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def("sync", &FileHandle::sync, py::call_guard<py::gil_scoped_release>())
+      .def("close", &FileHandle::close)
+      .def("__repr__", [](const FileHandle& f) {
+        return "<FileHandle " + f.path() + (f.direct() ? " O_DIRECT" : " buffered") +
+               (f.closed() ? " closed>" : ">");
+      });
+
+  py::class_<PyRequest>(m, "Request")
+      .def("done", [](const PyRequest& r) { return r.req.done(); })
+      .def("wait", &PyRequest::wait, py::arg("timeout") = py::none(),
+           "Block until done; OSError on I/O failure, TimeoutError after `timeout` s without progress")
+      .def_property_readonly("nbytes", [](const PyRequest& r) { return r.req.nbytes(); })
+      .def_property_readonly("offset", [](const PyRequest& r) { return r.req.offset(); })
+      .def_property_readonly("is_write", [](const PyRequest& r) { return r.req.is_write(); })
+      .def_property_readonly("path", [](const PyRequest& r) { return r.req.path(); });
+
+  py::class_<SwapEngine, std::shared_ptr<SwapEngine>>(m, "SwapEngine")
+      .def(py::init([](const std::string& backend, std::size_t block_size, std::size_t queue_depth,
+                       std::size_t threads) {
+             return std::make_shared<SwapEngine>(EngineOptions{backend, block_size, queue_depth, threads});
+           }),
+           py::arg("backend") = "auto", py::arg("block_size") = 1 << 20,
+           py::arg("queue_depth") = 32, py::arg("threads") = 1)
+      .def(
+          "submit",
+          [](SwapEngine& e, std::shared_ptr<FileHandle> file, std::uintptr_t ptr, std::size_t nbytes,
+             std::int64_t offset, bool write, py::object keepalive) {
+            Request r = [&] {
+              py::gil_scoped_release nogil;  // "auto" may probe the directory
+              return e.submit(std::move(file), reinterpret_cast<void*>(ptr), nbytes, offset, write);
+            }();
+            return std::make_unique<PyRequest>(std::move(r), std::move(keepalive));
+          },
+          py::arg("file"), py::arg("ptr"), py::arg("nbytes"), py::arg("offset"), py::arg("write"),
+          py::arg("keepalive") = py::none())
+      .def("backend_for", &SwapEngine::backend_for, py::call_guard<py::gil_scoped_release>())
+      .def("close", &SwapEngine::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &SwapEngine::closed)
+      .def_property_readonly("backend", [](const SwapEngine& e) { return e.options().backend; })
+      .def_property_readonly("block_size", [](const SwapEngine& e) { return e.options().block_size; })
+      .def_property_readonly("queue_depth", [](const SwapEngine& e) { return e.options().queue_depth; })
+      .def_property_readonly("threads", [](const SwapEngine& e) { return e.options().threads; })
+      .def("reset_stats", &SwapEngine::reset_stats)
+      .def("stats", [](const SwapEngine& e) {
+        EngineStats s = e.stats();
+        py::dict d;
+        d["read"] = direction(s.read);
+        d["write"] = direction(s.write);
+        d["pieces"] = s.pieces;
+        d["bounced"] = s.bounced;
+        d["buffered"] = s.buffered;
+        d["retries"] = s.retries;
+        d["short_resubmits"] = s.short_resubmits;
+        return d;
+      });
+
+  py::class_<PinnedSlab>(m, "PinnedSlab", py::buffer_protocol())
+      .def_buffer([](PinnedSlab& s) {
+        return py::buffer_info(s.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(s.nbytes())}, {1});
+      })
+      .def_property_readonly("ptr", [](const PinnedSlab& s) { return reinterpret_cast<std::uintptr_t>(s.data()); })
+      .def_property_readonly("nbytes", &PinnedSlab::nbytes)
+      .def_property_readonly("valid", &PinnedSlab::valid)
+      .def("free", &PinnedSlab::release);
+
+  py::class_<PinnedArena>(m, "PinnedArena")
+      .def(py::init<std::size_t, const std::string&>(), py::arg("capacity"), py::arg("lock") = "auto",
+           py::call_guard<py::gil_scoped_release>())
+      .def("allocate", &PinnedArena::allocate, py::arg("nbytes"))
+      .def_property_readonly("locked_by", &PinnedArena::locked_by)
+      .def_property_readonly("lock_note", &PinnedArena::lock_note)
+      .def_property_readonly("base", [](const PinnedArena& a) { return reinterpret_cast<std::uintptr_t>(a.base()); })
+      .def("stats", [](const PinnedArena& a) {
+        ArenaStats s = a.stats();
+        py::dict d;
+        d["capacity"] = s.capacity;
+        d["in_use"] = s.in_use;
+        d["high_water"] = s.high_water;
+        d["slabs"] = s.slabs;
+        d["largest_free"] = s.largest_free;
+        return d;
+      });
+
+  py::class_<PyStageRequest>(m, "StageRequest")
+      .def("done", [](const PyStageRequest& r) { return r.req.done(); })
+      .def("wait", &PyStageRequest::wait, py::arg("timeout") = py::none());
+
+  py::class_<CudaStager>(m, "CudaStager")
+      .def(py::init<std::shared_ptr<SwapEngine>, int, std::size_t, std::size_t>(), py::arg("engine"),
+           py::arg("device") = 0, py::arg("chunk_bytes") = defaults::stager_chunk_bytes(),
+           py::arg("num_buffers") = defaults::stager_buffers(), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "read_to_device",
+          [](CudaStager& s, std::shared_ptr<FileHandle> f, std::int64_t offset, std::uintptr_t ptr,
+             std::size_t n, std::uintptr_t stream, py::object keep) {
+            StageRequest r = s.read_to_device(std::move(f), offset, reinterpret_cast<void*>(ptr), n, stream);
+            return std::make_unique<PyStageRequest>(std::move(r), std::move(keep));
+          },
+          py::arg("file"), py::arg("offset"), py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
+          py::arg("keepalive") = py::none())
+      .def(
+          "write_from_device",
+          [](CudaStager& s, std::shared_ptr<FileHandle> f, std::int64_t offset, std::uintptr_t ptr,
+             std::size_t n, std::uintptr_t stream, py::object keep) {
+            StageRequest r = s.write_from_device(std::move(f), offset, reinterpret_cast<const void*>(ptr), n, stream);
+            return std::make_unique<PyStageRequest>(std::move(r), std::move(keep));
+          },
+          py::arg("file"), py::arg("offset"), py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
+          py::arg("keepalive") = py::none())
+      .def(
+          "copy",
+          [](CudaStager& s, std::uintptr_t dst, std::uintptr_t src, std::size_t n, bool h2d,
+             std::uintptr_t stream, bool sync) {
+            s.copy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n, h2d, stream, sync);
+          },
+          py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("host_to_device"),
+          py::arg("stream") = 0, py::arg("synchronize") = false, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("chunk_bytes", &CudaStager::chunk_bytes)
+      .def_property_readonly("num_buffers", &CudaStager::num_buffers)
+      .def("stats", [](const CudaStager& s) {
+        StagerStats st = s.stats();
+        py::dict d;
+        d["h2d_bytes"] = st.h2d_bytes;
+        d["d2h_bytes"] = st.d2h_bytes;
+        d["h2d_seconds"] = st.h2d_seconds;
+        d["d2h_seconds"] = st.d2h_seconds;
+        return d;
+      });
+
+  m.def("compiled_backends", &compiled_backends);
+  m.def(
+      "probe_backend",
+      [](const std::string& dir) {
+        ProbeResult r = [&] {
+          py::gil_scoped_release nogil;
+          return probe_backend(dir);
+        }();
+        py::dict d;
+        d["best"] = r.best;
+        d["direct_io"] = r.direct_io;
+        d["working"] = r.working;
+        d["failures"] = r.failures;
+        return d;
+      },
+      py::arg("dir"));
+  m.def("cuda_compiled", &cuda::compiled);
+  m.def("cuda_device_count", &cuda::device_count, py::call_guard<py::gil_scoped_release>());
+  m.def("cuda_status", &cuda::status);
+  m.def("defaults", [] {
+    py::list out;
+    for (const auto& e : defaults::table()) {
+      py::dict d;
+      d["name"] = e.name;
+      d["env"] = e.env;
+      d["value"] = e.value;
+      d["doc"] = e.doc;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def(
+      "set_fault",
+      [](const std::string& op, std::uint64_t nth, const std::string& action, int value, std::uint64_t count) {
+        FaultSpec s = FaultInjector::parse("op=" + op + ",action=" + action);
+        s.nth = nth;
+        s.value = value;
+        s.count = count;
+        FaultInjector::instance().set(s);
+      },
+      py::arg("op") = "any", py::arg("nth") = 1, py::arg("action") = "errno", py::arg("value") = 5,
+      py::arg("count") = 1);
+  m.def("clear_fault", [] { FaultInjector::instance().clear(); });
+  m.def("faults_injected", [] { return FaultInjector::instance().injected(); });
+  m.def("build_info", [] {
+    py::dict d;
+    d["version"] = PYINFINITY_VERSION;
+    d["backends"] = compiled_backends();
+    d["cuda"] = cuda::compiled();
+#ifdef PYINFINITY_CUDA_VERSION
+    d["cuda_version"] = PYINFINITY_CUDA_VERSION;
+#else
+    d["cuda_version"] = py::none();
+#endif
+    d["compiler"] = std::string(__VERSION__);
+    d["build_type"] = PYINFINITY_BUILD_TYPE;
+    d["cxx_flags"] = PYINFINITY_CXX_FLAGS;
+    d["sanitizer"] = PYINFINITY_SANITIZER;
+    return d;
+  });
+}
