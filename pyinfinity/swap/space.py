@@ -1,0 +1,314 @@
+"""SwapSpace: one logical swap area made of preallocated files, striped over directories.
+
+Each directory (ideally one per NVMe drive) holds one swap file ``<name>.swp``, locked with
+``flock`` for the life of the space so two runs cannot share it. A slot of n bytes is cut into
+one extent per directory, so a read or write of the slot keeps every drive busy. Files grow in
+``grow_bytes`` steps with ``fallocate``, so a full disk surfaces as ``OSError(ENOSPC)`` at
+``allocate()``, not halfway through a training step.
+"""
+from __future__ import annotations
+
+import bisect
+import errno
+import fcntl
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from pyinfinity import _C
+from pyinfinity.swap._tensors import check_tensor, nbytes as tensor_nbytes
+from pyinfinity.swap.engine import SwapEngine
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Extent:
+    file: int     # index of the directory / file
+    offset: int   # byte offset in that file
+    nbytes: int   # bytes of the slot stored there
+    reserved: int  # bytes reserved (aligned)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A range of the swap space: `nbytes` bytes stored as extents over the files."""
+    id: int
+    nbytes: int
+    extents: Tuple[Extent, ...]
+
+
+class _Allocator:
+    """First-fit free list over one file's address space, coalescing on free."""
+
+    def __init__(self) -> None:
+        self.starts: List[int] = []  # sorted hole starts
+        self.sizes: dict = {}        # start -> size
+        self.end = 0                 # bytes handed out so far (high water of the file)
+
+    def take(self, n: int) -> Optional[int]:
+        for s in self.starts:
+            if self.sizes[s] >= n:
+                left = self.sizes.pop(s)
+                self.starts.remove(s)
+                if left > n:
+                    self._insert(s + n, left - n)
+                return s
+        return None
+
+    def grow(self, n: int) -> int:
+        off = self.end
+        self.end += n
+        return off
+
+    def give(self, off: int, n: int) -> None:
+        i = bisect.bisect_left(self.starts, off)
+        if i < len(self.starts) and self.starts[i] < off + n or (
+                i > 0 and self.starts[i - 1] + self.sizes[self.starts[i - 1]] > off):
+            raise ValueError(f"slot: double free of bytes [{off}, {off + n})")
+        # coalesce with neighbours
+        if i < len(self.starts) and self.starts[i] == off + n:
+            n += self.sizes.pop(self.starts.pop(i))
+        if i > 0 and self.starts[i - 1] + self.sizes[self.starts[i - 1]] == off:
+            prev = self.starts[i - 1]
+            self.sizes[prev] += n
+            return
+        self._insert(off, n)
+
+    def _insert(self, off: int, n: int) -> None:
+        bisect.insort(self.starts, off)
+        self.sizes[off] = n
+
+
+class _MultiRequest:
+    """Several requests (one per extent) behaving as one."""
+
+    def __init__(self, reqs: Sequence[_C.Request]) -> None:
+        self._reqs = list(reqs)
+
+    def done(self) -> bool:
+        return all(r.done() for r in self._reqs)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        err = None
+        for r in self._reqs:  # wait for all, even after a failure, so no buffer is still in use
+            try:
+                r.wait(timeout)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                err = err or exc
+        if err is not None:
+            raise err
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self._reqs)
+
+
+class SwapSpace:
+    """Slots in preallocated swap files striped over `dirs`.
+
+    dirs: a directory or a list of them (one per drive); each must exist and be writable.
+    engine: the SwapEngine doing the I/O (one is made with defaults when None).
+    name: file stem, so several spaces can share directories (``<dir>/<name>.swp``).
+    capacity: most bytes the space may hold in all (None: as much as the disks have).
+    grow_bytes: preallocation step per file.
+    stripe_min: slots smaller than this go to one file (round-robin) instead of being striped.
+    """
+
+    def __init__(self, dirs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
+                 engine: Optional[SwapEngine] = None, name: str = "swap",
+                 capacity: Optional[int] = None, grow_bytes: int = 256 << 20,
+                 stripe_min: int = 4 << 20, remove_on_close: bool = True) -> None:
+        if isinstance(dirs, (str, os.PathLike)):
+            dirs = [dirs]
+        dirs = [os.fspath(d) for d in dirs]
+        if not dirs:
+            raise ValueError("dirs: at least one directory is needed")
+        if not name or "/" in name:
+            raise ValueError(f"name: must be a non-empty file stem without '/', got {name!r}")
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity: must be > 0 or None, got {capacity}")
+        self.engine = engine if engine is not None else SwapEngine()
+        self.name = name
+        self.capacity = capacity
+        self.grow_bytes = _round_up(max(grow_bytes, ALIGN))
+        self.stripe_min = stripe_min
+        self.remove_on_close = remove_on_close
+        self._lock = threading.Lock()
+        self._files: List[_C.FileHandle] = []
+        self._lock_fds: List[int] = []
+        self._alloc = [_Allocator() for _ in dirs]
+        self._allocated = [0] * len(dirs)  # bytes preallocated per file
+        self._slots: dict = {}
+        self._next_id = 0
+        self._rr = 0
+        self._used = 0
+        self.paths: List[str] = []
+        try:
+            for d in dirs:
+                self._open(d)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, d: str) -> None:
+        if not os.path.exists(d):
+            raise FileNotFoundError(errno.ENOENT, "swap directory does not exist", d)
+        if not os.path.isdir(d):
+            raise NotADirectoryError(errno.ENOTDIR, "swap path is not a directory", d)
+        path = os.path.join(d, f"{self.name}.swp")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(errno.EBUSY, "swap file is in use by another SwapSpace (another run pointed at the "
+                          "same directory?); use another directory or name", path) from None
+        self._lock_fds.append(fd)
+        os.ftruncate(fd, 0)  # contents of a previous run are never data for this one
+        self._files.append(_C.FileHandle(path, "rw"))
+        self.paths.append(path)
+
+    # -- slots -------------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> Slot:
+        """Reserves `nbytes` (> 0); OSError(ENOSPC) when the disks or `capacity` cannot hold it."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes: expected an int, got {type(nbytes).__name__}")
+        if nbytes <= 0:
+            raise ValueError(f"nbytes: must be > 0, got {nbytes}")
+        with self._lock:
+            self._check_open()
+            nf = len(self._files)
+            if nf == 1 or nbytes < self.stripe_min:
+                order = [self._rr % nf]
+                self._rr += 1
+                parts = [nbytes]
+            else:
+                order = list(range(nf))
+                per = _round_up(-(-nbytes // nf))
+                parts = []
+                left = nbytes
+                for _ in order:
+                    parts.append(min(per, left))
+                    left -= parts[-1]
+                order = [f for f, p in zip(order, parts) if p > 0]
+                parts = [p for p in parts if p > 0]
+            reserve = sum(_round_up(p) for p in parts)
+            if self.capacity is not None and self._used + reserve > self.capacity:
+                raise OSError(errno.ENOSPC, f"swap space '{self.name}' is full: {self._used} of {self.capacity} "
+                              f"bytes used, {reserve} more asked", self.paths[0])
+            extents = []
+            try:
+                for f, p in zip(order, parts):
+                    r = _round_up(p)
+                    off = self._alloc[f].take(r)
+                    if off is None:
+                        off = self._alloc[f].grow(r)
+                        self._ensure(f, self._alloc[f].end)
+                    extents.append(Extent(f, off, p, r))
+            except BaseException:
+                for e in extents:
+                    self._alloc[e.file].give(e.offset, e.reserved)
+                raise
+            self._used += reserve
+            slot = Slot(self._next_id, nbytes, tuple(extents))
+            self._next_id += 1
+            self._slots[slot.id] = slot
+            return slot
+
+    def _ensure(self, f: int, end: int) -> None:
+        if end <= self._allocated[f]:
+            return
+        target = _round_up(end, self.grow_bytes)
+        try:
+            self._files[f].allocate(target)
+        except OSError as exc:
+            # undo the logical growth, then say how much was missing
+            self._alloc[f].end = min(self._alloc[f].end, self._allocated[f])
+            st = os.statvfs(os.path.dirname(self.paths[f]))
+            free = st.f_bavail * st.f_frsize
+            raise OSError(exc.errno, f"cannot grow swap file to {target} bytes ({free} bytes free on that "
+                          f"filesystem): {exc.strerror}", self.paths[f]) from exc
+        self._allocated[f] = target
+
+    def free(self, slot: Slot) -> None:
+        """Returns a slot's bytes; ValueError when it was already freed or is not from this space."""
+        with self._lock:
+            if self._slots.pop(slot.id, None) is None:
+                raise ValueError(f"slot: {slot.id} is not allocated in swap space '{self.name}' (double free?)")
+            for e in slot.extents:
+                self._alloc[e.file].give(e.offset, e.reserved)
+                self._used -= e.reserved
+
+    # -- I/O ---------------------------------------------------------------------------------
+    def _io(self, tensor: torch.Tensor, slot: Slot, write: bool) -> _MultiRequest:
+        self._check_open()
+        check_tensor(tensor)
+        if self._slots.get(slot.id) is not slot:
+            raise ValueError(f"slot: {slot.id} is not allocated in swap space '{self.name}'")
+        n = tensor_nbytes(tensor)
+        if n != slot.nbytes:
+            raise ValueError(f"tensor: has {n} bytes, slot {slot.id} holds {slot.nbytes}")
+        reqs = []
+        pos = 0
+        for e in slot.extents:
+            reqs.append(self.engine.submit(tensor, self._files[e.file], e.offset, write, e.nbytes, pos))
+            pos += e.nbytes
+        return _MultiRequest(reqs)
+
+    def write(self, tensor: torch.Tensor, slot: Slot) -> _MultiRequest:
+        """Writes the tensor's bytes into the slot (sizes must match)."""
+        return self._io(tensor, slot, True)
+
+    def read(self, tensor: torch.Tensor, slot: Slot) -> _MultiRequest:
+        """Reads the slot into the tensor (sizes must match)."""
+        return self._io(tensor, slot, False)
+
+    # -- life --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            return {"files": list(self.paths), "used": self._used, "slots": len(self._slots),
+                    "preallocated": sum(self._allocated)}
+
+    def _check_open(self) -> None:
+        if not self._files and not self.paths:
+            raise ValueError(f"swap space '{self.name}': used after close()")
+
+    def close(self) -> None:
+        """Closes (and by default removes) the swap files. Idempotent."""
+        with self._lock:
+            for fh in self._files:
+                if not fh.closed:
+                    fh.close()
+            for fd in self._lock_fds:
+                os.close(fd)
+            if self.remove_on_close:
+                for p in self.paths:
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
+            self._files, self._lock_fds, self.paths = [], [], []
+            self._slots.clear()
+
+    def __enter__(self) -> "SwapSpace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
