@@ -99,7 +99,8 @@ class FioRunner:
                f"--rw={cfg.op}", f"--bs={unit}", f"--iodepth={cfg.queue_depth}",
                f"--numjobs={cfg.threads}", f"--size={per_job}", f"--offset_increment={per_job}",
                f"--direct={int(self.direct)}", "--thread", "--group_reporting",
-               "--allow_file_create=0", "--output-format=json"]
+               "--allow_file_create=0", "--verify_state_save=0",
+               "--output-format=json"]
         if cfg.op == "write" and not self.direct:
             cmd.append("--end_fsync=1")
         if verify:
