@@ -408,7 +408,17 @@ detail::Lane& SwapEngine::lane(const std::string& backend) {
 std::string SwapEngine::backend_for(const FileHandle& file) {
   if (opts_.backend != "auto") return opts_.backend;
   if (!file.direct()) return "posix";
-  const std::string& p = file.path();
+  // The directory of the open file itself (the given path may be a symlink or /proc/self/fd/N).
+  std::string p = file.path();
+  char link[4096];
+  const std::string proc = "/proc/self/fd/" + std::to_string(file.buffered_fd());
+  ssize_t len = ::readlink(proc.c_str(), link, sizeof(link) - 1);
+  if (len > 0) {
+    p.assign(link, static_cast<std::size_t>(len));
+    const std::string deleted = " (deleted)";
+    if (p.size() > deleted.size() && p.compare(p.size() - deleted.size(), deleted.size(), deleted) == 0)
+      p.resize(p.size() - deleted.size());
+  }
   auto slash = p.rfind('/');
   std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : p.substr(0, slash));
   return probe_backend(dir).best;
