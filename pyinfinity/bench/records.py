@@ -89,7 +89,11 @@ class PeerStatus:
 
 
 def best_peer(results: list[Result], r: Result) -> Optional[Result]:
-    """The fastest peer (non-pyinfinity) result at ``r``'s setting, or None."""
+    """The fastest peer (non-pyinfinity) result at ``r``'s setting, or None. The CUDA stager's
+    reference is the same shards moved between disk and pinned host alone ("disk-only")."""
+    if r.backend == "stager":
+        return next((p for p in results if p.tool == "pyinfinity" and p.backend.startswith("disk-only")
+                     and p.workload == r.workload and p.op == r.op and p.seconds), None)
     peers = [p for p in results if p.tool != "pyinfinity" and p.tool != r.tool and p.key() == r.key()
              and p.seconds and p.verified is not False]
     return max(peers, key=lambda p: p.gbps_median, default=None)

@@ -117,8 +117,11 @@ def _check_build() -> tuple[list[Check], dict[str, Any]]:
                       "a C++17 compiler)")], info
     flags = str(info.get("flags", info.get("cxx_flags", "")))
     compiler = str(info.get("compiler", "?"))
-    detail = f"compiler {compiler}; flags {flags or '?'}"
-    opt_ok = not flags or any(f in flags for f in ("-O2", "-O3"))
+    detail = (f"{info.get('version', '?')}, {info.get('build_type', '?')} build, compiler {compiler}, "
+              f"flags '{flags.strip() or '?'}', CUDA {info.get('cuda_version') or 'not compiled'}")
+    if info.get("sanitizer"):
+        detail += f", sanitizer {info['sanitizer']} (slow: for tests only)"
+    opt_ok = (not flags or any(f in flags for f in ("-O2", "-O3"))) and not info.get("sanitizer")
     checks = [Check("extension pyinfinity._C", OK if opt_ok else WARN, detail,
                     "" if opt_ok else "rebuild with optimisation (-O2/-O3); -O0 I/O paths are slow")]
     comp = compiled_backends(info)
@@ -145,6 +148,12 @@ def _check_gpu(info: dict[str, Any]) -> list[Check]:
         elif cuda_built:
             checks.append(Check("CUDA stager", OK, "compiled; device present"))
     else:
+        try:
+            import pyinfinity._C as C
+
+            why += f"; CUDA runtime: {C.cuda_status()}"
+        except (ImportError, AttributeError):
+            pass
         checks.append(Check("GPUs", WARN, why,
                             "GPU offload needs a CUDA device and a CUDA build of torch; CPU-only runs "
                             "(tests, device='cpu') still work"))
@@ -282,13 +291,17 @@ def _auto_choice(path: str) -> Optional[str]:
 
 def _check_tools() -> list[Check]:
     checks = []
-    try:
-        import deepspeed  # noqa: F401  (its import logs; only the version is wanted)
-        from importlib.metadata import version
+    import importlib.metadata
+    import importlib.util
 
-        checks.append(Check("deepspeed", OK, f"{version('deepspeed')} installed"))
+    # not imported: deepspeed's import probes accelerators and prints to stdout
+    try:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ModuleNotFoundError("deepspeed")
+        checks.append(Check("deepspeed", OK,
+                            f"{importlib.metadata.version('deepspeed')} installed"))
     except Exception as exc:
-        checks.append(Check("deepspeed", WARN, f"not importable ({type(exc).__name__})",
+        checks.append(Check("deepspeed", WARN, f"not installed ({type(exc).__name__})",
                             "only needed for the DeepSpeed integration and its aio peer in "
                             "`bench io`: pip install deepspeed"))
     fio = shutil.which("fio")

@@ -1,0 +1,40 @@
+"""`pyinfinity report`: versions, build, backends working on the swap path, GPUs, memory limits,
+free space; each line OK/WARN/FAIL with the fix in words. Exit status 1 when anything FAILs."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("report", help="check the environment (OK/WARN/FAIL with fixes)",
+                              description=__doc__)
+    p.add_argument("--path", default=None,
+                   help="swap directory to check (default: $PYINFINITY_SWAP_DIR or the temp dir)")
+    p.add_argument("--need", default="10G",
+                   help="free space the swap path must have (default 10G)")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the checks as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pyinfinity.bench.report import FAIL, run_report, worst
+    from pyinfinity.bench.workload import parse_size
+
+    # deepspeed logs at import; keep the report readable
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    checks = run_report(args.path, parse_size(args.need))
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"[{c.status:<4}] {c.name:<{width}}  {c.detail}")
+        if c.fix and c.status != "OK":
+            print(f"       {'':<{width}}  fix: {c.fix}")
+    w = worst(checks)
+    print(f"\noverall: {w}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"overall": w, "checks": [asdict(c) for c in checks]}, f, indent=1)
+    return 1 if w == FAIL else 0
