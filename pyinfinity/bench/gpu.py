@@ -3,14 +3,12 @@
 - ``h2d``/``d2h``: torch's own ``copy_`` from pinned and from pageable memory (the reference and
   its contrast), and the engine's copy (CudaStager.copy) from a PinnedArena slab;
 - ``nvme2gpu``/``gpu2nvme``: shards streamed through the CudaStager (disk -> pinned bounce ->
-  device, chunk by chunk), next to the same shards read/written disk <-> pinned host alone, the
-  figure the stager must hide its PCIe copies behind.
-Uses pyinfinity._C directly: the stager takes raw device pointers and stream handles.
+  device, chunk by chunk), next to the same shards read/written disk <-> pinned host alone
+  ("disk-only"), the time the stager must hide its PCIe copies behind.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Callable, Optional
 
@@ -27,19 +25,19 @@ SEED = 777
 
 def gpu_present() -> bool:
     try:
-        import pyinfinity._C as C
+        from pyinfinity.swap import cuda_available
 
-        return torch.cuda.is_available() and C.cuda_device_count() > 0
+        return torch.cuda.is_available() and cuda_available()
     except ImportError:
-        return torch.cuda.is_available()
+        return False
 
 
-def _timed_cuda(fn: Callable[[], Any], stream: "torch.cuda.Stream") -> float:
+def _timed(fn: Callable[[], Any], stream: "torch.cuda.Stream") -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    with torch.cuda.stream(stream):
+        fn()
     stream.synchronize()
-    torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -49,28 +47,28 @@ def run_gpu_bench(s: Any, path: str, progress: Optional[Callable[[int, int, str]
     if not gpu_present():
         log.info("no CUDA device: host<->GPU and NVMe<->GPU figures skipped")
         return []
-    import pyinfinity._C as C
+    from pyinfinity.swap import CudaStager, FileHandle, PinnedArena, SwapEngine
 
-    n = int(s.gpu_bytes)
     reps = int(s.reps)
+    shard = min(shard_bytes, int(s.gpu_bytes))
+    count = max(1, int(s.gpu_bytes) // shard)
+    n = shard * count
     dev = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(dev)
-    sptr = stream.cuda_stream
     results: list[Result] = []
 
-    arena = C.PinnedArena(2 * n)
+    arena = PinnedArena(2 * n)
     slab_a, slab_b = arena.allocate(n), arena.allocate(n)
-    host = torch.frombuffer(slab_a, dtype=torch.uint8)
-    host_back = torch.frombuffer(slab_b, dtype=torch.uint8)
+    host = slab_a.tensor(torch.uint8, (n,))
+    host_back = slab_b.tensor(torch.uint8, (n,))
     fill_pattern(host, SEED)
     torch_pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     torch_pinned.copy_(host)
     pageable = host.clone()
     gpu = torch.empty(n, dtype=torch.uint8, device=dev)
-    engine = C.SwapEngine("auto", 1 << 20, 32, 1)
-    stager = C.CudaStager(engine, dev.index or 0)
-    steps = reps * 8
-    step = 0
+    engine = SwapEngine(backend="auto", block_size=1 << 20, queue_depth=32, threads=1)
+    stager = CudaStager(engine, device=dev.index)
+    steps, step = reps * 8, 0
 
     def tick(desc: str) -> None:
         nonlocal step
@@ -78,94 +76,82 @@ def run_gpu_bench(s: Any, path: str, progress: Optional[Callable[[int, int, str]
         if progress:
             progress(step, steps, desc)
 
-    def result(op: str, tool: str, backend: str, nbytes: int, n_ops: int = 1, io: int = 0) -> Result:
-        return Result(workload="gpu", op=op, tool=tool, backend=backend, nbytes=nbytes,
-                      io_size=io or nbytes, n_ops=n_ops, block_size=stager.chunk_bytes,
-                      queue_depth=stager.num_buffers, cache=CACHE_DIRECT)
+    def result(op: str, tool: str, backend: str, n_ops: int = 1, io: int = 0) -> Result:
+        return Result(workload="gpu", op=op, tool=tool, backend=backend, nbytes=n,
+                      io_size=io or n, n_ops=n_ops, cache=CACHE_DIRECT)
 
-    # -------- host <-> device copies
-    copies = {
-        ("h2d", "torch", "pinned"): lambda: gpu.copy_(torch_pinned, non_blocking=True),
-        ("h2d", "torch", "pageable"): lambda: gpu.copy_(pageable),
-        ("h2d", "pyinfinity", "stager-pinned"):
-            lambda: stager.copy(gpu.data_ptr(), slab_a.ptr, n, True, sptr, False),
-        ("d2h", "torch", "pinned"): lambda: torch_pinned.copy_(gpu, non_blocking=True),
-        ("d2h", "torch", "pageable"): lambda: pageable.copy_(gpu),
-        ("d2h", "pyinfinity", "stager-pinned"):
-            lambda: stager.copy(slab_b.ptr, gpu.data_ptr(), n, False, sptr, False),
-    }
-    for (op, tool, backend), fn in copies.items():
-        r = result(op, tool, backend, n)
-        r.block_size = r.queue_depth = 0
+    # -------- host <-> device copies (same bytes, same stream)
+    copies: list[tuple[str, str, str, Callable[[], Any], torch.Tensor]] = [
+        ("h2d", "torch", "pinned", lambda: gpu.copy_(torch_pinned, non_blocking=True), gpu),
+        ("h2d", "torch", "pageable", lambda: gpu.copy_(pageable), gpu),
+        ("h2d", "pyinfinity", "stager-pinned", lambda: stager.copy(gpu, host, stream=stream), gpu),
+        ("d2h", "torch", "pinned", lambda: torch_pinned.copy_(gpu, non_blocking=True), torch_pinned),
+        ("d2h", "torch", "pageable", lambda: pageable.copy_(gpu), pageable),
+        ("d2h", "pyinfinity", "stager-pinned", lambda: stager.copy(host_back, gpu, stream=stream),
+         host_back),
+    ]
+    for op, tool, backend, fn, dst in copies:
+        r = result(op, tool, backend)
+        if op == "d2h":
+            gpu.copy_(host)
         for rep in range(reps):
             tick(f"gpu {op} {tool}:{backend}")
-            with torch.cuda.stream(stream):
-                r.seconds.append(_timed_cuda(fn, stream))
             if rep == 0:
                 if op == "h2d":
-                    r.verified = same(gpu.cpu(), host)
+                    gpu.fill_(0xA5)
                 else:
-                    back = host_back if tool == "pyinfinity" else (torch_pinned if backend == "pinned"
-                                                                    else pageable)
-                    r.verified = same(back, host)
-                    fill_poison(host_back)
+                    fill_poison(dst)
+            r.seconds.append(_timed(fn, stream))
+            if rep == 0:
+                r.verified = same(dst.cpu() if dst.is_cuda else dst, host)
         results.append(r)
 
-    # -------- NVMe <-> device through the stager, vs the disk alone
-    shard = min(shard_bytes, n)
-    count = max(1, n // shard)
-    total = shard * count
-    fh = C.FileHandle(path, "rw", True)
-    if fh.size() < total:
-        fh.resize(total)
-    # the reference: the same shards disk <-> pinned host with the same engine
-    disk_w = result("gpu2nvme", "pyinfinity", "disk-only(write)", total, count, shard)
-    disk_r = result("nvme2gpu", "pyinfinity", "disk-only(read)", total, count, shard)
-    st_w = result("gpu2nvme", "pyinfinity", "stager", total, count, shard)
-    st_r = result("nvme2gpu", "pyinfinity", "stager", total, count, shard)
+    # -------- NVMe <-> device through the stager, vs the same shards disk <-> pinned host alone
+    fh = FileHandle(path, "rw")
+    if fh.size() < n:
+        fh.resize(n)
+    disk_w = result("gpu2nvme", "pyinfinity", "disk-only", count, shard)
+    disk_r = result("nvme2gpu", "pyinfinity", "disk-only", count, shard)
+    st_w = result("gpu2nvme", "pyinfinity", "stager", count, shard)
+    st_r = result("nvme2gpu", "pyinfinity", "stager", count, shard)
     gpu.copy_(host)
     torch.cuda.synchronize()
     for rep in range(reps):
         tick("gpu disk-only")
         t0 = time.perf_counter()
-        reqs = [engine.submit(fh, slab_a.ptr + i * shard, shard, i * shard, True) for i in range(count)]
-        for q in reqs:
+        for q in [engine.write(host[i * shard:(i + 1) * shard], fh, i * shard) for i in range(count)]:
             q.wait()
         disk_w.seconds.append(time.perf_counter() - t0)
-        fill_poison(host_back)
+        if rep == 0:
+            fill_poison(host_back)
         t0 = time.perf_counter()
-        reqs = [engine.submit(fh, slab_b.ptr + i * shard, shard, i * shard, False) for i in range(count)]
-        for q in reqs:
+        for q in [engine.read(host_back[i * shard:(i + 1) * shard], fh, i * shard) for i in range(count)]:
             q.wait()
         disk_r.seconds.append(time.perf_counter() - t0)
         if rep == 0:
-            disk_w.verified = disk_r.verified = same(host_back[:total], host[:total])
+            disk_w.verified = disk_r.verified = same(host_back, host)
 
         tick("gpu stager")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        reqs = [stager.write_from_device(fh, i * shard, gpu.data_ptr() + i * shard, shard, sptr)
-                for i in range(count)]
-        for q in reqs:
+        for q in [stager.write_from_device(gpu[i * shard:(i + 1) * shard], fh, i * shard, stream=stream)
+                  for i in range(count)]:
             q.wait()
         st_w.seconds.append(time.perf_counter() - t0)
-        gpu2 = torch.empty_like(gpu) if rep == 0 else gpu
+        dst = torch.full_like(gpu, 0xA5) if rep == 0 else gpu
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        reqs = [stager.read_to_device(fh, i * shard, gpu2.data_ptr() + i * shard, shard, sptr)
-                for i in range(count)]
-        for q in reqs:
+        for q in [stager.read_to_device(dst[i * shard:(i + 1) * shard], fh, i * shard, stream=stream)
+                  for i in range(count)]:
             q.wait()
         stream.synchronize()
         st_r.seconds.append(time.perf_counter() - t0)
         if rep == 0:
-            st_w.verified = st_r.verified = same(gpu2[:total].cpu(), host[:total])
-            del gpu2
+            st_w.verified = st_r.verified = same(dst.cpu(), host)
+            del dst
     fh.close()
     for r in (disk_w, st_w, disk_r, st_r):
         r.note = f"{count} shards of {shard // MiB} MiB"
     results += [disk_w, st_w, disk_r, st_r]
-    stager_stats = stager.stats()
-    log.debug("stager stats: %s", stager_stats)
-    del stager, engine
+    log.debug("stager stats: %s", stager.stats())
     return results

@@ -52,6 +52,7 @@ class IoBenchSettings:
     small_queue_depths: list[int] = field(default_factory=lambda: [32])
     small_block_size: int = 1 * MiB
     odd_sizes: bool = True
+    aio_handle: bool = True                       # also pyinfinity.aio.AioHandle (DeepSpeed's API)
     deepspeed_build: bool = False
     gpu: bool = True                              # host<->GPU and NVMe<->GPU when a GPU is present
     gpu_bytes: int = 1 * GiB
@@ -154,6 +155,50 @@ class PyinfinityRunner:
         self._release_buffers()
 
 
+class AioHandleRunner(PyinfinityRunner):
+    """pyinfinity's DeepSpeed-compatible ``AioHandle`` (what the DeepSpeed integration hands to
+    DeepSpeed), driven exactly as the DeepSpeed worker drives DeepSpeed's handle."""
+
+    def __init__(self) -> None:
+        super().__init__("AioHandle", fsync_writes=False)
+
+    def _engine(self, cfg: IoConfig) -> Any:
+        from pyinfinity.aio import AioHandle
+
+        key = (cfg.block_size, cfg.queue_depth, cfg.threads)
+        if key not in self._engines:
+            self._engines[key] = AioHandle(block_size=cfg.block_size, queue_depth=cfg.queue_depth,
+                                           single_submit=False, overlap_events=False,
+                                           intra_op_parallelism=cfg.threads)
+        return self._engines[key]
+
+    def run(self, cfg: IoConfig, path: str, verify: bool) -> Sample:
+        h = self._engine(cfg)
+        src, dst = self._buffers(cfg.nbytes)
+        if cfg.op == "read":
+            fill_poison(dst[:cfg.nbytes])
+        buf = src if cfg.op == "write" else dst
+        reqs = list(cfg.requests())
+        t0 = time.perf_counter()
+        if len(reqs) == 1:
+            done = (h.sync_pwrite if cfg.op == "write" else h.sync_pread)(buf[:cfg.nbytes], path, 0)
+        else:
+            submit = h.async_pwrite if cfg.op == "write" else h.async_pread
+            for o, n in reqs:
+                submit(buf[o:o + n], path, o)
+            done = h.wait()
+        seconds = time.perf_counter() - t0
+        if done != len(reqs):
+            raise RuntimeError(f"AioHandle completed {done} of {len(reqs)} {cfg.op}s")
+        verified: Optional[bool] = None
+        if verify:
+            if cfg.op == "write":
+                fill_poison(dst[:cfg.nbytes])
+                h.sync_pread(dst[:cfg.nbytes], path, 0)
+            verified = same(src[:cfg.nbytes], dst[:cfg.nbytes])
+        return Sample(seconds, cfg.nbytes, verified)
+
+
 def pinned_pair(nbytes: int, owner: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Two ``nbytes`` uint8 tensors from one PinnedArena (kept alive through ``owner``)."""
     from pyinfinity.swap import PinnedArena
@@ -254,7 +299,9 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
                     "it is a RAM filesystem" if cache == CACHE_MEMORY
                     else "no O_DIRECT and caches cannot be dropped (not root)")
 
-    backends = working_backends(s.directory, s.backends)
+    want_handle = s.aio_handle and (s.backends is None or "AioHandle" in s.backends)
+    wanted = [b for b in s.backends if b != "AioHandle"] if s.backends else None
+    backends = working_backends(s.directory, wanted or None)
     peers: list[PeerStatus] = []
     runners: list[Runner] = []
     for b, why in backends.items():
@@ -263,6 +310,8 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
             runners.append(PyinfinityRunner(b, fsync_writes=not direct))
         else:
             log.warning("pyinfinity backend %s skipped: %s", b, why)
+    if want_handle and any(why == "ok" for why in backends.values()):
+        runners.append(AioHandleRunner())
     if "fio" in s.peers:
         st = fio_status()
         peers.append(st)

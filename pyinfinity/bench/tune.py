@@ -88,7 +88,8 @@ def pick(cands: list[Candidate]) -> Candidate:
 def run_tune(t: TuneSettings, progress: Optional[Callable[[int, int, str], None]] = None) -> TuneResult:
     s = IoBenchSettings(directory=t.directory, file_size=t.file_size, block_sizes=t.block_sizes,
                         queue_depths=t.queue_depths, threads=t.threads, io_sizes=[t.file_size],
-                        reps=t.reps, backends=t.backends, peers=[], small_count=0, gpu=False)
+                        reps=t.reps, backends=t.backends, peers=[], small_count=0, gpu=False,
+                        aio_handle=False)
     run = run_io_bench(s, progress)
     cands = candidates_from(run.results, t.read_weight)
     best = pick(cands)

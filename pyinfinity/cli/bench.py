@@ -65,7 +65,8 @@ def add_io_options(p: argparse.ArgumentParser, suppress: bool = False) -> None:
                    help="bytes per request handed to the engine, e.g. 64M,1G")
     p.add_argument("--reps", type=int, default=d(None), help="repetitions per configuration (median, min, max)")
     p.add_argument("--backends", type=_csv(str), default=d(None), metavar="LIST",
-                   help="pyinfinity backends (aio,uring,posix; default: all that work on DIR)")
+                   help="pyinfinity backends: aio,uring,posix and AioHandle (the DeepSpeed-API "
+                        "handle); default: all that work on DIR")
     p.add_argument("--peers", type=_csv(str), default=d(None), metavar="LIST",
                    help="comparison tools: fio,dd,deepspeed (default all; 'none' for none)")
     p.add_argument("--fio-engines", type=_csv(str), default=d(None), metavar="LIST",
