@@ -1,0 +1,770 @@
+"""The training configuration: DeepSpeed's JSON format (the subset that applies to one process with
+ZeRO stage 3 offload) parsed into dataclasses and validated, with errors that name the key.
+
+``load_config(dict | path)`` parses and validates; ``"auto"`` stays a marker (``AUTO``) until
+``resolve_auto(config, sizes, budgets)`` replaces it. Until the planner (``pyinfinity.plan``) lands,
+``resolve_auto`` uses the heuristics documented on it.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional, Union
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+"""Marker for a value the planner (or, until it lands, a heuristic) decides."""
+
+SizeOrAuto = Union[int, str]
+
+# DeepSpeed keys that mean something to DeepSpeed but nothing here: accepted, warned about once.
+IGNORED_TOP = {
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "memory_breakdown", "flops_profiler",
+    "tensorboard", "wandb", "csv_monitor", "comms_logger", "communication_data_type",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp", "autotuning",
+    "elasticity", "checkpoint", "data_types", "activation_checkpointing", "seed",
+    "compression_training", "data_efficiency", "curriculum_learning", "eigenvalue",
+    "progressive_layer_drop", "pipeline", "sparse_attention", "aio_config", "weight_quantization",
+    "train_micro_batch_size", "torch_autocast", "disable_allgather", "use_data_before_expert_parallelism",
+}
+IGNORED_ZERO = {
+    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+    "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "sub_group_size",
+    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save", "elastic_checkpoint", "load_from_fp32_weights",
+    "ignore_unused_parameters", "legacy_stage1", "cpu_offload", "cpu_offload_params",
+    "cpu_offload_use_pin_memory", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather",
+    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+    "use_multi_rank_bucket_allreduce", "module_granularity_threshold", "log_trace_cache_warnings",
+    "stage3_use_all_reduce_for_fetch_params", "stage3_module_granularity_threshold",
+}
+IGNORED_FP16 = {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
+IGNORED_AIO = {"single_submit", "overlap_events", "use_gds"}
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key (dotted path)."""
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGTP]?i?B?)?\s*$", re.I)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "KI": 2**10, "M": 10**6, "MB": 10**6,
+          "MIB": 2**20, "MI": 2**20, "G": 10**9, "GB": 10**9, "GIB": 2**30, "GI": 2**30,
+          "T": 10**12, "TB": 10**12, "TIB": 2**40, "TI": 2**40, "P": 10**15, "PB": 10**15,
+          "PIB": 2**50, "PI": 2**50}
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Bytes (or a count) from an int, a float like ``1e9`` or a string like ``"8GiB"``/``"512MB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
+            raise ConfigError(f"{key}: must be a non-negative size, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            unit = (m.group(2) or "").upper()
+            if unit in _UNITS:
+                return int(float(m.group(1)) * _UNITS[unit])
+    raise ConfigError(f"{key}: cannot read {value!r} as a size (examples: 8GiB, 512MB, 1e9)")
+
+
+def format_size(n: float) -> str:
+    """Human-readable bytes, binary units."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass
+class OptimizerConfig:
+    """``optimizer``: Adam (DeepSpeed's ``adam_w_mode`` default true = AdamW) or AdamW."""
+
+    type: str = "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_w_mode: bool = True
+    amsgrad: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    """``scheduler``: DeepSpeed's WarmupLR, WarmupDecayLR or WarmupCosineLR and their params."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OffloadParamConfig:
+    """``zero_optimization.offload_param``: where parameter shards live between uses."""
+
+    device: str = "cpu"  # none | cpu | nvme | auto ("none" = resident on the compute device)
+    nvme_path: Optional[list[str]] = None
+    pin_memory: bool = True
+    buffer_count: SizeOrAuto = 5
+    buffer_size: SizeOrAuto = 100_000_000
+    max_in_cpu: SizeOrAuto = 1_000_000_000
+
+
+@dataclass
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: where fp32 master weights and Adam moments live.
+
+    ``ratio`` is the fraction of the optimizer state kept on NVMe when device is nvme (the rest
+    in RAM), as in DeepSpeed's "partial offload"; 1.0 = all on NVMe.
+    """
+
+    device: str = "cpu"  # cpu | nvme | auto
+    nvme_path: Optional[list[str]] = None
+    pin_memory: bool = True
+    pipeline_read: bool = True
+    pipeline_write: bool = True
+    ratio: float = 1.0
+    buffer_count: int = 4
+    fast_init: bool = False
+
+
+@dataclass
+class ZeroConfig:
+    """``zero_optimization``."""
+
+    stage: int = 3
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    stage3_prefetch_bucket_size: SizeOrAuto = 50_000_000
+    stage3_max_live_parameters: SizeOrAuto = 1_000_000_000
+    stage3_param_persistence_threshold: SizeOrAuto = 100_000
+
+
+@dataclass
+class AioConfig:
+    """``aio``: knobs of the NVMe swap engine (DeepSpeed's names)."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    thread_count: int = 1
+    backend: str = "auto"  # auto | aio | uring | posix (pyinfinity extension)
+    intra_op_parallelism: int = 1
+
+
+@dataclass
+class FP16Config:
+    """``fp16``: half-precision compute with dynamic loss scaling (loss_scale 0 = dynamic)."""
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class BF16Config:
+    """``bf16``: bfloat16 compute, fp32 master weights."""
+
+    enabled: bool = False
+
+
+@dataclass
+class EngineConfig:
+    """``pyinfinity``: what DeepSpeed's format has no key for.
+
+    device: compute device ("auto" = cuda when present, else cpu). device_memory: the budget the
+    engine keeps resident parameters, buffers and prefetch within ("auto" = heuristic, None = no
+    cap). host_memory: RAM the engine may use for offloaded state ("auto" = 80% of available).
+    prefetch: trace-driven prefetch on/off. swap_dir_cleanup: remove swap files on close.
+    """
+
+    device: str = AUTO
+    device_memory: Optional[SizeOrAuto] = AUTO
+    host_memory: SizeOrAuto = AUTO
+    prefetch: bool = True
+    optimizer_step_device: str = "cpu"  # cpu | device
+    swap_dir_cleanup: bool = True
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    """A validated training configuration (one process, ZeRO stage 3 with offload)."""
+
+    train_batch_size: Optional[int] = None
+    train_micro_batch_size_per_gpu: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: Optional[SchedulerConfig] = None
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    pyinfinity: EngineConfig = field(default_factory=EngineConfig)
+
+    @property
+    def nvme_paths(self) -> list[str]:
+        """Every swap directory named in the config (parameters and optimizer may share)."""
+        out: list[str] = []
+        z = self.zero_optimization
+        for paths, dev in ((z.offload_param.nvme_path, z.offload_param.device),
+                           (z.offload_optimizer.nvme_path, z.offload_optimizer.device)):
+            if dev in ("nvme", AUTO) and paths:
+                out += [p for p in paths if p not in out]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config in DeepSpeed's JSON layout (``pyinfinity`` section included)."""
+        def conv(obj: Any) -> Any:
+            if hasattr(obj, "__dataclass_fields__"):
+                return {f.name: conv(getattr(obj, f.name)) for f in fields(obj)}
+            if isinstance(obj, tuple):
+                return list(obj)
+            return obj
+        d = conv(self)
+        opt = d.pop("optimizer")
+        d["optimizer"] = {"type": opt.pop("type"), "params": opt}
+        if d["scheduler"] is None:
+            d.pop("scheduler")
+        return d
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+_warned: set[str] = set()
+
+
+def _check_keys(d: dict, valid: list[str], ignored: set[str], where: str) -> None:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where or 'config'}: expected an object, got {type(d).__name__}")
+    for key in d:
+        if key in valid:
+            continue
+        path = f"{where}.{key}" if where else key
+        if key in ignored:
+            if path not in _warned:
+                _warned.add(path)
+                log.warning("config key %r is a DeepSpeed option that does not apply here; ignored", path)
+            continue
+        raise ConfigError(f"unknown config key {path!r}{_suggest(key, valid)}")
+
+
+def _bool(v: Any, key: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise ConfigError(f"{key}: expected true or false, got {v!r}")
+
+
+def _int(v: Any, key: str, lo: int = 0, allow_auto: bool = False) -> Any:
+    if allow_auto and v == AUTO:
+        return AUTO
+    if isinstance(v, bool):
+        raise ConfigError(f"{key}: expected an integer, got {v!r}")
+    if isinstance(v, str):
+        v = parse_size(v, key)
+    if isinstance(v, float):
+        if not v.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {v!r}")
+        v = int(v)
+    if not isinstance(v, int):
+        alt = ' or "auto"' if allow_auto else ""
+        raise ConfigError(f"{key}: expected an integer{alt}, got {v!r}")
+    if v < lo:
+        raise ConfigError(f"{key}: must be >= {lo}, got {v}")
+    return v
+
+
+def _float(v: Any, key: str, lo: float = 0.0, hi: float = math.inf) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {v!r}")
+    if not (lo <= v <= hi) or not math.isfinite(v):
+        raise ConfigError(f"{key}: must be in [{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(v, str) or v.lower() not in choices:
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {v!r}")
+    return v.lower()
+
+
+def _paths(v: Any, key: str) -> Optional[list[str]]:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v or not all(isinstance(p, str) and p for p in v):
+        raise ConfigError(f"{key}: expected a directory or a non-empty list of directories, got {v!r}")
+    return [os.path.abspath(os.path.expanduser(p)) for p in v]
+
+
+def _names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _parse_optimizer(d: dict) -> OptimizerConfig:
+    _check_keys(d, ["type", "params"], set(), "optimizer")
+    typ = d.get("type", "AdamW")
+    names = {"adam": "Adam", "adamw": "AdamW"}
+    if not isinstance(typ, str) or typ.lower() not in names:
+        extra = _suggest(str(typ), list(names.values())) if isinstance(typ, str) else ""
+        raise ConfigError(f"optimizer.type: {typ!r} is not supported (Adam, AdamW){extra}")
+    typ = names[typ.lower()]
+    p = d.get("params", {}) or {}
+    valid = ["lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad", "bias_correction", "torch_adam"]
+    _check_keys(p, valid, {"bias_correction", "torch_adam", "fused"}, "optimizer.params")
+    o = OptimizerConfig(type=typ)
+    if "lr" in p:
+        o.lr = _float(p["lr"], "optimizer.params.lr")
+    if "betas" in p:
+        b = p["betas"]
+        if not (isinstance(b, (list, tuple)) and len(b) == 2):
+            raise ConfigError(f"optimizer.params.betas: expected [beta1, beta2], got {b!r}")
+        o.betas = (_float(b[0], "optimizer.params.betas[0]", 0, 1 - 1e-12),
+                   _float(b[1], "optimizer.params.betas[1]", 0, 1 - 1e-12))
+    if "eps" in p:
+        o.eps = _float(p["eps"], "optimizer.params.eps")
+    if "weight_decay" in p:
+        o.weight_decay = _float(p["weight_decay"], "optimizer.params.weight_decay")
+    if "adam_w_mode" in p:
+        o.adam_w_mode = _bool(p["adam_w_mode"], "optimizer.params.adam_w_mode")
+    if "amsgrad" in p:
+        o.amsgrad = _bool(p["amsgrad"], "optimizer.params.amsgrad")
+        if o.amsgrad:
+            raise ConfigError("optimizer.params.amsgrad: true is not supported by the offloaded optimizer")
+    if typ == "AdamW":
+        o.adam_w_mode = True
+    return o
+
+
+SCHEDULER_PARAMS = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
+                 "warmup_type": "log"},
+    "WarmupDecayLR": {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+                      "warmup_num_steps": 1000, "warmup_type": "log"},
+    "WarmupCosineLR": {"total_num_steps": None, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+                       "cos_min_ratio": 0.0001, "warmup_type": "log"},
+}
+
+
+def _parse_scheduler(d: dict) -> SchedulerConfig:
+    _check_keys(d, ["type", "params"], set(), "scheduler")
+    typ = d.get("type")
+    if typ not in SCHEDULER_PARAMS:
+        extra = _suggest(str(typ), list(SCHEDULER_PARAMS)) if isinstance(typ, str) else ""
+        raise ConfigError(f"scheduler.type: {typ!r} is not supported "
+                          f"({', '.join(SCHEDULER_PARAMS)}){extra}")
+    spec = SCHEDULER_PARAMS[typ]
+    p = d.get("params", {}) or {}
+    _check_keys(p, list(spec), {"last_batch_iteration"}, "scheduler.params")
+    out = {k: v for k, v in spec.items()}
+    for k, v in p.items():
+        if k not in spec:
+            continue
+        key = f"scheduler.params.{k}"
+        if k == "warmup_type":
+            out[k] = _choice(v, key, ("log", "linear"))
+        elif k in ("warmup_num_steps", "total_num_steps"):
+            out[k] = _int(v, key, lo=0)
+        else:
+            out[k] = _float(v, key)
+    if "total_num_steps" in out and out["total_num_steps"] is None:
+        raise ConfigError(f"scheduler.params.total_num_steps: required by {typ}")
+    if "total_num_steps" in out and out["total_num_steps"] < out["warmup_num_steps"]:
+        raise ConfigError("scheduler.params.total_num_steps: must be >= warmup_num_steps "
+                          f"({out['total_num_steps']} < {out['warmup_num_steps']})")
+    return SchedulerConfig(type=typ, params=out)
+
+
+def _parse_offload_device(v: Any, key: str, allow_none: bool) -> str:
+    choices = ("none", "cpu", "nvme", AUTO) if allow_none else ("none", "cpu", "nvme", AUTO)
+    dev = _choice(v if v is not None else "none", key, choices)
+    return dev
+
+
+def _parse_zero(d: dict) -> ZeroConfig:
+    valid = _names(ZeroConfig)
+    _check_keys(d, valid, IGNORED_ZERO, "zero_optimization")
+    z = ZeroConfig()
+    if "stage" in d:
+        z.stage = _int(d["stage"], "zero_optimization.stage")
+        if z.stage > 3:
+            raise ConfigError(f"zero_optimization.stage: must be 0..3, got {z.stage}")
+    op = d.get("offload_param")
+    if op is not None:
+        _check_keys(op, _names(OffloadParamConfig), {"fast_init"}, "zero_optimization.offload_param")
+        w = "zero_optimization.offload_param"
+        z.offload_param = OffloadParamConfig(
+            device=_parse_offload_device(op.get("device", "cpu"), f"{w}.device", True),
+            nvme_path=_paths(op.get("nvme_path"), f"{w}.nvme_path"),
+            pin_memory=_bool(op.get("pin_memory", True), f"{w}.pin_memory"),
+            buffer_count=_int(op.get("buffer_count", 5), f"{w}.buffer_count", 1, True),
+            buffer_size=_int(op.get("buffer_size", 100_000_000), f"{w}.buffer_size", 1, True),
+            max_in_cpu=_int(op.get("max_in_cpu", 1_000_000_000), f"{w}.max_in_cpu", 0, True),
+        )
+    oo = d.get("offload_optimizer")
+    if oo is not None:
+        w = "zero_optimization.offload_optimizer"
+        _check_keys(oo, _names(OffloadOptimizerConfig), set(), w)
+        dev = _parse_offload_device(oo.get("device", "cpu"), f"{w}.device", False)
+        if dev == "none":
+            dev = "cpu"  # the optimizer always steps off the device's resident memory
+        z.offload_optimizer = OffloadOptimizerConfig(
+            device=dev,
+            nvme_path=_paths(oo.get("nvme_path"), f"{w}.nvme_path"),
+            pin_memory=_bool(oo.get("pin_memory", True), f"{w}.pin_memory"),
+            pipeline_read=_bool(oo.get("pipeline_read", True), f"{w}.pipeline_read"),
+            pipeline_write=_bool(oo.get("pipeline_write", True), f"{w}.pipeline_write"),
+            ratio=_float(oo.get("ratio", 1.0), f"{w}.ratio", 0.0, 1.0),
+            buffer_count=_int(oo.get("buffer_count", 4), f"{w}.buffer_count", 2),
+            fast_init=_bool(oo.get("fast_init", False), f"{w}.fast_init"),
+        )
+    for k in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+              "stage3_param_persistence_threshold"):
+        if k in d:
+            setattr(z, k, _int(d[k], f"zero_optimization.{k}", 0, True))
+    return z
+
+
+def _parse_engine(d: dict) -> EngineConfig:
+    _check_keys(d, _names(EngineConfig), set(), "pyinfinity")
+    e = EngineConfig()
+    if "device" in d:
+        dev = d["device"]
+        if not isinstance(dev, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", dev):
+            raise ConfigError(f"pyinfinity.device: expected cpu, cuda, cuda:N or auto, got {dev!r}")
+        e.device = dev
+    if "device_memory" in d:
+        v = d["device_memory"]
+        e.device_memory = None if v is None else (AUTO if v == AUTO else parse_size(v, "pyinfinity.device_memory"))
+        if isinstance(e.device_memory, int) and e.device_memory <= 0:
+            raise ConfigError("pyinfinity.device_memory: must be > 0")
+    if "host_memory" in d:
+        v = d["host_memory"]
+        e.host_memory = AUTO if v == AUTO else parse_size(v, "pyinfinity.host_memory")
+    if "prefetch" in d:
+        e.prefetch = _bool(d["prefetch"], "pyinfinity.prefetch")
+    if "optimizer_step_device" in d:
+        e.optimizer_step_device = _choice(d["optimizer_step_device"], "pyinfinity.optimizer_step_device",
+                                          ("cpu", "device"))
+    if "swap_dir_cleanup" in d:
+        e.swap_dir_cleanup = _bool(d["swap_dir_cleanup"], "pyinfinity.swap_dir_cleanup")
+    if "log_every" in d:
+        e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
+    return e
+
+
+def load_config(config: Union[dict, str, os.PathLike, Config]) -> Config:
+    """Parse and validate a DeepSpeed-format config (a dict or a JSON file path).
+
+    Raises ConfigError naming the key for unknown keys (with the nearest valid one), wrong types,
+    impossible values, stage != 3 with offload, and missing or unusable ``nvme_path``.
+    """
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {os.fspath(config)!r}: {exc.strerror}") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"config: expected a dict or a path to a JSON file, got {type(config).__name__}")
+    d = config
+    _check_keys(d, _names(Config), IGNORED_TOP, "")
+    c = Config()
+    if "train_batch_size" in d and d["train_batch_size"] != AUTO:
+        c.train_batch_size = _int(d["train_batch_size"], "train_batch_size", 1)
+    if "train_micro_batch_size_per_gpu" in d and d["train_micro_batch_size_per_gpu"] != AUTO:
+        c.train_micro_batch_size_per_gpu = _int(d["train_micro_batch_size_per_gpu"],
+                                                "train_micro_batch_size_per_gpu", 1)
+    if "gradient_accumulation_steps" in d and d["gradient_accumulation_steps"] != AUTO:
+        c.gradient_accumulation_steps = _int(d["gradient_accumulation_steps"],
+                                             "gradient_accumulation_steps", 1)
+    _reconcile_batch(c, d)
+    if "gradient_clipping" in d:
+        c.gradient_clipping = _float(d["gradient_clipping"], "gradient_clipping")
+    if "fp16" in d:
+        f16 = d["fp16"]
+        _check_keys(f16, _names(FP16Config), IGNORED_FP16, "fp16")
+        c.fp16 = FP16Config(
+            enabled=_bool(f16.get("enabled", False), "fp16.enabled"),
+            loss_scale=_float(f16.get("loss_scale", 0.0), "fp16.loss_scale"),
+            initial_scale_power=_int(f16.get("initial_scale_power", 16), "fp16.initial_scale_power"),
+            loss_scale_window=_int(f16.get("loss_scale_window", 1000), "fp16.loss_scale_window", 1),
+            hysteresis=_int(f16.get("hysteresis", 2), "fp16.hysteresis", 1),
+            min_loss_scale=_float(f16.get("min_loss_scale", 1.0), "fp16.min_loss_scale"),
+        )
+    for key in ("bf16", "bfloat16"):
+        if key in d:
+            _check_keys(d[key], ["enabled"], {"immediate_grad_update", "check_grad_overflow"}, key)
+            c.bf16 = BF16Config(enabled=_bool(d[key].get("enabled", False), f"{key}.enabled"))
+    if c.fp16.enabled and c.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled: at most one of them may be true")
+    if "optimizer" in d:
+        c.optimizer = _parse_optimizer(d["optimizer"])
+    if d.get("scheduler") is not None:
+        c.scheduler = _parse_scheduler(d["scheduler"])
+    if "zero_optimization" in d:
+        c.zero_optimization = _parse_zero(d["zero_optimization"])
+    if "aio" in d:
+        a = d["aio"]
+        _check_keys(a, _names(AioConfig), IGNORED_AIO, "aio")
+        c.aio = AioConfig(
+            block_size=_int(a.get("block_size", 1 << 20), "aio.block_size", 512),
+            queue_depth=_int(a.get("queue_depth", 32), "aio.queue_depth", 1),
+            thread_count=_int(a.get("thread_count", 1), "aio.thread_count", 1),
+            backend=_choice(a.get("backend", "auto"), "aio.backend", ("auto", "aio", "uring", "posix")),
+            intra_op_parallelism=_int(a.get("intra_op_parallelism", 1), "aio.intra_op_parallelism", 1),
+        )
+    if "pyinfinity" in d:
+        c.pyinfinity = _parse_engine(d["pyinfinity"])
+    _validate(c)
+    return c
+
+
+def _reconcile_batch(c: Config, d: dict) -> None:
+    """train_batch_size = micro batch x accumulation steps (one process); derive the missing one."""
+    tbs, mbs, gas = c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps
+    has_mbs = "train_micro_batch_size_per_gpu" in d and d["train_micro_batch_size_per_gpu"] != AUTO
+    has_gas = "gradient_accumulation_steps" in d and d["gradient_accumulation_steps"] != AUTO
+    if tbs is None:
+        c.train_batch_size = mbs * gas
+        return
+    if has_mbs and has_gas:
+        if tbs != mbs * gas:
+            raise ConfigError(f"train_batch_size: {tbs} != train_micro_batch_size_per_gpu ({mbs}) x "
+                              f"gradient_accumulation_steps ({gas}) on one process")
+    elif has_mbs:
+        if tbs % mbs:
+            raise ConfigError(f"train_batch_size: {tbs} is not a multiple of train_micro_batch_size_per_gpu ({mbs})")
+        c.gradient_accumulation_steps = tbs // mbs
+    elif has_gas:
+        if tbs % gas:
+            raise ConfigError(f"train_batch_size: {tbs} is not a multiple of gradient_accumulation_steps ({gas})")
+        c.train_micro_batch_size_per_gpu = tbs // gas
+    else:
+        c.train_micro_batch_size_per_gpu = tbs
+
+
+def _validate(c: Config) -> None:
+    z = c.zero_optimization
+    if z.stage != 3:
+        raise ConfigError(f"zero_optimization.stage: pyinfinity offloads ZeRO stage 3 shards; "
+                          f"stage {z.stage} with offload_param/offload_optimizer is not supported (use 3)")
+    for name, sec in (("offload_param", z.offload_param), ("offload_optimizer", z.offload_optimizer)):
+        if sec.device == "nvme" and not sec.nvme_path:
+            raise ConfigError(f"zero_optimization.{name}.nvme_path: required when "
+                              f"zero_optimization.{name}.device is \"nvme\"")
+    for p in c.nvme_paths:
+        check_swap_dir(p, "nvme_path")
+
+
+def check_swap_dir(path: str, key: str = "nvme_path") -> None:
+    """Create ``path`` if needed and check that files can be created in it (a clear error otherwise)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot create swap directory {path!r}: {exc.strerror}") from exc
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} is not a directory")
+    probe = os.path.join(path, f".pyinfinity-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{key}: swap directory {path!r} is not writable: {exc.strerror}") from exc
+
+
+# ----------------------------------------------------------------------------- "auto"
+
+
+@dataclass
+class ModelSizes:
+    """What "auto" needs to know about the model."""
+
+    numel: int  # trainable + frozen parameter elements
+    param_bytes: int  # in the compute dtype
+    largest_shard_bytes: int  # the biggest single flat shard (one module's own parameters)
+    largest_module_bytes: int  # the most parameter bytes one module call needs at once
+    persistent_bytes: int = 0  # shards kept resident by stage3_param_persistence_threshold
+
+
+@dataclass
+class Budgets:
+    """Memory and disk available to the engine (bytes)."""
+
+    device_memory: int
+    host_memory: int
+    nvme_free: int  # total over the swap directories; 0 when none
+
+
+@dataclass
+class AutoDecision:
+    key: str
+    value: Any
+    why: str
+
+
+def measure_budgets(cfg: Config, device: "Any") -> Budgets:
+    """Budgets from the machine: device memory (free on the GPU; on the CPU device 25% of the
+    available RAM), host RAM available (``/proc/meminfo`` MemAvailable) and free space under the
+    swap directories. Explicit values in ``pyinfinity.device_memory`` / ``host_memory`` win."""
+    import torch
+
+    avail = _mem_available()
+    dm = cfg.pyinfinity.device_memory
+    if isinstance(dm, int):
+        device_memory = dm
+    elif getattr(device, "type", str(device)) == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        device_memory = int(free * 0.9)
+    else:
+        device_memory = avail // 4
+    hm = cfg.pyinfinity.host_memory
+    host = hm if isinstance(hm, int) else int(avail * 0.8)
+    free = 0
+    seen: set[int] = set()
+    for p in cfg.nvme_paths:
+        st = os.statvfs(p)
+        if st.f_fsid not in seen:
+            seen.add(st.f_fsid)
+            free += st.f_bavail * st.f_frsize
+    return Budgets(device_memory=device_memory, host_memory=host, nvme_free=free)
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Config, list[AutoDecision]]:
+    """Replace every ``"auto"`` by a value from the budgets; returns the new config and the decisions.
+
+    Heuristics (until ``pyinfinity.plan`` decides; each is reported at start):
+      * device_memory: the budget given, else ``budgets.device_memory``.
+      * offload_param.device: "cpu" if the parameters (compute dtype) fit in half the host budget
+        after the optimizer states placed in RAM, else "nvme" (needs nvme_path).
+      * offload_optimizer.device: "cpu" if master + Adam moments + fp32 grads (16 B/param) fit in
+        the host budget, else "nvme".
+      * stage3_prefetch_bucket_size: what the device budget leaves after the persistent shards and
+        two of the largest module working sets, at most 4x the largest module.
+      * stage3_max_live_parameters: the device budget, in elements of the compute dtype.
+      * buffer_size: the largest shard; buffer_count: prefetch bytes / buffer_size + 2.
+      * max_in_cpu: the host budget left after the optimizer states placed in RAM.
+      * stage3_param_persistence_threshold: elements of shards whose total stays under 5% of the
+        device budget (1e5 elements when that is larger than the budget allows: 0).
+    """
+    c = _deepcopy(cfg)
+    out: list[AutoDecision] = []
+    z = c.zero_optimization
+    itemsize = max(1, sizes.param_bytes // max(1, sizes.numel))
+    e = c.pyinfinity
+    if e.device_memory == AUTO or e.device_memory is None:
+        e.device_memory = budgets.device_memory
+        out.append(AutoDecision("pyinfinity.device_memory", e.device_memory, "measured device budget"))
+    dev_budget = int(e.device_memory)
+    opt_bytes = sizes.numel * 16  # fp32 master + exp_avg + exp_avg_sq + fp32 grad
+    host = budgets.host_memory
+    nvme_ok = bool(c.nvme_paths)
+    if z.offload_optimizer.device == AUTO:
+        if opt_bytes <= host or not nvme_ok:
+            z.offload_optimizer.device = "cpu"
+            why = (f"optimizer states {format_size(opt_bytes)} fit in host budget {format_size(host)}"
+                   if opt_bytes <= host else "no nvme_path given")
+        else:
+            z.offload_optimizer.device = "nvme"
+            why = f"optimizer states {format_size(opt_bytes)} exceed host budget {format_size(host)}"
+        out.append(AutoDecision("zero_optimization.offload_optimizer.device", z.offload_optimizer.device, why))
+    host_left = host - (opt_bytes if z.offload_optimizer.device == "cpu" else sizes.numel * 4)
+    if z.offload_param.device == AUTO:
+        if sizes.param_bytes <= max(0, host_left) // 2 or not nvme_ok:
+            z.offload_param.device = "cpu"
+            why = f"parameters {format_size(sizes.param_bytes)} fit in half the host RAM left ({format_size(max(0, host_left))})"
+        else:
+            z.offload_param.device = "nvme"
+            why = f"parameters {format_size(sizes.param_bytes)} exceed half the host RAM left ({format_size(max(0, host_left))})"
+        out.append(AutoDecision("zero_optimization.offload_param.device", z.offload_param.device, why))
+    for sec in (z.offload_param, z.offload_optimizer):
+        if sec.nvme_path is None and sec.device == "nvme":
+            sec.nvme_path = c.nvme_paths or None
+        if sec.device == "nvme" and not sec.nvme_path:
+            raise ConfigError("nvme_path: \"auto\" placed state on NVMe but no nvme_path is configured")
+    if z.stage3_param_persistence_threshold == AUTO:
+        thr = 100_000 if 100_000 * itemsize * 20 < dev_budget * 0.05 else 0
+        z.stage3_param_persistence_threshold = thr
+        out.append(AutoDecision("zero_optimization.stage3_param_persistence_threshold", thr,
+                                "small shards stay resident while they cost < 5% of the device budget"))
+    if z.stage3_prefetch_bucket_size == AUTO:
+        left = dev_budget - sizes.persistent_bytes - 2 * sizes.largest_module_bytes
+        pf = max(0, min(left, 4 * sizes.largest_module_bytes))
+        z.stage3_prefetch_bucket_size = pf
+        out.append(AutoDecision("zero_optimization.stage3_prefetch_bucket_size", pf,
+                                f"device budget {format_size(dev_budget)} minus persistent and two working sets"))
+    if z.stage3_max_live_parameters == AUTO:
+        z.stage3_max_live_parameters = dev_budget // itemsize
+        out.append(AutoDecision("zero_optimization.stage3_max_live_parameters", z.stage3_max_live_parameters,
+                                "device budget in elements"))
+    op = z.offload_param
+    if op.buffer_size == AUTO:
+        op.buffer_size = max(1, sizes.largest_shard_bytes)
+        out.append(AutoDecision("zero_optimization.offload_param.buffer_size", op.buffer_size, "largest shard"))
+    if op.buffer_count == AUTO:
+        op.buffer_count = int(z.stage3_prefetch_bucket_size) // max(1, int(op.buffer_size)) + 2
+        out.append(AutoDecision("zero_optimization.offload_param.buffer_count", op.buffer_count,
+                                "prefetch bytes / buffer_size + 2"))
+    if op.max_in_cpu == AUTO:
+        op.max_in_cpu = max(0, host_left)
+        out.append(AutoDecision("zero_optimization.offload_param.max_in_cpu", op.max_in_cpu,
+                                "host budget left after optimizer states"))
+    if e.host_memory == AUTO:
+        e.host_memory = host
+    if z.offload_param.device == "nvme" or z.offload_optimizer.device == "nvme":
+        need = (sizes.param_bytes if z.offload_param.device == "nvme" else 0) + \
+               (int(sizes.numel * 12 * z.offload_optimizer.ratio) if z.offload_optimizer.device == "nvme" else 0)
+        if budgets.nvme_free and need > budgets.nvme_free:
+            raise ConfigError(f"nvme_path: needs {format_size(need)} of swap, {format_size(budgets.nvme_free)} "
+                              f"free at {', '.join(c.nvme_paths)}; add {format_size(need - budgets.nvme_free)} "
+                              "or another path")
+    return c, out
+
+
+def _deepcopy(c: Config) -> Config:
+    import copy
+
+    return copy.deepcopy(c)
+
+
+__all__ = ["AUTO", "Config", "ConfigError", "load_config", "resolve_auto", "ModelSizes", "Budgets",
+           "AutoDecision", "parse_size", "format_size", "measure_budgets", "check_swap_dir", "replace"]

@@ -1,0 +1,697 @@
+"""The training engine: ``initialize(model, config) -> Engine``.
+
+The Engine partitions the model into flat shards (``zero.partition``), keeps each shard's home in
+its tier (device, pinned RAM or NVMe, ``swap.tensor_swapper``), streams shards to the compute
+device around every module's use (``zero.coordinator``), moves gradients off the device as they
+are produced, and steps Adam/AdamW on fp32 master weights kept in RAM or on NVMe
+(``zero.optimizer``). The calling convention is DeepSpeed's: ``engine(batch)``,
+``engine.backward(loss)``, ``engine.step()`` once per micro-batch.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from pyinfinity.config import (AUTO, Budgets, Config, ConfigError, ModelSizes, format_size, load_config,
+                               measure_budgets, resolve_auto)
+from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
+from pyinfinity.zero.coordinator import ParameterCoordinator
+from pyinfinity.zero.lr_schedules import build_scheduler
+from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
+from pyinfinity.zero.partition import FlatShard, compute_dtype_for, partition_model
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+ALIGN = 4096
+EXPORT_FILE_BYTES = 4 << 30  # safetensors file size cap of export (HF-style sharding above it)
+
+
+# ----------------------------------------------------------------------------------- records
+
+
+@dataclass
+class StepRecord:
+    """Telemetry of one optimizer step (all micro-batches of it)."""
+
+    step: int
+    loss: float
+    lr: float
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    peak_device_bytes: int  # resident shard + buffer bytes high-water (the engine's own count)
+    peak_device_allocated: Optional[int]  # torch.cuda.max_memory_allocated on a GPU, else None
+    bytes_moved: dict[str, int]  # "params.nvme.read" etc., this step
+    overlap_fraction: Optional[float]  # share of parameter transfer time hidden behind compute
+    prefetch_hits: int
+    on_demand_fetches: int
+    optimizer_seconds: float
+
+
+@dataclass
+class MemoryReport:
+    """Where the training state lives (bytes per tensor class and tier) and the peaks."""
+
+    device: str
+    device_budget: Optional[int]
+    device_resident: int
+    device_peak: int
+    device_allocated_peak: Optional[int]
+    params: dict[str, int]
+    optimizer: dict[str, int]
+    grads: dict[str, int]
+    swap_files: list[str]
+    host_rss: int
+
+    def table(self) -> str:
+        rows = [f"device {self.device}: resident {format_size(self.device_resident)}, peak "
+                f"{format_size(self.device_peak)}, budget "
+                f"{format_size(self.device_budget) if self.device_budget else 'none'}"]
+        for name, d in (("params", self.params), ("optimizer", self.optimizer), ("grads", self.grads)):
+            rows.append(f"{name:9s} " + ", ".join(f"{k} {format_size(v)}" for k, v in sorted(d.items()) if v))
+        return "\n".join(rows)
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+# ----------------------------------------------------------------------------------- init_empty
+
+
+@contextlib.contextmanager
+def init_empty(config: Union[dict, str, Config, None] = None) -> Iterator[None]:
+    """Builds models without materialising their parameters (they are created on the meta device).
+
+    ``initialize`` then materialises one module at a time, initialises it (``reset_parameters`` or
+    a transformers model's ``_init_weights``), partitions it and writes the shard straight to its
+    tier, so the whole model never exists in host RAM. Buffers are real (they are small and often
+    computed in ``__init__``, e.g. rotary frequencies).
+    """
+    if config is not None:
+        load_config(config)  # fail early on a bad config
+    orig = nn.Module.register_parameter
+
+    def register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        orig(self, name, param)
+        if param is not None and not param.is_meta:
+            p = self._parameters[name]
+            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        nn.Module.register_parameter = orig  # type: ignore[method-assign]
+
+
+# ----------------------------------------------------------------------------------- engine
+
+
+def initialize(model: nn.Module, config: Union[dict, str, os.PathLike, Config],
+               lr_scheduler: Any = None) -> "Engine":
+    """Wraps ``model`` for offloaded ZeRO-3 training; ``config`` is DeepSpeed's format (dict or
+    JSON path). ``lr_scheduler``: a scheduler object, or a callable taking the engine's optimizer
+    and returning one (overrides the config's ``scheduler``)."""
+    return Engine(model, config, lr_scheduler)
+
+
+def _resolve_device(spec: str) -> torch.device:
+    if spec == AUTO:
+        try:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        except Exception:  # noqa: BLE001
+            return torch.device("cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"pyinfinity.device: {spec!r} asked for, but no CUDA device is available")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _model_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> ModelSizes:
+    numel = pbytes = largest = largest_mod = persistent = 0
+    seen: set[int] = set()
+    thr = threshold if isinstance(threshold, int) else 0
+    for module in model.modules():
+        by_dtype: dict[torch.dtype, int] = {}
+        mod_bytes = 0
+        for p in module.parameters(recurse=False):
+            dt = compute_dtype_for(p.dtype, fp16, bf16)
+            nb = p.numel() * torch.empty((), dtype=dt).element_size()
+            mod_bytes += nb
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            numel += p.numel()
+            pbytes += nb
+            by_dtype[dt] = by_dtype.get(dt, 0) + p.numel()
+        for dt, n in by_dtype.items():
+            nb = n * torch.empty((), dtype=dt).element_size()
+            largest = max(largest, nb)
+            if n <= thr:
+                persistent += nb
+        largest_mod = max(largest_mod, mod_bytes)
+    return ModelSizes(numel=numel, param_bytes=pbytes, largest_shard_bytes=largest,
+                      largest_module_bytes=largest_mod, persistent_bytes=persistent)
+
+
+class Engine:
+    """Offloaded ZeRO-3 training of one model on one device. Use ``initialize`` to make one."""
+
+    def __init__(self, model: nn.Module, config: Union[dict, str, os.PathLike, Config],
+                 lr_scheduler: Any = None) -> None:
+        self._closed = True
+        cfg = load_config(config)
+        self.device = _resolve_device(cfg.pyinfinity.device)
+        z = cfg.zero_optimization
+        fp16, bf16 = cfg.fp16.enabled, cfg.bf16.enabled
+        sizes = _model_sizes(model, fp16, bf16, z.stage3_param_persistence_threshold)
+        budgets = measure_budgets(cfg, self.device)
+        cfg, decisions = resolve_auto(cfg, sizes, budgets)
+        for d in decisions:
+            log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
+        self.config = cfg
+        self.auto_decisions = decisions
+        self.module = model
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.history: list[StepRecord] = []
+        dm = cfg.pyinfinity.device_memory
+        self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
+        if self.device.type == "cuda" and self.device_memory:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.device_memory / total), self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        # the swap layer: one engine per state class so I/O time can be told apart
+        self._swap_engines: dict[str, Any] = {}
+        op, oo = z.offload_param, z.offload_optimizer
+        self.param_swapper = TensorSwapper("params", self.device, op.nvme_path,
+                                           self._swap_engine("params") if op.device == "nvme" else None,
+                                           pin=op.pin_memory)
+        self.optim_swapper = TensorSwapper("optimizer", self.device, oo.nvme_path,
+                                           self._swap_engine("optimizer") if oo.device == "nvme" else None,
+                                           pin=oo.pin_memory)
+        self.optimizer = OffloadOptimizer(cfg.optimizer, self.optim_swapper,
+                                          nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
+                                          buffer_count=oo.buffer_count,
+                                          pipeline=oo.pipeline_read or oo.pipeline_write,
+                                          write_param=self._write_param)
+        self.optimizer._total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
+                                                               if p.requires_grad}.values())
+        self._cpu_params_left = int(op.max_in_cpu) if op.device == "nvme" else 0
+        self._param_tier = {"none": Tier.GPU, "cpu": Tier.CPU, "nvme": Tier.NVME}[op.device]
+
+        # buffers go to the device and stay (counted against the budget)
+        buf_bytes = 0
+        for mod in model.modules():
+            for name, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[name] = b.to(self.device)
+                    buf_bytes += b.numel() * b.element_size()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, Engine._cleanup, self.param_swapper, self.optim_swapper,
+                                           self._swap_engines)
+        atexit.register(self._finalizer)
+        try:
+            t0 = time.perf_counter()
+            self.partition = partition_model(model, fp16=fp16, bf16=bf16,
+                                             persistence_threshold=int(z.stage3_param_persistence_threshold),
+                                             on_shard=self._place_shard, device=self.device)
+            log.info("placed %d shards in %.2fs", len(self.partition.shards), time.perf_counter() - t0)
+            if self._param_tier == Tier.GPU:
+                for sh in self.partition.shards:
+                    sh.persistent = True
+            self.coordinator = ParameterCoordinator(
+                model, self.partition, self.param_swapper, self.device,
+                device_memory=self.device_memory,
+                prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
+                on_grad=self.optimizer.accumulate, fixed_bytes=buf_bytes)
+        except BaseException:
+            self.close()
+            raise
+        self.scaler = DynamicLossScaler(cfg.fp16)
+        if lr_scheduler is not None:
+            self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
+                lr_scheduler, "step") else lr_scheduler
+        elif cfg.scheduler is not None:
+            self.lr_scheduler = build_scheduler(cfg.scheduler.type, self.optimizer, cfg.scheduler.params)
+        else:
+            self.lr_scheduler = None
+        self._step_t0: Optional[float] = None
+        self._tokens = 0
+        self._losses: list[torch.Tensor] = []
+        self._mark = self._counters()
+        log.info("engine ready on %s: %s params (%s), params on %s, optimizer on %s%s", self.device,
+                 f"{self.partition.numel:,}", format_size(self.partition.nbytes), op.device, oo.device,
+                 f", device budget {format_size(self.device_memory)}" if self.device_memory else "")
+
+    # ------------------------------------------------------------------------- construction
+    def _swap_engine(self, name: str) -> Any:
+        if name not in self._swap_engines:
+            from pyinfinity.swap import SwapEngine
+
+            a = self.config.aio
+            self._swap_engines[name] = SwapEngine(backend=a.backend, block_size=a.block_size,
+                                                  queue_depth=a.queue_depth, threads=a.thread_count)
+        return self._swap_engines[name]
+
+    def _place_shard(self, shard: FlatShard, flat: torch.Tensor, flat32: torch.Tensor) -> None:
+        tier = self._param_tier
+        if tier == Tier.NVME and self._cpu_params_left >= shard.numel:
+            self._cpu_params_left -= shard.numel
+            tier = Tier.CPU
+        shard.home = self.param_swapper.put(f"param.{shard.index}", flat, tier)
+        self.optimizer.add_shard(shard, flat32)
+
+    def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
+        """The optimizer's new fp32 values of a shard, written home in the compute dtype."""
+        src = master
+        if shard.dtype != torch.float32:
+            src = aligned_empty(shard.numel, shard.dtype)
+            src.copy_(master)
+        return self.param_swapper.write(shard.home, src)
+
+    # ------------------------------------------------------------------------- training API
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the module's forward through the coordinator's hooks; returns its output as is."""
+        self._check_open()
+        if self._step_t0 is None:
+            self._step_t0 = time.perf_counter()
+        self._tokens += _count_tokens(args, kwargs)
+        if torch.is_grad_enabled() and self.module.training:
+            with self.coordinator.saved_tensors_hooks():
+                return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (scaled for accumulation and fp16); gradients leave
+        the device as they are produced."""
+        self._check_open()
+        self._losses.append(loss.detach())
+        scaled = loss
+        if self.config.fp16.enabled:
+            scaled = scaled * self.scaler.scale
+        if self.gradient_accumulation_steps > 1:
+            scaled = scaled / self.gradient_accumulation_steps
+        self.coordinator.in_backward = True
+        try:
+            scaled.backward()
+        finally:
+            self.coordinator.in_backward = False
+            self.coordinator.end_backward()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> Optional[StepRecord]:
+        """Counts a micro-batch; at the accumulation boundary applies the optimizer, steps the lr
+        schedule, zeroes the gradients and returns the step's telemetry."""
+        self._check_open()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return None
+        self.coordinator.release_all()
+        fp16 = self.config.fp16.enabled
+        res = self.optimizer.step(grad_scale=self.scaler.scale if fp16 else 1.0,
+                                  clip=self.config.gradient_clipping, check_overflow=fp16)
+        if fp16:
+            self.scaler.update(res.skipped)
+            if res.skipped:
+                log.info("step %d: fp16 overflow, skipped; loss scale now %g", self.global_steps, self.scaler.scale)
+        self.coordinator.refresh_persistent()
+        self.optimizer.zero_grad()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if not res.skipped:
+            self.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        rec = self._record(res, lr)
+        self.history.append(rec)
+        if self.global_steps % self.config.pyinfinity.log_every == 0:
+            log.info("step %d loss %.4f lr %.3g %.0f tok/s peak %s overlap %s", rec.step, rec.loss, rec.lr,
+                     rec.tokens_per_s, format_size(rec.peak_device_bytes),
+                     "n/a" if rec.overlap_fraction is None else f"{rec.overlap_fraction:.2f}")
+        return rec
+
+    def zero_grad(self) -> None:
+        """Zeroes the accumulated gradients (``step`` does this itself at the boundary)."""
+        self.optimizer.zero_grad()
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        # generate(), config, ... of the wrapped module (hooks make its parameters resident)
+        if name.startswith("_") or name in ("module", "coordinator", "partition", "config"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["module"], name)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------------- telemetry
+    def _counters(self) -> dict[str, Any]:
+        moved: dict[str, int] = {}
+        for cls, sw in (("params", self.param_swapper), ("optimizer", self.optim_swapper)):
+            for k, v in sw.stats.bytes.items():
+                moved[f"{cls}.{k}"] = v
+        st = self.coordinator.stats
+        moved["device.h2d"] = st.fetched_bytes
+        io = {name: e.stats() for name, e in self._swap_engines.items()}
+        return {"moved": moved, "fetch": st.snapshot(), "io": io}
+
+    def _record(self, res: Any, lr: float) -> StepRecord:
+        now = time.perf_counter()
+        seconds = now - (self._step_t0 or now)
+        cur = self._counters()
+        moved = {k: v - self._mark["moved"].get(k, 0) for k, v in cur["moved"].items()}
+        moved = {k: v for k, v in moved.items() if v}
+        f0, f1 = self._mark["fetch"], cur["fetch"]
+        overlap: Optional[float] = None
+        sample = self.coordinator.overlap()
+        if sample is not None:
+            if sample.transfer_s > 0:
+                overlap = max(0.0, 1.0 - sample.stalled_s / sample.transfer_s)
+        elif "params" in cur["io"]:
+            busy = cur["io"]["params"]["read"]["seconds"] - self._mark["io"]["params"]["read"]["seconds"]
+            waited = f1.fetch_wait_seconds - f0.fetch_wait_seconds
+            if busy > 0:
+                overlap = min(1.0, max(0.0, 1.0 - waited / busy))
+        loss = float(torch.stack([l.float() for l in self._losses]).mean()) if self._losses else float("nan")
+        peak_alloc = None
+        if self.device.type == "cuda":
+            peak_alloc = torch.cuda.max_memory_allocated(self.device)
+        rec = StepRecord(step=self.global_steps, loss=loss, lr=lr, tokens=self._tokens, seconds=seconds,
+                         tokens_per_s=self._tokens / seconds if seconds > 0 else 0.0,
+                         grad_norm=res.grad_norm, skipped=res.skipped,
+                         loss_scale=self.scaler.scale if self.config.fp16.enabled else 1.0,
+                         peak_device_bytes=self.coordinator.budget.peak, peak_device_allocated=peak_alloc,
+                         bytes_moved=moved, overlap_fraction=overlap,
+                         prefetch_hits=f1.prefetch_hits - f0.prefetch_hits,
+                         on_demand_fetches=f1.on_demand - f0.on_demand, optimizer_seconds=res.seconds)
+        self._mark = cur
+        self._losses.clear()
+        self._tokens = 0
+        self._step_t0 = None
+        return rec
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes per tensor class and tier now, and the device peaks."""
+        params: dict[str, int] = {}
+        for sh in self.partition.shards:
+            params[sh.home.tier.value] = params.get(sh.home.tier.value, 0) + sh.nbytes
+        params["device(resident)"] = sum(sh.nbytes for sh in self.partition.shards if sh.buffer is not None)
+        return MemoryReport(
+            device=str(self.device), device_budget=self.device_memory,
+            device_resident=self.coordinator.budget.resident, device_peak=self.coordinator.budget.peak,
+            device_allocated_peak=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            params=params, optimizer=self.optimizer.bytes_by_tier, grads={"cpu": self.optimizer.grad_bytes},
+            swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=_rss())
+
+    # ------------------------------------------------------------------------- checkpoints
+    def _io(self) -> Any:
+        return self._swap_engine("checkpoint")
+
+    def _shard_param_values(self, sh: FlatShard) -> torch.Tensor:
+        buf = aligned_empty(sh.numel, sh.dtype)
+        self.param_swapper.read(sh.home, buf).wait()
+        return buf
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
+                        client_state: Optional[dict] = None) -> str:
+        """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
+        written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
+        self._check_open()
+        if self.micro_steps % self.gradient_accumulation_steps:
+            log.warning("save_checkpoint inside a gradient-accumulation window: the partial "
+                        "gradients are not saved")
+        self.coordinator.release_all()
+        tag = tag or f"global_step{self.global_steps}"
+        os.makedirs(save_dir, exist_ok=True)
+        final = os.path.join(save_dir, tag)
+        tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        data_path = os.path.join(tmp, "state.bin")
+        io = self._io()
+        entries, offset, pending = [], 0, []
+        for st, flat in self.optimizer.iter_states(write_back=False):
+            n = flat.numel() * 4
+            buf = aligned_empty(flat.numel(), torch.float32)
+            buf.copy_(flat)
+            pending.append((io.write(buf, data_path, offset), buf))
+            entries.append({"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step,
+                            "offset": offset, "nbytes": n})
+            offset += -(-n // ALIGN) * ALIGN
+        for sh in self.partition.shards:
+            if self.optimizer.state_of(sh) is None:  # frozen: its values are the state
+                buf = self._shard_param_values(sh)
+                n = buf.numel() * buf.element_size()
+                pending.append((io.write(buf, data_path, offset), buf))
+                entries.append({"shard": sh.index, "kind": "param", "numel": sh.numel, "dtype": str(sh.dtype),
+                                "offset": offset, "nbytes": n})
+                offset += -(-n // ALIGN) * ALIGN
+        for req, _ in pending:
+            req.wait()
+        meta = {
+            "version": CHECKPOINT_VERSION, "global_steps": self.global_steps, "micro_steps": self.micro_steps,
+            "shards": [{"index": s.index, "module": s.module_name, "numel": s.numel, "dtype": str(s.dtype)}
+                       for s in self.partition.shards],
+            "entries": entries, "data_bytes": offset,
+            "scaler": self.scaler.state_dict(),
+            "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "lr": [g["lr"] for g in self.optimizer.param_groups],
+            "client_state": client_state or {},
+        }
+        if os.path.exists(data_path):
+            _fsync_path(data_path)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   os.path.join(tmp, "rng.pt"))
+        _fsync_path(os.path.join(tmp, "rng.pt"))
+        _fsync_path(tmp)
+        if os.path.exists(final):
+            old = final + f".old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
+        with open(latest_tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(latest_tmp, os.path.join(save_dir, "latest"))
+        _fsync_path(save_dir)
+        log.info("checkpoint saved: %s (%s)", final, format_size(offset))
+        return final
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
+        """Restores a state written by ``save_checkpoint``; returns (path, client_state)."""
+        self._check_open()
+        if tag is None:
+            try:
+                with open(os.path.join(load_dir, "latest")) as f:
+                    tag = f.read().strip()
+            except OSError as exc:
+                raise FileNotFoundError(f"load_dir: no 'latest' file in {load_dir!r}; pass tag=") from exc
+        path = os.path.join(load_dir, tag)
+        try:
+            with open(os.path.join(path, "meta.json")) as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"checkpoint {path!r}: meta.json missing or torn ({exc})") from exc
+        if meta.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"checkpoint {path!r}: version {meta.get('version')} (expected {CHECKPOINT_VERSION})")
+        mine = [(s.index, s.numel, str(s.dtype)) for s in self.partition.shards]
+        theirs = [(s["index"], s["numel"], s["dtype"]) for s in meta["shards"]]
+        if mine != theirs:
+            raise ValueError(f"checkpoint {path!r}: was saved from a different model/partition "
+                             f"({len(theirs)} shards vs {len(mine)} here)")
+        data_path = os.path.join(path, "state.bin")
+        have = os.path.getsize(data_path) if os.path.exists(data_path) else 0
+        need = max((e["offset"] + e["nbytes"] for e in meta["entries"]), default=0)
+        if have < need:
+            raise ValueError(f"checkpoint {path!r}: state.bin has {have} bytes, {need} expected (torn)")
+        self.coordinator.release_all()
+        io = self._io()
+        shards = self.partition.shards
+        for e in meta["entries"]:
+            sh = shards[e["shard"]]
+            if e["kind"] == "optim":
+                buf = aligned_empty(3 * sh.numel, torch.float32)
+                io.read(buf, data_path, e["offset"]).wait()
+                self.optimizer.load_shard_state(sh, buf, e["step"])
+                self._write_param(sh, buf[:sh.numel]).wait()
+            else:
+                buf = aligned_empty(sh.numel, sh.dtype)
+                io.read(buf, data_path, e["offset"]).wait()
+                self.param_swapper.write(sh.home, buf).wait()
+        self.global_steps, self.micro_steps = meta["global_steps"], meta["micro_steps"]
+        self.scaler.load_state_dict(meta["scaler"])
+        for g, lr in zip(self.optimizer.param_groups, meta["lr"]):
+            g["lr"] = lr
+        if self.lr_scheduler is not None and meta["scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(meta["scheduler"])
+        rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.optimizer.zero_grad()
+        self.coordinator.refresh_persistent()
+        log.info("checkpoint loaded: %s (step %d)", path, self.global_steps)
+        return path, meta["client_state"]
+
+    def _trained_values(self, sh: FlatShard) -> torch.Tensor:
+        st = self.optimizer.state_of(sh)
+        if st is None:
+            return self._shard_param_values(sh)
+        buf = aligned_empty(3 * sh.numel, torch.float32)
+        self.optim_swapper.read(st.home, buf).wait()
+        return buf[:sh.numel]
+
+    def export(self, out_dir: str) -> list[str]:
+        """Writes the trained weights as a consolidated safetensors state dict loadable by the
+        plain model (``load_state_dict``; ``from_pretrained`` for a transformers model, whose
+        config.json is written too). Values come from the fp32 masters, cast to each
+        parameter's original dtype. Returns the files written."""
+        from safetensors.torch import save_file
+
+        self._check_open()
+        self.coordinator.release_all()
+        os.makedirs(out_dir, exist_ok=True)
+        names: dict[int, list[str]] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        for key, val in self.module.state_dict(keep_vars=True).items():
+            if isinstance(val, nn.Parameter) and id(val) in self.partition.param_slice:
+                names.setdefault(id(val), []).append(key)
+            else:
+                buffers[key] = val.detach().to("cpu").contiguous()
+        # group tensors into files of at most EXPORT_FILE_BYTES, shard by shard
+        groups: list[list[FlatShard]] = [[]]
+        size = 0
+        for sh in self.partition.shards:
+            nb = sum(s.numel * s.orig_dtype.itemsize * len(names.get(id(s.param), [])) for s in sh.slices)
+            if groups[-1] and size + nb > EXPORT_FILE_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(sh)
+            size += nb
+        n = len(groups)
+        files, weight_map = [], {}
+        for i, group in enumerate(groups):
+            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            tensors: dict[str, torch.Tensor] = dict(buffers) if i == n - 1 else {}
+            for sh in group:
+                vals = self._trained_values(sh)
+                for s in sh.slices:
+                    t = vals[s.offset:s.offset + s.numel].view(s.shape).to(s.orig_dtype)
+                    for key in names.get(id(s.param), []):
+                        tensors[key] = t.clone()
+            save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            files.append(os.path.join(out_dir, fname))
+            weight_map.update({k: fname for k in tensors})
+        if n > 1:
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+            files.append(os.path.join(out_dir, "model.safetensors.index.json"))
+        cfg = getattr(self.module, "config", None)
+        if cfg is not None and hasattr(cfg, "save_pretrained"):
+            cfg.save_pretrained(out_dir)
+            files.append(os.path.join(out_dir, "config.json"))
+        log.info("exported %d tensors to %s", len(weight_map), out_dir)
+        return files
+
+    # ------------------------------------------------------------------------- life
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine: used after close()")
+
+    @staticmethod
+    def _cleanup(param_swapper: TensorSwapper, optim_swapper: TensorSwapper, engines: dict) -> None:
+        for sw in (param_swapper, optim_swapper):
+            try:
+                sw.close()
+            except Exception as exc:  # noqa: BLE001 - best effort at exit
+                log.warning("closing %s swap: %s", sw.name, exc)
+        for e in engines.values():
+            try:
+                e.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("closing swap engine: %s", exc)
+
+    def close(self) -> None:
+        """Removes the hooks, frees device/pinned memory and removes the swap files. Idempotent."""
+        if self._closed and not hasattr(self, "_finalizer"):
+            return
+        self._closed = True
+        coord = self.__dict__.get("coordinator")
+        if coord is not None:
+            coord.close()
+        self.optimizer.close()
+        fin = self.__dict__.pop("_finalizer", None)
+        if fin is not None:
+            atexit.unregister(fin)
+            fin()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _count_tokens(args: tuple, kwargs: dict) -> int:
+    t = kwargs.get("input_ids")
+    if t is None:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                t = a
+                break
+    return int(t.numel()) if isinstance(t, torch.Tensor) else 0

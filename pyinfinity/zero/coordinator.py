@@ -1,0 +1,542 @@
+"""ParameterCoordinator: makes each module's shards resident on the compute device just before
+use and releases them after, prefetching ahead along the recorded module order.
+
+How parameters reach the compute at the right time:
+  * forward: a pre-hook on every module fetches the shards of its own parameters (and of tied or
+    registered external ones); a post-hook releases them when no other call still uses them.
+  * backward: while the engine runs a forward, a saved-tensor hook replaces every saved tensor
+    that aliases a shard buffer by a reference (so the buffer can be released after forward);
+    unpacking it in backward fetches the shard again. This covers any op that saved a parameter
+    — inside or outside its module's forward, tied, or called several times — without
+    relying on module backward hooks. ``torch.utils.checkpoint`` recomputation goes through the
+    forward hooks again.
+  * gradients: a post-accumulate-grad hook on every parameter hands the gradient to the engine
+    (which moves it off the device) and releases the shard once all its trainable parameters
+    have their gradient; whatever is left is released by ``end_backward``.
+  * trace: every transition of a shard from idle to in-use is recorded; the next iteration with
+    the same mode replays it, prefetching ahead up to a byte budget; a mismatch (dynamic control
+    flow) stops prefetching for that iteration (on-demand fetch) and the new order is recorded.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pyinfinity.swap.tensor_swapper import Tier, aligned_empty
+from pyinfinity.zero.partition import FlatShard, ParamSlice, Partition, ShardState, placeholder
+
+log = logging.getLogger(__name__)
+
+LOOKAHEAD_ENTRIES = 512  # trace entries scanned per prefetch decision (bounds the cost per use)
+
+
+class DeviceBudgetError(RuntimeError):
+    """The device budget cannot hold what one module call needs."""
+
+
+@dataclass
+class FetchStats:
+    """How shards reached the device (cumulative; the engine reports deltas per step)."""
+
+    prefetch_hits: int = 0  # uses served by a prefetch issued earlier
+    on_demand: int = 0  # uses that had to start the fetch themselves
+    prefetch_issued: int = 0
+    prefetch_wasted: int = 0  # prefetched, then released unused
+    divergences: int = 0  # iterations whose module order left the trace
+    releases: int = 0
+    fetch_wait_seconds: float = 0.0  # host time blocked waiting for a shard to arrive
+    fetched_bytes: int = 0
+
+    def snapshot(self) -> "FetchStats":
+        return FetchStats(**self.__dict__)
+
+
+@dataclass
+class DeviceBudget:
+    """Bytes of shard buffers resident on the compute device, against ``device_memory``."""
+
+    capacity: Optional[int]
+    resident: int = 0
+    peak: int = 0
+    fixed: int = 0  # buffers and persistent shards, counted in resident too
+
+    def fits(self, nbytes: int) -> bool:
+        return self.capacity is None or self.resident + nbytes <= self.capacity
+
+    def add(self, nbytes: int) -> None:
+        self.resident += nbytes
+        self.peak = max(self.peak, self.resident)
+
+    def sub(self, nbytes: int) -> None:
+        self.resident -= nbytes
+
+
+@dataclass
+class _Transfer:
+    """A fetch in flight: host-side read, optional pinned staging and the H2D copy's events."""
+
+    io: Any = None
+    staging: Optional[torch.Tensor] = None
+    copied: bool = False
+    start: Any = None  # cuda events on the swap stream
+    end: Any = None
+
+
+@dataclass
+class _ShardRef:
+    """What a saved tensor aliasing a shard buffer is packed into (no reference to the buffer)."""
+
+    shard: FlatShard
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+@dataclass
+class OverlapSample:
+    """Per-step transfer time and the part of it the compute waited for (seconds)."""
+
+    transfer_s: float = 0.0
+    stalled_s: float = 0.0
+
+
+class ParameterCoordinator:
+    """Fetches, prefetches and releases parameter shards around every module's use.
+
+    device: compute device. swapper: homes of the shards. device_memory: budget for resident
+    shard bytes (None = unlimited). prefetch_bytes: how far ahead (in bytes) the trace prefetches.
+    on_grad(shard, slice, grad): called with each parameter's gradient as soon as it is
+    accumulated; the coordinator clears ``param.grad`` afterwards.
+    """
+
+    def __init__(self, model: nn.Module, partition: Partition, swapper: Any, device: torch.device, *,
+                 device_memory: Optional[int] = None, prefetch_bytes: int = 0, prefetch: bool = True,
+                 on_grad: Optional[Callable[[FlatShard, ParamSlice, torch.Tensor], None]] = None,
+                 fixed_bytes: int = 0) -> None:
+        self.model = model
+        self.partition = partition
+        self.swapper = swapper
+        self.device = torch.device(device)
+        self.budget = DeviceBudget(capacity=device_memory)
+        self.budget.add(fixed_bytes)
+        self.budget.fixed = fixed_bytes
+        self.prefetch_bytes = int(prefetch_bytes)
+        self.prefetch_enabled = prefetch and prefetch_bytes > 0
+        self.on_grad = on_grad
+        self.stats = FetchStats()
+        self.in_backward = False
+        self._handles: list[Any] = []
+        self._transfers: dict[int, _Transfer] = {}  # shard index -> in-flight fetch
+        self._storage: dict[int, FlatShard] = {}  # storage data_ptr -> resident shard
+        self._traces: dict[tuple, list[int]] = {}
+        self._mode: tuple = ()
+        self._trace: Optional[list[int]] = None
+        self._current: list[int] = []
+        self._pos = 0
+        self._diverged = False
+        self._external: dict[nn.Module, list[FlatShard]] = {}
+        self._cuda = self.device.type == "cuda"
+        self.swap_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._stall_events: list[tuple[Any, Any]] = []
+        self._transfer_events: list[tuple[Any, Any]] = []
+        self._grad_copies: list[tuple[Any, torch.Tensor, FlatShard, ParamSlice]] = []
+        self._kept: list[tuple[Any, torch.Tensor]] = []  # pinned staging until its H2D copy ran
+        self._fault: Optional[Callable[[FlatShard], None]] = None  # test seam: called per fetch
+        for sh in partition.shards:
+            if sh.persistent:
+                self._start_fetch(sh)
+                self._complete(sh)
+                self.budget.fixed += sh.nbytes
+        self._register_hooks()
+
+    # ------------------------------------------------------------------------------- hooks
+    def _register_hooks(self) -> None:
+        root = self.model
+        for module in self.model.modules():
+            shards = self.partition.module_shards.get(module, [])
+            if not shards and module is not root:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(module, module is root)))
+            self._handles.append(module.register_forward_hook(self._make_post(module), always_call=True))
+        for sh in self.partition.shards:
+            for sl in sh.slices:
+                if sl.requires_grad:
+                    self._handles.append(sl.param.register_post_accumulate_grad_hook(self._make_grad_hook(sh, sl)))
+
+    def _make_pre(self, module: nn.Module, is_root: bool) -> Callable:
+        def hook(mod: nn.Module, args: Any) -> None:
+            if is_root and not self.in_backward:
+                self.begin_iteration()
+            self.fetch(mod)
+        return hook
+
+    def _make_post(self, module: nn.Module) -> Callable:
+        def hook(mod: nn.Module, args: Any, output: Any) -> None:
+            self.release(mod)
+        return hook
+
+    def _make_grad_hook(self, shard: FlatShard, sl: ParamSlice) -> Callable:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is not None:
+                if self.on_grad is not None:
+                    self.grad_to_host(shard, sl, grad)
+                param.grad = None
+            shard.grads_seen += 1
+            if shard.grads_seen >= shard.n_trainable and shard.backward_held:
+                shard.backward_held = False
+                self._maybe_evict(shard)
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------------------- public API
+    def shards_of(self, module: nn.Module) -> list[FlatShard]:
+        return self.partition.module_shards.get(module, []) + self._external.get(module, [])
+
+    def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Declares that ``module``'s forward uses ``param`` although another module owns it."""
+        shard = self.partition.param_slice[id(param)][0]
+        lst = self._external.setdefault(module, [])
+        if shard not in lst:
+            lst.append(shard)
+            if module not in self.partition.module_shards:
+                self._handles.append(module.register_forward_pre_hook(self._make_pre(module, False)))
+                self._handles.append(module.register_forward_hook(self._make_post(module), always_call=True))
+
+    def fetch(self, module: nn.Module) -> None:
+        """Makes ``module``'s shards resident on the compute device (waits for them)."""
+        shards = self.shards_of(module)
+        for sh in shards:
+            self._use(sh)
+            sh.users += 1
+        for sh in shards:
+            self._complete(sh)
+
+    def release(self, module: nn.Module) -> None:
+        """Ends ``module``'s use of its shards; a shard no call uses any more leaves the device."""
+        for sh in self.shards_of(module):
+            if sh.users > 0:
+                sh.users -= 1
+            self._maybe_evict(sh)
+
+    @contextlib.contextmanager
+    def gathered(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
+        """Within the block the given parameters are resident (for reading them outside forward)."""
+        shards: list[FlatShard] = []
+        for p in params:
+            sh = self.partition.param_slice[id(p)][0]
+            if sh not in shards:
+                shards.append(sh)
+        for sh in shards:
+            sh.users += 1
+            if sh.state == ShardState.RELEASED:
+                self._start_fetch(sh)
+            self._complete(sh)
+        try:
+            yield
+        finally:
+            for sh in shards:
+                sh.users -= 1
+                self._maybe_evict(sh)
+
+    def saved_tensors_hooks(self) -> Any:
+        """The pack/unpack hooks to run a forward under (the engine's ``__call__`` does)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def begin_iteration(self) -> None:
+        """Starts a new forward(+backward): keeps the last iteration's order as the trace of its mode."""
+        if self._current:
+            self._traces[self._mode] = self._current
+        self._drop_unused_prefetches()
+        self._mode = (self.model.training, torch.is_grad_enabled())
+        self._trace = self._traces.get(self._mode)
+        self._current = []
+        self._pos = 0
+        self._diverged = False
+        self._prefetch_ahead()
+
+    def end_backward(self) -> None:
+        """After ``loss.backward()``: finishes gradient copies, releases what backward still holds."""
+        self.flush_grads()
+        for sh in self.partition.shards:
+            sh.grads_seen = 0
+            if sh.backward_held:
+                sh.backward_held = False
+            self._maybe_evict(sh)
+
+    def flush_grads(self) -> None:
+        """Waits for the device->host gradient copies in flight and hands them to ``on_grad``."""
+        pending, self._grad_copies = self._grad_copies, []
+        for ev, host, shard, sl in pending:
+            ev.synchronize()
+            if self.on_grad is not None:
+                self.on_grad(shard, sl, host)
+
+    def release_all(self) -> None:
+        """Releases every non-persistent shard (after the optimizer changed the homes)."""
+        for sh in self.partition.shards:
+            sh.users = 0
+            sh.backward_held = False
+            sh.prefetched = False
+            if not sh.persistent and sh.state != ShardState.RELEASED:
+                if sh.state == ShardState.INFLIGHT:
+                    self._complete(sh)
+                self._evict(sh)
+
+    def refresh_persistent(self) -> None:
+        """Re-reads persistent shards from their homes (the optimizer wrote new values there)."""
+        for sh in self.partition.shards:
+            if sh.persistent:
+                self._evict(sh, count=False)
+                self._start_fetch(sh)
+                self._complete(sh)
+
+    def overlap(self) -> Optional[OverlapSample]:
+        """Transfer time and compute stall since the last call, from CUDA event timestamps
+        (None on the CPU: the engine derives it from I/O busy time and host wait time)."""
+        if not self._cuda:
+            return None
+        s = OverlapSample()
+        for a, b in self._transfer_events:
+            b.synchronize()
+            s.transfer_s += a.elapsed_time(b) / 1e3
+        for a, b in self._stall_events:
+            b.synchronize()
+            s.stalled_s += a.elapsed_time(b) / 1e3
+        self._transfer_events.clear()
+        self._stall_events.clear()
+        return s
+
+    def close(self) -> None:
+        self.remove_hooks()
+        self.release_all()
+
+    # ------------------------------------------------------------------------------- internals
+    def _use(self, sh: FlatShard) -> None:
+        """A shard goes from idle to in use: trace bookkeeping, then make sure a fetch runs."""
+        if sh.persistent:
+            return
+        if sh.users > 0 or sh.backward_held:
+            return
+        self._current.append(sh.index)
+        if self._trace is not None and not self._diverged:
+            if self._pos < len(self._trace) and self._trace[self._pos] == sh.index:
+                self._pos += 1
+            else:
+                self._diverged = True
+                self.stats.divergences += 1
+                log.debug("module order diverged from the trace at entry %d (shard %s); "
+                          "fetching on demand and re-recording", self._pos, sh.module_name)
+                self._drop_unused_prefetches(keep=sh)
+        if sh.prefetched:
+            self.stats.prefetch_hits += 1
+            sh.prefetched = False
+        elif sh.state == ShardState.RELEASED:
+            self.stats.on_demand += 1
+            self._start_fetch(sh, demand=True)
+        self._prefetch_ahead()
+
+    def _prefetch_ahead(self) -> None:
+        if not self.prefetch_enabled or self._trace is None or self._diverged:
+            return
+        inflight = sum(s.nbytes for s in self.partition.shards if s.prefetched)
+        room = self.prefetch_bytes - inflight
+        trace, shards = self._trace, self.partition.shards
+        for idx in trace[self._pos:self._pos + LOOKAHEAD_ENTRIES]:
+            sh = shards[idx]
+            if sh.state != ShardState.RELEASED:
+                continue
+            if sh.nbytes > room or not self.budget.fits(sh.nbytes):
+                break
+            self._start_fetch(sh)
+            sh.prefetched = True
+            room -= sh.nbytes
+            self.stats.prefetch_issued += 1
+        self._advance_transfers()
+
+    def _drop_unused_prefetches(self, keep: Optional[FlatShard] = None) -> None:
+        for sh in self.partition.shards:
+            if sh.prefetched and sh is not keep and sh.users == 0 and not sh.backward_held:
+                sh.prefetched = False
+                self.stats.prefetch_wasted += 1
+                if sh.state == ShardState.INFLIGHT:
+                    self._complete(sh)
+                self._evict(sh)
+
+    def _make_room(self, nbytes: int, for_shard: FlatShard) -> None:
+        if self.budget.fits(nbytes):
+            return
+        for sh in reversed(self.partition.shards):  # drop prefetches the trace needs latest
+            if sh.prefetched and sh.users == 0 and not sh.backward_held:
+                sh.prefetched = False
+                self.stats.prefetch_wasted += 1
+                if sh.state == ShardState.INFLIGHT:
+                    self._complete(sh)
+                self._evict(sh)
+                if self.budget.fits(nbytes):
+                    return
+        held = [s for s in self.partition.shards if s.state != ShardState.RELEASED and not s.persistent]
+        raise DeviceBudgetError(
+            f"device_memory: {self.budget.capacity} bytes cannot hold shard {for_shard.module_name!r} "
+            f"({nbytes} bytes) on top of {self.budget.resident} bytes resident "
+            f"({self.budget.fixed} persistent/buffers, {len(held)} shards in use: "
+            f"{', '.join(s.module_name or '<root>' for s in held[:8])}); raise pyinfinity.device_memory "
+            "or lower stage3_param_persistence_threshold")
+
+    def _start_fetch(self, sh: FlatShard, demand: bool = False) -> None:
+        """Allocates the device buffer and starts the copy from the shard's home."""
+        if sh.state != ShardState.RELEASED:
+            return
+        self._make_room(sh.nbytes, sh)
+        if self._fault is not None:
+            self._fault(sh)
+        self.budget.add(sh.nbytes)
+        self.stats.fetched_bytes += sh.nbytes
+        tr = _Transfer()
+        home = sh.home
+        if home.tier == Tier.GPU:
+            sh.buffer = home.tensor
+            tr.copied = True
+        elif not self._cuda:
+            sh.buffer = aligned_empty(sh.numel, sh.dtype)
+            tr.io = self.swapper.read(home, sh.buffer)
+            tr.copied = True
+        else:
+            with torch.cuda.stream(self.swap_stream):
+                sh.buffer = torch.empty(sh.numel, dtype=sh.dtype, device=self.device)
+            if home.tier == Tier.CPU:
+                self._h2d(tr, sh, home.tensor)
+            else:  # nvme -> pinned staging now, H2D when the read is done
+                tr.staging = aligned_empty(sh.numel, sh.dtype, pin=True)
+                tr.io = self.swapper.read(home, tr.staging)
+        self._transfers[sh.index] = tr
+        sh.state = ShardState.INFLIGHT
+
+    def _h2d(self, tr: _Transfer, sh: FlatShard, src: torch.Tensor) -> None:
+        """Host -> device on the swap stream, bracketed by events (no host synchronisation)."""
+        tr.start = torch.cuda.Event(enable_timing=True)
+        tr.end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.swap_stream):
+            tr.start.record()
+            self.swapper._count(sh.home.tier, "read", 0)
+            sh.buffer.copy_(src, non_blocking=True)
+            tr.end.record()
+        self._transfer_events.append((tr.start, tr.end))
+        tr.copied = True
+
+    def _advance_transfers(self) -> None:
+        """Starts the H2D copy of every NVMe read that has finished (GPU only, never blocks)."""
+        if not self._cuda:
+            return
+        for idx, tr in self._transfers.items():
+            if not tr.copied and tr.io is not None and tr.io.done():
+                tr.io.wait()
+                self._h2d(tr, self.partition.shards[idx], tr.staging)
+
+    def _complete(self, sh: FlatShard) -> None:
+        """Waits until the shard's buffer holds its data and points the parameters into it."""
+        if sh.state == ShardState.RESIDENT:
+            return
+        if sh.state == ShardState.RELEASED:
+            self._start_fetch(sh, demand=True)
+        tr = self._transfers.pop(sh.index)
+        t0 = time.perf_counter()
+        if tr.io is not None:
+            tr.io.wait()
+        if not tr.copied:
+            self._h2d(tr, sh, tr.staging)
+        self.stats.fetch_wait_seconds += time.perf_counter() - t0
+        if self._cuda and tr.end is not None:
+            cur = torch.cuda.current_stream(self.device)
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record(cur)
+            cur.wait_event(tr.end)
+            b.record(cur)
+            self._stall_events.append((a, b))
+            sh.buffer.record_stream(cur)
+            if tr.staging is not None:  # keep the pinned staging alive until the copy ran
+                self._kept = [(e, t) for e, t in self._kept if not e.query()]
+                self._kept.append((tr.end, tr.staging))
+        buf = sh.buffer
+        for sl in sh.slices:
+            sl.param.data = buf[sl.offset:sl.offset + sl.numel].view(sl.shape)
+        self._storage[buf.untyped_storage().data_ptr()] = sh
+        sh.state = ShardState.RESIDENT
+
+    def _maybe_evict(self, sh: FlatShard) -> None:
+        if (not sh.persistent and sh.users == 0 and not sh.backward_held and not sh.prefetched
+                and sh.state != ShardState.RELEASED):
+            if sh.state == ShardState.INFLIGHT:
+                self._complete(sh)
+            self._evict(sh)
+
+    def _evict(self, sh: FlatShard, count: bool = True) -> None:
+        if sh.state == ShardState.RELEASED:
+            return
+        if sh.state == ShardState.INFLIGHT:
+            self._complete(sh)
+        buf = sh.buffer
+        self._storage.pop(buf.untyped_storage().data_ptr(), None)
+        for sl in sh.slices:
+            sl.param.data = placeholder(sh.dtype, self.device)
+        sh.buffer = None
+        sh.state = ShardState.RELEASED
+        self.budget.sub(sh.nbytes)
+        if count:
+            self.stats.releases += 1
+
+    # saved-tensor hooks ------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._storage or t.device != self.device:
+            return t
+        try:
+            sh = self._storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return t
+        if sh is None or t.dtype != sh.dtype or sh.persistent:
+            return t
+        # offset relative to the buffer: a later fetch may put the shard at another storage offset
+        return _ShardRef(sh, t.storage_offset() - sh.buffer.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _ShardRef):
+            return x
+        sh = x.shard
+        self._use(sh)
+        if sh.n_trainable and sh.grads_seen < sh.n_trainable:
+            sh.backward_held = True
+        self._complete(sh)
+        if not sh.backward_held and sh.users == 0:
+            # frozen shard: keep it until end_backward (no grad will release it)
+            sh.backward_held = True
+        return sh.buffer.as_strided(x.size, x.stride, sh.buffer.storage_offset() + x.offset)
+
+    # gradients ---------------------------------------------------------------------------
+    def grad_to_host(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
+        """Moves a device gradient to host memory and hands it to ``on_grad``; on a GPU the copy is
+        asynchronous on the swap stream and finished copies are handed over at later hooks."""
+        if not self._cuda or grad.device.type != "cuda":
+            self.on_grad(shard, sl, grad)
+            return
+        while self._grad_copies and self._grad_copies[0][0].query():
+            ev, host, sh0, sl0 = self._grad_copies.pop(0)
+            self.on_grad(sh0, sl0, host)
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        ev = torch.cuda.Event()
+        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.swap_stream):
+            host.copy_(grad, non_blocking=True)
+            ev.record()
+        grad.record_stream(self.swap_stream)
+        self._grad_copies.append((ev, host, shard, sl))

@@ -1,0 +1,219 @@
+"""Partitioning: a module's own parameters become one flat shard per dtype, in the compute dtype.
+
+With one process a ZeRO-3 "shard" is the whole flat buffer of a module's own parameters
+(``recurse=False``); each parameter keeps its ``nn.Parameter`` object (so optimizers, tied
+weights and user references stay valid) but its ``.data`` is a 0-element placeholder except while
+the coordinator has the shard resident, when it is a view into the shard's device buffer.
+
+Dtypes are never changed silently: the compute dtype is the parameter's own dtype unless the
+config enables fp16/bf16, and the fp32 master copy (taken before any cast) goes to the optimizer.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class ShardState(enum.Enum):
+    RELEASED = "released"  # only the home copy (cpu / nvme) exists
+    INFLIGHT = "inflight"  # a fetch into the device buffer is in progress
+    RESIDENT = "resident"  # the device buffer holds the data; params point into it
+
+
+@dataclass
+class ParamSlice:
+    """Where one parameter lives inside its shard."""
+
+    name: str  # qualified name (first one seen, for tied parameters)
+    param: nn.Parameter
+    offset: int  # in elements
+    numel: int
+    shape: torch.Size
+    orig_dtype: torch.dtype  # the dtype the user's model had (export restores it)
+    requires_grad: bool
+
+
+@dataclass(eq=False)
+class FlatShard:
+    """One flat buffer of parameters and the run-time state the coordinator keeps about it."""
+
+    index: int
+    module_name: str
+    dtype: torch.dtype
+    slices: list[ParamSlice]
+    numel: int
+    persistent: bool = False
+    # -- run-time state (coordinator) --
+    state: ShardState = ShardState.RELEASED
+    home: Any = None  # swap record of the tensor swapper (tier cpu | nvme | gpu)
+    buffer: Optional[torch.Tensor] = None  # 1-D device buffer while INFLIGHT/RESIDENT
+    pending: Any = None  # in-flight transfer (wait() makes the buffer valid)
+    users: int = 0  # module calls currently inside forward that need it
+    backward_held: bool = False  # fetched by backward; released when its grads are in
+    prefetched: bool = False  # fetched ahead of use and not used yet
+    grads_seen: int = 0  # trainable slices whose grad arrived in this backward
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    @property
+    def trainable(self) -> bool:
+        return any(s.requires_grad for s in self.slices)
+
+    @property
+    def n_trainable(self) -> int:
+        return sum(1 for s in self.slices if s.requires_grad)
+
+    def __repr__(self) -> str:
+        return (f"FlatShard({self.index}, {self.module_name or '<root>'}, {self.dtype}, numel={self.numel}, "
+                f"{self.state.value})")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Partition:
+    """All shards of a model, which shards each module needs, and which shard holds each parameter."""
+
+    shards: list[FlatShard] = field(default_factory=list)
+    module_shards: dict[nn.Module, list[FlatShard]] = field(default_factory=dict)
+    param_slice: dict[int, tuple[FlatShard, ParamSlice]] = field(default_factory=dict)  # id(param) ->
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.shards)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def largest_module_bytes(self) -> int:
+        return max((sum(s.nbytes for s in v) for v in self.module_shards.values()), default=0)
+
+
+def compute_dtype_for(param_dtype: torch.dtype, fp16: bool, bf16: bool) -> torch.dtype:
+    """fp16/bf16 config casts floating parameters; otherwise the parameter keeps its dtype."""
+    if not param_dtype.is_floating_point:
+        return param_dtype
+    if fp16:
+        return torch.float16
+    if bf16:
+        return torch.bfloat16
+    return param_dtype
+
+
+def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a released parameter's ``.data`` is: 0 elements, the right dtype and device."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def materialize_module(module: nn.Module, root: Optional[nn.Module]) -> None:
+    """Gives a module's own meta parameters real storage on the CPU and initialises them.
+
+    Used by ``init_empty``: one module at a time, so the whole model never exists in RAM at once.
+    Initialisation: ``module.reset_parameters()`` when it has one, else the transformers root
+    model's ``_init_weights(module)``, else zeros (logged).
+    """
+    metas = [(n, p) for n, p in module.named_parameters(recurse=False) if p.is_meta]
+    if not metas:
+        return
+    for name, p in metas:
+        new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad)
+        p.data = new.data
+    reset = getattr(module, "reset_parameters", None)
+    init_weights = getattr(root, "_init_weights", None) if root is not None else None
+    with torch.no_grad():
+        if callable(reset):
+            reset()
+        elif callable(init_weights):
+            init_weights(module)
+        else:
+            log.warning("init_empty: %s has no reset_parameters/_init_weights; its parameters start at 0",
+                        type(module).__name__)
+            for _, p in metas:
+                p.data.zero_()
+
+
+def partition_model(
+    model: nn.Module,
+    *,
+    fp16: bool = False,
+    bf16: bool = False,
+    persistence_threshold: int = 0,
+    on_shard: Callable[[FlatShard, torch.Tensor, torch.Tensor], None],
+    device: torch.device = torch.device("cpu"),
+) -> Partition:
+    """Turns every module's own parameters into flat shards.
+
+    For each shard, ``on_shard(shard, flat_compute, flat_fp32)`` is called once with the shard's
+    data in the compute dtype and in fp32 (the master copy, taken before any cast); the callback
+    places them in their tiers. Afterwards every parameter's ``.data`` is a placeholder, so the
+    model's own copy is freed module by module. Meta parameters (``init_empty``) are
+    materialised one module at a time just before being partitioned.
+    """
+    part = Partition()
+    names = {id(m): n for n, m in model.named_modules()}
+    for module in model.modules():
+        materialize_module(module, model)
+        needed: list[FlatShard] = []
+        own: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in part.param_slice:  # tied: owned by an earlier module
+                shard = part.param_slice[id(p)][0]
+                if shard not in needed:
+                    needed.append(shard)
+                continue
+            dtype = compute_dtype_for(p.dtype, fp16, bf16)
+            own.setdefault(dtype, []).append((pname, p))
+        mname = names.get(id(module), "")
+        for dtype, plist in own.items():
+            slices, offset = [], 0
+            for pname, p in plist:
+                n = p.numel()
+                qual = f"{mname}.{pname}" if mname else pname
+                slices.append(ParamSlice(qual, p, offset, n, p.shape, p.dtype, p.requires_grad))
+                offset += n
+            shard = FlatShard(index=len(part.shards), module_name=mname, dtype=dtype, slices=slices,
+                              numel=offset, persistent=0 < offset <= persistence_threshold)
+            if offset == 0:
+                for s in slices:
+                    part.param_slice[id(s.param)] = (shard, s)
+                    s.param.data = placeholder(dtype, device)
+                continue
+            flat32 = torch.empty(offset, dtype=torch.float32)
+            flat = torch.empty(offset, dtype=dtype) if dtype != torch.float32 else flat32
+            with torch.no_grad():
+                for s in slices:
+                    src = s.param.data.reshape(-1)
+                    flat32[s.offset:s.offset + s.numel].copy_(src)
+                    if flat is not flat32:
+                        flat[s.offset:s.offset + s.numel].copy_(src)
+            for s in slices:
+                part.param_slice[id(s.param)] = (shard, s)
+                s.param.data = placeholder(dtype, device)
+            on_shard(shard, flat, flat32)
+            del flat, flat32
+            part.shards.append(shard)
+            needed.append(shard)
+        if needed:
+            part.module_shards[module] = needed
+    if part.shards:
+        log.info("partitioned %d parameters into %d flat shards (%.1f MiB in compute dtype)",
+                 part.numel, len(part.shards), part.nbytes / 2**20)
+    return part
+
+
+def iter_params(shards: Iterable[FlatShard]) -> Iterable[tuple[FlatShard, ParamSlice]]:
+    for sh in shards:
+        for s in sh.slices:
+            yield sh, s
