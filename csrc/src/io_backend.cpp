@@ -72,6 +72,10 @@ std::string round_trip(const std::string& name, FileHandle& fh, bool direct) {
   return why;
 }
 
+[[noreturn]] void throw_system_probe(int err, const std::string& dir) {
+  throw SystemError(err, "create probe file", dir, __FILE__, __LINE__);
+}
+
 }  // namespace
 
 ProbeResult probe_backend(const std::string& dir) {
@@ -88,7 +92,16 @@ ProbeResult probe_backend(const std::string& dir) {
   std::string tmpl = dir + "/.pyinfinity-probe-XXXXXX";
   std::vector<char> name(tmpl.begin(), tmpl.end());
   name.push_back('\0');
-  int fd = PYINF_SYSCALL(::mkstemp(name.data()), "create probe file", dir);
+  int fd = ::mkstemp(name.data());
+  if (fd < 0 && (errno == EROFS || errno == EACCES || errno == EPERM)) {
+    // Nothing can be written here (read-only mount): reads need no round trip; the thread
+    // pool is the backend that works on every filesystem. Not cached: the mount may change.
+    ProbeResult ro;
+    ro.best = "posix";
+    ro.failures.push_back(std::string("probe: ") + std::strerror(errno) + " (read-only directory)");
+    return ro;
+  }
+  if (fd < 0) throw_system_probe(errno, dir);
   ::close(fd);
   const std::string path(name.data());
   ProbeResult res;

@@ -136,8 +136,7 @@ class Lane {
     return r;
   }
 
-  void fail_piece_locked(Piece& p, int err, const std::string& what) {
-    OpState& op = *p.op;
+  static void fail_op_locked(OpState& op, int err, const std::string& what) {
     if (op.err == 0) {
       op.err = err;
       op.err_what = what;
@@ -151,7 +150,7 @@ class Lane {
     bool complete = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (err != 0) fail_piece_locked(s.piece, err, what);
+      if (err != 0) fail_op_locked(*op, err, what);
       op->inflight -= 1;
       complete = op->inflight == 0 && op->exhausted;
     }

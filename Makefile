@@ -1,0 +1,57 @@
+# The README's two commands:
+#   make train   - the main job: a real training run with offload (on the CPU when there is no GPU)
+#   make test    - every test suite: C++ tests, ASan+UBSan and TSan builds of them, pytest
+# Both set up a local virtual environment (.venv) first (.ci/bootstrap.sh).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+ifeq ($(CI),true)
+WERROR := ON
+else
+WERROR ?= OFF
+endif
+CMAKE = $(shell test -x $(VENV)/bin/cmake && echo $(VENV)/bin/cmake || echo cmake)
+CMAKE_TEST_FLAGS = -DPYINFINITY_PYTHON=OFF -DPYINFINITY_TESTS=ON -DPYINFINITY_WERROR=$(WERROR)
+GEN = $(shell (test -x $(VENV)/bin/ninja || command -v ninja) >/dev/null 2>&1 && echo "-G Ninja")
+# Small enough for a CPU in a few minutes; parameters and optimizer states on NVMe (a temp dir).
+TRAIN_ARGS ?= --offload nvme --steps 30
+
+.PHONY: train test venv build test-cpp test-asan test-tsan test-python clean
+
+$(VENV)/.bootstrapped: .ci/requirements.txt .ci/bootstrap.sh
+	bash .ci/bootstrap.sh $(PYTHON) $(VENV)
+	touch $@
+
+venv: $(VENV)/.bootstrapped
+
+build: venv
+	PYINFINITY_WERROR=$(if $(filter ON,$(WERROR)),1,0) CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
+	  PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+train: build
+	$(PY) -m pyinfinity train $(TRAIN_ARGS)
+
+test: build test-cpp test-asan test-tsan test-python
+
+# $(1): build dir, $(2): extra cmake flags, $(3): environment for the test run
+define cpp_suite
+	$(CMAKE) -S . -B $(1) $(GEN) $(CMAKE_TEST_FLAGS) $(2) >/dev/null
+	$(CMAKE) --build $(1) -j $(JOBS)
+	cd $(1) && $(3) ctest --output-on-failure
+endef
+
+test-cpp: venv
+	$(call cpp_suite,build-tests,-DCMAKE_BUILD_TYPE=Release,)
+
+test-asan: venv
+	$(call cpp_suite,build-asan,-DCMAKE_BUILD_TYPE=Debug -DPYINFINITY_SANITIZE=address,ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1)
+
+test-tsan: venv
+	$(call cpp_suite,build-tsan,-DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYINFINITY_SANITIZE=thread,TSAN_OPTIONS=halt_on_error=1)
+
+test-python: build
+	$(PY) -m pytest -q -p no:cacheprovider tests/python
+
+clean:
+	rm -rf build build-tests build-asan build-tsan pyinfinity/_C*.so *.egg-info
