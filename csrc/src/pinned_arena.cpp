@@ -102,7 +102,8 @@ class ArenaImpl {
     }
     std::size_t largest = 0;
     for (auto& f : free_) largest = std::max(largest, f.second);
-    throw ArgumentError("PinnedArena exhausted: asked for " + human(nbytes) + ", " +
+    throw ArgumentError("PinnedArena exhausted: asked for " + std::to_string(nbytes) + " bytes (" +
+                        human(nbytes) + "), " +
                         human(capacity_ - in_use_) + " of " + human(capacity_) +
                         " free (largest free block " + human(largest) +
                         "); free slabs or make the arena larger");

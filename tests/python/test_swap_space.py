@@ -1,0 +1,111 @@
+"""SwapSpace: slots in preallocated, locked, striped swap files."""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from pyinfinity.swap import SwapEngine, SwapSpace
+from tests.python.conftest import random_bytes
+
+
+@pytest.mark.parametrize("ndirs", [1, 2, 3])
+def test_slots_round_trip_and_stripe(tmp_path, ndirs):
+    dirs = [tmp_path / f"d{i}" for i in range(ndirs)]
+    for d in dirs:
+        d.mkdir()
+    with SwapSpace(dirs, name="p", stripe_min=1 << 20) as sp:
+        sizes = [1, 4097, (1 << 20) + 7, 9 << 20, 333]
+        data = [random_bytes(n, seed=n) for n in sizes]
+        slots = [sp.allocate(n) for n in sizes]
+        for t, s in zip(data, slots):
+            sp.write(t, s).wait()
+        for t, s in zip(data, slots):
+            u = torch.empty_like(t)
+            sp.read(u, s).wait()
+            assert torch.equal(t, u)
+        big = slots[3]
+        assert len(big.extents) == ndirs  # striped over every directory
+        assert sum(e.nbytes for e in big.extents) == big.nbytes
+        assert all(e.offset % 4096 == 0 for s in slots for e in s.extents)
+        paths = list(sp.paths)
+    assert not any(os.path.exists(p) for p in paths)  # removed on close
+
+
+def test_free_reuses_space_and_rejects_double_free(tmp_path):
+    with SwapSpace(tmp_path, name="r", grow_bytes=1 << 20) as sp:
+        a = sp.allocate(100_000)
+        b = sp.allocate(100_000)
+        sp.free(a)
+        c = sp.allocate(50_000)
+        assert c.extents[0].offset == a.extents[0].offset  # the hole is reused
+        with pytest.raises(ValueError, match="double free"):
+            sp.free(a)
+        sp.free(b)
+        sp.free(c)
+        assert sp.stats()["used"] == 0
+
+
+def test_typed_tensors(tmp_path):
+    with SwapSpace(tmp_path) as sp:
+        t = torch.randn(1000, 7).to(torch.bfloat16)
+        s = sp.allocate(t.numel() * 2)
+        sp.write(t, s).wait()
+        u = torch.empty_like(t)
+        sp.read(u, s).wait()
+        assert torch.equal(t, u)
+        with pytest.raises(ValueError, match="slot .* holds"):
+            sp.write(torch.zeros(10), s)
+
+
+def test_second_space_on_same_directory_is_refused(tmp_path):
+    with SwapSpace(tmp_path, name="x"):
+        with pytest.raises(OSError) as ei:
+            SwapSpace(tmp_path, name="x")
+        assert ei.value.errno == errno.EBUSY
+        assert "in use" in str(ei.value)
+        with SwapSpace(tmp_path, name="y"):  # another name is fine
+            pass
+
+
+def test_capacity_and_real_disk_full(tmp_path, tiny_tmpfs_dir):
+    with SwapSpace(tmp_path, capacity=1 << 20) as sp:
+        sp.allocate(1 << 19)
+        with pytest.raises(OSError) as ei:
+            sp.allocate(1 << 20)
+        assert ei.value.errno == errno.ENOSPC
+    with SwapSpace(tiny_tmpfs_dir, grow_bytes=64 << 10) as sp:
+        sp.allocate(256 << 10)
+        with pytest.raises(OSError) as ei:
+            sp.allocate(4 << 20)  # fails at allocate, not halfway through a later write
+        assert ei.value.errno == errno.ENOSPC
+        assert "bytes free" in ei.value.strerror
+
+
+def test_bad_paths(tmp_path, readonly_dir):
+    with pytest.raises(FileNotFoundError):
+        SwapSpace(tmp_path / "missing")
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        SwapSpace(f)
+    with pytest.raises(OSError) as ei:
+        SwapSpace(readonly_dir)
+    assert ei.value.errno == errno.EROFS
+    with pytest.raises(ValueError):
+        SwapSpace([])
+    with pytest.raises(ValueError, match="name"):
+        SwapSpace(tmp_path, name="a/b")
+
+
+def test_use_after_close(tmp_path):
+    sp = SwapSpace(tmp_path, engine=SwapEngine("posix"))
+    s = sp.allocate(10)
+    sp.close()
+    sp.close()  # idempotent
+    with pytest.raises(ValueError, match="after close"):
+        sp.allocate(10)
+    with pytest.raises(ValueError, match="after close"):
+        sp.write(torch.zeros(10, dtype=torch.uint8), s)
