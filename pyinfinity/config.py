@@ -613,6 +613,7 @@ class ModelSizes:
     largest_shard_bytes: int  # the biggest single flat shard (one module's own parameters)
     largest_module_bytes: int  # the most parameter bytes one module call needs at once
     persistent_bytes: int = 0  # shards kept resident by stage3_param_persistence_threshold
+    small_shard_bytes: int = 0  # bytes of shards of at most 1e5 elements (DeepSpeed's default threshold)
 
 
 @dataclass
@@ -683,8 +684,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
       * stage3_max_live_parameters: the device budget, in elements of the compute dtype.
       * buffer_size: the largest shard; buffer_count: prefetch bytes / buffer_size + 2.
       * max_in_cpu: the host budget left after the optimizer states placed in RAM.
-      * stage3_param_persistence_threshold: elements of shards whose total stays under 5% of the
-        device budget (1e5 elements when that is larger than the budget allows: 0).
+      * stage3_param_persistence_threshold: 1e5 (DeepSpeed's default) when all shards of at most
+        1e5 elements together cost <= 5% of the device budget, else 0.
     """
     c = _deepcopy(cfg)
     out: list[AutoDecision] = []
@@ -722,10 +723,12 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
         if sec.device == "nvme" and not sec.nvme_path:
             raise ConfigError("nvme_path: \"auto\" placed state on NVMe but no nvme_path is configured")
     if z.stage3_param_persistence_threshold == AUTO:
-        thr = 100_000 if 100_000 * itemsize * 20 < dev_budget * 0.05 else 0
+        thr = 100_000 if sizes.small_shard_bytes <= dev_budget * 0.05 else 0
         z.stage3_param_persistence_threshold = thr
         out.append(AutoDecision("zero_optimization.stage3_param_persistence_threshold", thr,
-                                "small shards stay resident while they cost < 5% of the device budget"))
+                                f"shards of <= 1e5 elements ({format_size(sizes.small_shard_bytes)}) stay resident "
+                                "only if they cost <= 5% of the device budget"))
+        sizes = replace(sizes, persistent_bytes=sizes.small_shard_bytes if thr else 0)
     if z.stage3_prefetch_bucket_size == AUTO:
         left = dev_budget - sizes.persistent_bytes - 2 * sizes.largest_module_bytes
         pf = max(0, min(left, 4 * sizes.largest_module_bytes))

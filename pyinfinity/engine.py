@@ -101,7 +101,8 @@ def _rss() -> int:
 
 @contextlib.contextmanager
 def init_empty(config: Union[dict, str, Config, None] = None) -> Iterator[None]:
-    """Builds models without materialising their parameters (they are created on the meta device).
+    """Builds models without materialising their parameters: each parameter is moved to the meta
+    device as it is registered (before any initialiser touches its memory).
 
     ``initialize`` then materialises one module at a time, initialises it (``reset_parameters`` or
     a transformers model's ``_init_weights``), partitions it and writes the shard straight to its
@@ -120,8 +121,7 @@ def init_empty(config: Union[dict, str, Config, None] = None) -> Iterator[None]:
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     try:
-        with torch.device("meta"):
-            yield
+        yield
     finally:
         nn.Module.register_parameter = orig  # type: ignore[method-assign]
 
@@ -152,7 +152,7 @@ def _resolve_device(spec: str) -> torch.device:
 
 
 def _model_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> ModelSizes:
-    numel = pbytes = largest = largest_mod = persistent = 0
+    numel = pbytes = largest = largest_mod = persistent = small = 0
     seen: set[int] = set()
     thr = threshold if isinstance(threshold, int) else 0
     for module in model.modules():
@@ -173,9 +173,12 @@ def _model_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> Mo
             largest = max(largest, nb)
             if n <= thr:
                 persistent += nb
+            if n <= 100_000:
+                small += nb
         largest_mod = max(largest_mod, mod_bytes)
     return ModelSizes(numel=numel, param_bytes=pbytes, largest_shard_bytes=largest,
-                      largest_module_bytes=largest_mod, persistent_bytes=persistent)
+                      largest_module_bytes=largest_mod, persistent_bytes=persistent,
+                      small_shard_bytes=small)
 
 
 class Engine:
@@ -195,6 +198,7 @@ class Engine:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
         self.config = cfg
         self.auto_decisions = decisions
+        z = cfg.zero_optimization
         self.module = model
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.global_steps = 0
@@ -294,6 +298,8 @@ class Engine:
         if shard.dtype != torch.float32:
             src = aligned_empty(shard.numel, shard.dtype)
             src.copy_(master)
+        if shard.persistent and shard.buffer is not None and shard.buffer is not shard.home.tensor:
+            shard.buffer.copy_(src)  # resident copy updated in place (no re-read from its home)
         return self.param_swapper.write(shard.home, src)
 
     # ------------------------------------------------------------------------- training API
@@ -346,7 +352,6 @@ class Engine:
             self.scaler.update(res.skipped)
             if res.skipped:
                 log.info("step %d: fp16 overflow, skipped; loss scale now %g", self.global_steps, self.scaler.scale)
-        self.coordinator.refresh_persistent()
         self.optimizer.zero_grad()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not res.skipped:

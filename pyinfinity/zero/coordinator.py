@@ -167,7 +167,18 @@ class ParameterCoordinator:
         for sh in self.partition.shards:
             for sl in sh.slices:
                 if sl.requires_grad:
+                    self._handles.append(sl.param.register_hook(self._make_pre_grad_hook(sh, sl)))
                     self._handles.append(sl.param.register_post_accumulate_grad_hook(self._make_grad_hook(sh, sl)))
+
+    def _make_pre_grad_hook(self, shard: FlatShard, sl: ParamSlice) -> Callable:
+        # Gradient accumulation checks the parameter's shape. A shard whose backward does not need
+        # its values (an embedding) is not resident then: give the parameter a shape-only stub
+        # (one element, zero strides) for the accumulation instead of fetching it.
+        def hook(grad: torch.Tensor) -> None:
+            if shard.state != ShardState.RESIDENT:
+                sl.param.data = torch.empty(1, dtype=shard.dtype, device=self.device).expand(sl.shape)
+            return None
+        return hook
 
     def _make_pre(self, module: nn.Module, is_root: bool) -> Callable:
         def hook(mod: nn.Module, args: Any) -> None:
@@ -188,6 +199,8 @@ class ParameterCoordinator:
                 if self.on_grad is not None:
                     self.grad_to_host(shard, sl, grad)
                 param.grad = None
+            if shard.state != ShardState.RESIDENT:
+                param.data = placeholder(shard.dtype, self.device)
             shard.grads_seen += 1
             if shard.grads_seen >= shard.n_trainable and shard.backward_held:
                 shard.backward_held = False

@@ -117,19 +117,28 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
-def materialize_module(module: nn.Module, root: Optional[nn.Module]) -> None:
+def materialize_module(module: nn.Module, root: Optional[nn.Module],
+                       replaced: Optional[dict[int, nn.Parameter]] = None) -> None:
     """Gives a module's own meta parameters real storage on the CPU and initialises them.
 
     Used by ``init_empty``: one module at a time, so the whole model never exists in RAM at once.
     Initialisation: ``module.reset_parameters()`` when it has one, else the transformers root
     model's ``_init_weights(module)``, else zeros (logged).
     """
-    metas = [(n, p) for n, p in module.named_parameters(recurse=False) if p.is_meta]
+    replaced = {} if replaced is None else replaced
+    metas = []
+    for name, p in list(module._parameters.items()):
+        if p is None or not p.is_meta:
+            continue
+        if id(p) in replaced:  # tied to a parameter materialised with an earlier module
+            module._parameters[name] = replaced[id(p)]
+            continue
+        new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad)
+        replaced[id(p)] = new
+        module._parameters[name] = new
+        metas.append((name, new))
     if not metas:
         return
-    for name, p in metas:
-        new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad)
-        p.data = new.data
     reset = getattr(module, "reset_parameters", None)
     init_weights = getattr(root, "_init_weights", None) if root is not None else None
     with torch.no_grad():
@@ -163,8 +172,9 @@ def partition_model(
     """
     part = Partition()
     names = {id(m): n for n, m in model.named_modules()}
+    replaced: dict[int, nn.Parameter] = {}  # meta parameter -> its materialised replacement
     for module in model.modules():
-        materialize_module(module, model)
+        materialize_module(module, model, replaced)
         needed: list[FlatShard] = []
         own: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for pname, p in module.named_parameters(recurse=False):
