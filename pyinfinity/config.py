@@ -692,6 +692,12 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
     z = c.zero_optimization
     itemsize = max(1, sizes.param_bytes // max(1, sizes.numel))
     e = c.pyinfinity
+    if e.device == AUTO:
+        import torch
+
+        e.device = "cuda" if torch.cuda.is_available() else "cpu"
+        out.append(AutoDecision("pyinfinity.device", e.device, "CUDA device present" if e.device == "cuda"
+                                else "no CUDA device"))
     if e.device_memory == AUTO or e.device_memory is None:
         e.device_memory = budgets.device_memory
         out.append(AutoDecision("pyinfinity.device_memory", e.device_memory, "measured device budget"))

@@ -62,3 +62,85 @@ def readonly_dir(tmp_path):
             f.write(b"x" * 8192)
         subprocess.run(["mount", "-o", "remount,ro", d], check=True)
         yield d
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-engine fixtures (tests/python/test_engine.py, test_zero_*.py, test_example.py)
+
+
+class _TinyBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, 2 * d)
+        self.down = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(torch.nn.Module):
+    """A small transformer-like LM: embedding, residual MLP blocks, tied output head."""
+
+    def __init__(self, vocab: int = 48, d: int = 24, layers: int = 3, tie: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([_TinyBlock(d) for _ in range(layers)])
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        logits = self.head(self.norm(h))
+        if y is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@pytest.fixture
+def tiny_lm():
+    """Factory of TinyLM models (seeded: the same seed gives the same initial weights)."""
+    def make(seed: int = 0, **kw) -> TinyLM:
+        torch.manual_seed(seed)
+        return TinyLM(**kw)
+    return make
+
+
+@pytest.fixture
+def lm_batches():
+    """Factory of reproducible (x, y) token batches for TinyLM."""
+    def make(n: int, batch: int = 2, seq: int = 8, vocab: int = 48, seed: int = 1):
+        g = torch.Generator().manual_seed(seed)
+        return [(torch.randint(0, vocab, (batch, seq), generator=g),
+                 torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(n)]
+    return make
+
+
+@pytest.fixture
+def engine_config(tmp_path):
+    """Factory of engine configs: tier "cpu" or "nvme" (swap under tmp_path), fp32, CPU device."""
+    def make(tier: str = "cpu", **over) -> dict:
+        swap = str(tmp_path / "swap")
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": tier, "nvme_path": swap, "max_in_cpu": 0},
+                "offload_optimizer": {"device": tier, "nvme_path": swap},
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": 1 << 20,
+            },
+            "pyinfinity": {"device": "cpu", "device_memory": "64MiB"},
+        }
+        for k, v in over.items():
+            if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+                cfg[k] = {**cfg[k], **v}
+            else:
+                cfg[k] = v
+        return cfg
+    return make

@@ -1,0 +1,233 @@
+"""Config: DeepSpeed-format parsing, validation errors that name the key, "auto" resolution, and the
+DeepSpeed learning-rate schedules."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import pytest
+
+from pyinfinity.config import (AUTO, Budgets, ConfigError, ModelSizes, load_config, parse_size,
+                               resolve_auto)
+
+
+def base(**over):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    cfg.update(over)
+    return cfg
+
+
+@pytest.mark.parametrize("cfg, key, suggestion", [
+    ({"zero_optimizaton": {"stage": 3}}, "zero_optimizaton", "zero_optimization"),
+    ({"gradient_cliping": 1.0}, "gradient_cliping", "gradient_clipping"),
+    ({"zero_optimization": {"stage": 3, "offload_parm": {"device": "cpu"}}},
+     "zero_optimization.offload_parm", "offload_param"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
+     "zero_optimization.offload_optimizer.pin_memroy", "pin_memory"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "beta": [0.9, 0.99]}}},
+     "optimizer.params.beta", "betas"),
+    ({"optimizer": {"type": "AdamWW"}}, "optimizer.type", "AdamW"),
+])
+def test_misspelt_key_names_key_and_suggests(cfg, key, suggestion):
+    with pytest.raises(ConfigError) as exc:
+        load_config(cfg)
+    msg = str(exc.value)
+    assert key in msg and repr(suggestion) in msg, msg
+
+
+def test_ignored_deepspeed_key_warns_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="pyinfinity.config"):
+        load_config(base(steps_per_print=10, wall_clock_breakdown=False))
+    assert any("steps_per_print" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage_other_than_3_is_an_error(stage):
+    cfg = base(zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}})
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
+        load_config(cfg)
+
+
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+def test_nvme_without_path_is_an_error(section):
+    cfg = base(zero_optimization={"stage": 3, section: {"device": "nvme"}})
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{section}\.nvme_path"):
+        load_config(cfg)
+
+
+def test_unwritable_nvme_path_is_an_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")  # a directory cannot be created below a regular file, even by root
+    cfg = base(zero_optimization={"stage": 3, "offload_param": {"device": "nvme",
+                                                                 "nvme_path": str(blocker / "swap")}})
+    with pytest.raises(ConfigError, match="nvme_path") as exc:
+        load_config(cfg)
+    assert str(blocker / "swap") in str(exc.value)
+
+
+def test_read_only_mount_is_an_error(tmpfs_dir):
+    import subprocess
+
+    subprocess.run(["mount", "-o", "remount,ro", tmpfs_dir], check=True)
+    try:
+        cfg = base(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                         "nvme_path": tmpfs_dir}})
+        with pytest.raises(ConfigError, match="not writable"):
+            load_config(cfg)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", tmpfs_dir], check=True)
+
+
+@pytest.mark.parametrize("cfg, key", [
+    ({"gradient_clipping": -1.0}, "gradient_clipping"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, "optimizer.params.lr"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}}, "optimizer.params.betas[1]"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}},
+     "zero_optimization.offload_param.device"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}},
+     "zero_optimization.offload_optimizer.ratio"),
+    ({"pyinfinity": {"device_memory": "eight gigs"}}, "pyinfinity.device_memory"),
+    ({"pyinfinity": {"device": "tpu"}}, "pyinfinity.device"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
+     "scheduler.params.total_num_steps"),
+    ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     "train_batch_size"),
+])
+def test_impossible_values_name_the_key(cfg, key):
+    with pytest.raises(ConfigError) as exc:
+        load_config(cfg)
+    assert key in str(exc.value), str(exc.value)
+
+
+def test_batch_sizes_are_reconciled():
+    c = load_config({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3})
+    assert c.gradient_accumulation_steps == 4
+    c = load_config({"train_batch_size": 12, "gradient_accumulation_steps": 6})
+    assert c.train_micro_batch_size_per_gpu == 2
+
+
+def test_full_deepspeed_config_from_json_file(tmp_path):
+    cfg = {
+        "train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                 "weight_decay": 0.1, "adam_w_mode": False}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}},
+        "zero_optimization": {
+            "stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+            "offload_param": {"device": "nvme", "nvme_path": [str(tmp_path / "a"), str(tmp_path / "b")],
+                              "buffer_count": 5, "buffer_size": "100MB", "max_in_cpu": 1e9},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "a"), "ratio": 0.5},
+            "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": 1e4,
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+        "pyinfinity": {"device": "cpu", "device_memory": "2GiB"},
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    c = load_config(str(path))
+    assert c.train_micro_batch_size_per_gpu == 4
+    assert c.optimizer.type == "Adam" and c.optimizer.adam_w_mode is False and c.optimizer.betas == (0.9, 0.95)
+    assert c.zero_optimization.offload_param.nvme_path == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert c.zero_optimization.offload_param.buffer_size == 100_000_000
+    assert c.zero_optimization.stage3_prefetch_bucket_size == AUTO
+    assert c.zero_optimization.stage3_param_persistence_threshold == 10_000
+    assert c.pyinfinity.device_memory == 2 << 30
+    assert c.nvme_paths == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert os.path.isdir(tmp_path / "b")
+
+
+def test_bad_json_file_is_a_config_error(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(p))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("text, n", [("8GiB", 8 << 30), ("512MB", 512_000_000), ("1e9", 10**9),
+                                     ("64 MiB", 64 << 20), (4096, 4096), (1.5e3, 1500)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+def _sizes(numel=100_000_000):
+    return ModelSizes(numel=numel, param_bytes=2 * numel, largest_shard_bytes=2 * numel // 100,
+                      largest_module_bytes=2 * numel // 50, small_shard_bytes=2 * numel // 100)
+
+
+def test_auto_values_change_with_budgets(tmp_path):
+    cfg = load_config({"zero_optimization": {
+        "stage": 3, "stage3_prefetch_bucket_size": "auto", "stage3_max_live_parameters": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "offload_param": {"device": "auto", "nvme_path": str(tmp_path), "buffer_count": "auto",
+                          "buffer_size": "auto", "max_in_cpu": "auto"},
+        "offload_optimizer": {"device": "auto", "nvme_path": str(tmp_path)}}})
+    big = Budgets(device_memory=80 << 30, host_memory=512 << 30, nvme_free=4 << 40)
+    small = Budgets(device_memory=16 << 20, host_memory=512 << 20, nvme_free=4 << 40)
+    rb, db = resolve_auto(cfg, _sizes(), big)
+    rs, ds = resolve_auto(cfg, _sizes(), small)
+    zb, zs = rb.zero_optimization, rs.zero_optimization
+    # more RAM: state in RAM; little RAM: on NVMe
+    assert (zb.offload_optimizer.device, zb.offload_param.device) == ("cpu", "cpu")
+    assert (zs.offload_optimizer.device, zs.offload_param.device) == ("nvme", "nvme")
+    # a smaller device budget: less prefetch, fewer live parameters, no persistent shards
+    assert zs.stage3_prefetch_bucket_size < zb.stage3_prefetch_bucket_size
+    assert zs.stage3_max_live_parameters < zb.stage3_max_live_parameters
+    assert zb.stage3_param_persistence_threshold > zs.stage3_param_persistence_threshold == 0
+    assert zs.offload_param.max_in_cpu < zb.offload_param.max_in_cpu
+    for r in (rb, rs):  # nothing left as "auto" (aio.backend "auto" is a backend probe, not a size)
+        d = r.to_dict()
+        d.pop("aio")
+        assert json.dumps(AUTO) not in json.dumps(d)
+    assert {d.key for d in db} >= {"zero_optimization.offload_optimizer.device",
+                                   "zero_optimization.stage3_prefetch_bucket_size"}
+
+
+def test_auto_reports_missing_disk_with_numbers(tmp_path):
+    cfg = load_config({"zero_optimization": {"stage": 3,
+                                             "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    with pytest.raises(ConfigError, match="needs .* of swap"):
+        resolve_auto(cfg, _sizes(), Budgets(device_memory=1 << 30, host_memory=1 << 30, nvme_free=1 << 30))
+
+
+# ----------------------------------------------------------------------------- LR schedules
+
+
+class _Opt:
+    def __init__(self, lr):
+        self.param_groups = [{"lr": lr, "initial_lr": lr}]
+
+
+@pytest.mark.parametrize("name, params", [
+    ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 7, "warmup_type": "log"}),
+    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 5, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 20, "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                       "warmup_num_steps": 5, "warmup_type": "linear"}),
+    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_min_ratio": 0.1, "warmup_num_steps": 4,
+                        "cos_min_ratio": 0.01, "warmup_type": "log"}),
+])
+def test_schedules_match_deepspeed(name, params):
+    import torch
+    from deepspeed.runtime import lr_schedules as ds
+
+    from pyinfinity.zero.lr_schedules import build_scheduler
+
+    mine_opt = _Opt(1e-3)
+    mine = build_scheduler(name, mine_opt, dict(params))
+    ref_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    ref = getattr(ds, name)(ref_opt, **params)
+    got, want = [], []
+    for _ in range(25):
+        got.append(mine_opt.param_groups[0]["lr"])
+        want.append(ref_opt.param_groups[0]["lr"])
+        mine.step()
+        ref.step()
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert len(set(round(x, 12) for x in got)) > 2  # the schedule really moves
