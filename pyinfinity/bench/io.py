@@ -54,6 +54,7 @@ class IoBenchSettings:
     odd_sizes: bool = True
     aio_handle: bool = True                       # also pyinfinity.aio.AioHandle (DeepSpeed's API)
     deepspeed_build: bool = False
+    fio_batch: bool = False                       # fio runs all repetitions in one process
     gpu: bool = True                              # host<->GPU and NVMe<->GPU when a GPU is present
     gpu_bytes: int = 1 * GiB
     keep_file: bool = False
@@ -63,7 +64,7 @@ def quick_settings(directory: str) -> IoBenchSettings:
     return IoBenchSettings(directory=directory, file_size=64 * MiB, block_sizes=[1 * MiB],
                            queue_depths=[1, 32], threads=[1], io_sizes=[64 * MiB], reps=3,
                            fio_engines=["libaio"], small_count=256, small_size=256 * KiB,
-                           gpu_bytes=256 * MiB)
+                           gpu_bytes=256 * MiB, fio_batch=True)
 
 
 @dataclass
@@ -282,6 +283,10 @@ def prepare_file(path: str, nbytes: int) -> None:
 def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
                  argv: Optional[list[str]] = None) -> BenchRun:
     t_start = time.perf_counter()
+    ds: Optional[DeepSpeedRunner] = None
+    if "deepspeed" in s.peers:
+        ds = DeepSpeedRunner(allow_build=s.deepspeed_build)
+        ds.begin()  # its imports overlap the set-up below; measurements start after it is ready
     os.makedirs(s.directory, exist_ok=True)
     info = mach.machine_info(s.directory)
     fs = mach.fs_info(s.directory)
@@ -299,52 +304,50 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
                     "it is a RAM filesystem" if cache == CACHE_MEMORY
                     else "no O_DIRECT and caches cannot be dropped (not root)")
 
-    want_handle = s.aio_handle and (s.backends is None or "AioHandle" in s.backends)
-    wanted = [b for b in s.backends if b != "AioHandle"] if s.backends else None
-    backends = working_backends(s.directory, wanted or None)
-    peers: list[PeerStatus] = []
-    runners: list[Runner] = []
-    for b, why in backends.items():
-        if why == "ok":
-            # without O_DIRECT the engine writes through the page cache: time the fsync in
-            runners.append(PyinfinityRunner(b, fsync_writes=not direct))
-        else:
-            log.warning("pyinfinity backend %s skipped: %s", b, why)
-    if want_handle and any(why == "ok" for why in backends.values()):
-        runners.append(AioHandleRunner())
-    if "fio" in s.peers:
-        st = fio_status()
-        peers.append(st)
-        if st.available:
-            for eng in s.fio_engines:
-                why = fio_engine_works(eng, s.directory, direct)
-                if why is None:
-                    runners.append(FioRunner(eng, direct))
-                else:
-                    peers.append(PeerStatus(f"fio:{eng}", False, note=why))
-        else:
-            log.warning("%s", st.note)
-    if "dd" in s.peers:
-        ok = info.tools.get("dd") is not None
-        peers.append(PeerStatus("dd", ok, version=info.tools.get("dd") or "",
-                                note="" if ok else "dd (coreutils) not found"))
-        if ok:
-            runners.append(DdRunner(direct))
-    if "deepspeed" in s.peers:
-        ds = DeepSpeedRunner(allow_build=s.deepspeed_build)
-        st = ds.start()
-        peers.append(st)
-        if st.available:
-            runners.append(ds)
-        else:
-            log.warning("DeepSpeed aio peer unavailable: %s", st.note)
-
-    run = BenchRun(s, info, peers, backends, cache, argv=list(argv or []))
     path = os.path.join(s.directory, BENCH_FILE)
     configs = _configs(s)
-    total_bytes = max([c.nbytes for c in configs] + [0])
+    runners: list[Runner] = []
     try:
-        prepare_file(path, total_bytes)
+        prepare_file(path, max([c.nbytes for c in configs] + [0]))
+        want_handle = s.aio_handle and (s.backends is None or "AioHandle" in s.backends)
+        wanted = [b for b in s.backends if b != "AioHandle"] if s.backends else None
+        backends = working_backends(s.directory, wanted or None)
+        peers: list[PeerStatus] = []
+        for b, why in backends.items():
+            if why == "ok":
+                # without O_DIRECT the engine writes through the page cache: time the fsync in
+                runners.append(PyinfinityRunner(b, fsync_writes=not direct))
+            else:
+                log.warning("pyinfinity backend %s skipped: %s", b, why)
+        if want_handle and any(why == "ok" for why in backends.values()):
+            runners.append(AioHandleRunner())
+        if "fio" in s.peers:
+            st = fio_status()
+            peers.append(st)
+            if st.available:
+                for eng in s.fio_engines:
+                    why = fio_engine_works(eng, s.directory, direct)
+                    if why is None:
+                        runners.append(FioRunner(eng, direct, batch_reps=s.reps if s.fio_batch else 0))
+                    else:
+                        peers.append(PeerStatus(f"fio:{eng}", False, note=why))
+            else:
+                log.warning("%s", st.note)
+        if "dd" in s.peers:
+            ok = info.tools.get("dd") is not None
+            peers.append(PeerStatus("dd", ok, version=info.tools.get("dd") or "",
+                                    note="" if ok else "dd (coreutils) not found"))
+            if ok:
+                runners.append(DdRunner(direct))
+        if ds is not None:
+            st = ds.start()
+            peers.append(st)
+            if st.available:
+                runners.append(ds)
+            else:
+                log.warning("DeepSpeed aio peer unavailable: %s", st.note)
+
+        run = BenchRun(s, info, peers, backends, cache, argv=list(argv or []))
         plan: list[tuple[IoConfig, list[Runner]]] = []
         seen: set = set()
         for cfg in configs:
@@ -397,6 +400,8 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
     finally:
         for r in runners:
             r.close()
+        if ds is not None:
+            ds.close()
         if not s.keep_file:
             try:
                 os.unlink(path)
