@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on a GPU machine (the lent H200 box; offline, torch preinstalled): build, run every
+# test suite, then the measurements named in $GPU_CHECK_STEPS. Logs and JSON go to $OUT
+# (default ./gpu-out). Usage: bash .ci/gpu_check.sh [steps...]   steps: build cpp pytest bench train
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+steps=${*:-build cpp pytest}
+status=0
+run() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$(date +%s)
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+  tail -n 25 "$OUT/$name.log"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+for s in $steps; do
+  case $s in
+    build)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      run build env PYINFINITY_WERROR=1 $PY -m pip install --no-build-isolation --no-deps -e . \
+        && $PY -c "import pyinfinity._C as C; print(C.build_info()); print('devices', C.cuda_device_count(), C.cuda_status())" ;;
+    cpp)
+      run cpp bash -c "cmake -S . -B build-tests -G Ninja -DPYINFINITY_PYTHON=OFF -DPYINFINITY_TESTS=ON -DPYINFINITY_WERROR=ON >/dev/null && cmake --build build-tests -j && cd build-tests && ctest --output-on-failure" ;;
+    pytest)
+      run pytest $PY -m pytest -q -p no:cacheprovider -rs tests/python ${PYTEST_ARGS:-} ;;
+    *)
+      echo "unknown step $s"; status=1 ;;
+  esac
+done
+exit $status
