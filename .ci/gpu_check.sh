@@ -30,7 +30,7 @@ for s in $steps; do
     cpp)
       run cpp bash -c "cmake -S . -B build-tests -G Ninja -DPYINFINITY_PYTHON=OFF -DPYINFINITY_TESTS=ON -DPYINFINITY_WERROR=ON >/dev/null && cmake --build build-tests -j && cd build-tests && ctest --output-on-failure" ;;
     pytest)
-      run pytest $PY -m pytest -q -p no:cacheprovider -rs tests/python ${PYTEST_ARGS:-} ;;
+      run pytest $PY -m pytest -q -p no:cacheprovider -rs ${PYTEST_PATHS:-tests/python} ${PYTEST_ARGS:-} ;;
     *)
       echo "unknown step $s"; status=1 ;;
   esac
