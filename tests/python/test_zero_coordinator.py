@@ -1,0 +1,258 @@
+"""ParameterCoordinator: fetch/release around every module, trace-driven prefetch (and that it is
+real, under an injected I/O stall), trace divergence, tied weights, the device budget, modules
+called twice, external parameters and activation checkpointing."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import pyinfinity
+from pyinfinity.zero.coordinator import DeviceBudgetError
+from pyinfinity.zero.partition import ShardState
+
+
+def engine_grads(engine):
+    """name -> accumulated fp32 gradient, read back from the engine's optimizer."""
+    out = {}
+    for sh in engine.partition.shards:
+        st = engine.optimizer.state_of(sh)
+        for sl in sh.slices:
+            out[sl.name] = st.grad[sl.offset:sl.offset + sl.numel].view(sl.shape).clone()
+    return out
+
+
+def ref_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_match(engine, ref_model):
+    got, want = engine_grads(engine), ref_grads(ref_model)
+    assert set(want) <= set(got)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def resident(engine):
+    return [s for s in engine.partition.shards if s.state != ShardState.RELEASED]
+
+
+def test_forward_matches_and_everything_is_released(tiny_lm, lm_batches, engine_config):
+    model = tiny_lm()
+    ref = copy.deepcopy(model)
+    (x, y), = lm_batches(1)
+    with pyinfinity.initialize(model, engine_config("cpu")) as eng:
+        out = eng(x, y)
+        assert not resident(eng)  # all released after forward
+        torch.testing.assert_close(out, ref(x, y), rtol=0, atol=0)
+        eng.backward(out)
+        assert not resident(eng)
+        ref(x, y).backward()
+        assert_grads_match(eng, ref)
+        eng.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(eng(x), ref(x), rtol=0, atol=0)
+        assert not resident(eng)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_trace_prefetch_counts(tiny_lm, lm_batches, engine_config, prefetch):
+    model = tiny_lm(layers=4)
+    cfg = engine_config("cpu", pyinfinity={"device": "cpu", "device_memory": "64MiB", "prefetch": prefetch})
+    with pyinfinity.initialize(model, cfg) as eng:
+        for i, (x, y) in enumerate(lm_batches(3)):
+            eng.backward(eng(x, y))
+            eng.step()
+            rec = eng.history[-1]
+            if i == 0:  # first iteration records the trace: every use is on demand
+                assert rec.prefetch_hits == 0 and rec.on_demand_fetches > 0
+        st = eng.coordinator.stats
+        if prefetch:
+            # later iterations replay the trace: most uses are served by a prefetch
+            assert rec.prefetch_hits > 2 * rec.on_demand_fetches, rec
+            assert st.prefetch_issued >= st.prefetch_hits > 0
+        else:
+            assert st.prefetch_hits == 0 and st.prefetch_issued == 0 and rec.on_demand_fetches > 0
+        assert st.divergences == 0
+
+
+class Branchy(nn.Module):
+    """Dynamic control flow: which blocks run depends on the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+
+    def forward(self, x, skip):
+        for i, b in enumerate(self.blocks):
+            if i != skip:
+                x = torch.tanh(b(x))
+        return x.square().mean()
+
+
+def test_trace_divergence_falls_back_and_stays_correct(engine_config):
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 16)
+    with pyinfinity.initialize(model, engine_config("cpu")) as eng:
+        for skip in (9, 9, 1, 1, 2):
+            ref.zero_grad()
+            loss = eng(x, skip)
+            eng.backward(loss)
+            ref(x, skip).backward()
+            assert_grads_match(eng, ref)
+            eng.zero_grad()
+        st = eng.coordinator.stats
+        # 9 -> 9 replays; 9 -> 1 and 1 -> 2 diverge (1 -> 1 replays the re-recorded trace)
+        assert st.divergences == 2
+        assert not resident(eng)
+
+
+def test_tied_weights_stay_tied(tiny_lm, lm_batches, engine_config, tmp_path):
+    model = tiny_lm(tie=True)
+    with pyinfinity.initialize(model, engine_config("cpu")) as eng:
+        for x, y in lm_batches(3):
+            eng.backward(eng(x, y))
+            eng.step()
+        assert model.head.weight is model.embed.weight
+        eng.export(str(tmp_path / "out"))
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
+    torch.testing.assert_close(sd["head.weight"], sd["embed.weight"], rtol=0, atol=0)
+
+
+def test_device_budget_holds_for_a_model_several_times_larger(tiny_lm, lm_batches, engine_config):
+    model = tiny_lm(layers=12, d=32, vocab=32)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    budget = model_bytes // 4
+    cfg = engine_config("cpu", pyinfinity={"device": "cpu", "device_memory": budget},
+                        zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0,
+                                           "stage3_prefetch_bucket_size": budget // 4})
+    with pyinfinity.initialize(model, cfg) as eng:
+        for x, y in lm_batches(3, vocab=32):
+            eng.backward(eng(x, y))
+            eng.step()
+        peak = max(r.peak_device_bytes for r in eng.history)
+        assert 0 < peak <= budget < model_bytes / 3
+        assert eng.memory_report().device_peak == peak
+
+
+def test_too_small_budget_is_a_clear_error(tiny_lm, lm_batches, engine_config):
+    model = tiny_lm(layers=2, d=32)
+    cfg = engine_config("cpu", pyinfinity={"device": "cpu", "device_memory": 1024})
+    with pyinfinity.initialize(model, cfg) as eng:
+        (x, y), = lm_batches(1)
+        with pytest.raises(DeviceBudgetError, match="device_memory"):
+            eng(x, y)
+
+
+class TwiceAndExternal(nn.Module):
+    """A block applied twice per forward, and a head that reuses another module's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+        self.head = nn.Module()
+
+    def forward(self, x):
+        h = torch.relu(self.shared(torch.relu(self.shared(self.inp(x)))))
+        return (self.out(h) @ self.inp.weight.t()).pow(2).mean()  # inp.weight outside inp's forward
+
+
+def test_module_called_twice_and_external_parameter(engine_config):
+    torch.manual_seed(0)
+    model = TwiceAndExternal()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with pyinfinity.initialize(model, engine_config("cpu")) as eng:
+        with pytest.raises(RuntimeError):  # unregistered use outside the owner's forward is not silent
+            eng(x)
+        eng.coordinator.register_external_parameter(model, model.inp.weight)
+        loss = eng(x)
+        eng.backward(loss)
+        ref_loss = ref(x)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        assert_grads_match(eng, ref)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                                     for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=self.reentrant)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(engine_config, reentrant):
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16, requires_grad=reentrant)  # reentrant checkpoint needs a grad-requiring input
+    with pyinfinity.initialize(model, engine_config("cpu")) as eng:
+        for _ in range(2):
+            eng.zero_grad()
+            ref.zero_grad()
+            loss = eng(x)
+            eng.backward(loss)
+            ref(x).backward()
+            assert_grads_match(eng, ref)
+            assert not resident(eng)
+
+
+class SlowBlock(nn.Module):
+    """A layer whose compute takes a fixed time, so there is something to hide I/O behind."""
+
+    def __init__(self, d, delay):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.delay = delay
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return torch.tanh(self.lin(x))
+
+
+def test_prefetch_is_real_under_an_io_stall(engine_config):
+    from pyinfinity.swap import fault_injection
+
+    stall_ms, delay_ms, layers = 25, 50, 6
+    times = {}
+    hits = {}
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[SlowBlock(64, delay_ms / 1000) for _ in range(layers)])
+        cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "prefetch": prefetch})
+        # one layer ahead: the seam stalls every piece the I/O thread stages, one after another
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 64 * 65 * 4
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        x = torch.randn(4, 64)
+        with pyinfinity.initialize(model, cfg) as eng:
+            eng.eval()
+            with torch.no_grad():
+                eng(x)  # records the trace
+                eng.coordinator.stats.prefetch_hits = 0
+                with fault_injection(op="read", nth=1, action="stall", value=stall_ms, count=0):
+                    t0 = time.perf_counter()
+                    for _ in range(2):
+                        eng(x)
+                    times[prefetch] = time.perf_counter() - t0
+            hits[prefetch] = (eng.coordinator.stats.prefetch_hits, eng.coordinator.stats.on_demand)
+    # without prefetch every layer waits for its stalled read, then computes; with prefetch the
+    # read of layer k+1 runs during the compute of layer k
+    assert hits[False][0] == 0 and hits[True][0] >= 2 * (layers - 1)
+    assert times[True] < 0.8 * times[False], (times, hits)
