@@ -26,7 +26,7 @@ for s in $steps; do
     build)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       run build env PYINFINITY_WERROR=1 $PY -m pip install --no-build-isolation --no-deps -e . \
-        && $PY -c "import pyinfinity._C as C; print(C.build_info()); print('devices', C.cuda_device_count(), C.cuda_status())" ;;
+        && $PY -c "import pyinfinity._C as C; print(C.build_info()); print('devices', C.cuda_device_count(), C.cuda_status())" && ldd pyinfinity/_C*.so ;;
     cpp)
       run cpp bash -c "cmake -S . -B build-tests -G Ninja -DPYINFINITY_PYTHON=OFF -DPYINFINITY_TESTS=ON -DPYINFINITY_WERROR=ON >/dev/null && cmake --build build-tests -j && cd build-tests && ctest --output-on-failure" ;;
     pytest)

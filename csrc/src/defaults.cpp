@@ -1,7 +1,8 @@
 #include "pyinfinity/defaults.hpp"
 
 #include <cstdlib>
-#include <sstream>
+#include <type_traits>
+#include <cstdio>
 
 #include "pyinfinity/error.hpp"
 
@@ -62,10 +63,16 @@ double wait_timeout_s() {
 }
 
 std::vector<Entry> table() {
+  // No iostreams in the core: a module with its own copy of libstdc++ (some toolchains link
+  // it statically) crashes formatting numbers through the locale that torch's copy set up.
   auto str = [](auto v) {
-    std::ostringstream o;
-    o << v;
-    return o.str();
+    char buf[64];
+    if constexpr (std::is_floating_point_v<decltype(v)>) {
+      std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    } else {
+      std::snprintf(buf, sizeof buf, "%llu", static_cast<unsigned long long>(v));
+    }
+    return std::string(buf);
   };
   return {
       {"block_size", "PYINFINITY_BLOCK_SIZE", str(block_size()),

@@ -1,7 +1,6 @@
 #include "pyinfinity/fault.hpp"
 
 #include <cstdlib>
-#include <sstream>
 
 #include "pyinfinity/error.hpp"
 
@@ -34,15 +33,19 @@ FaultSpec FaultInjector::parse(const std::string& text) {
   FaultSpec s;
   s.action = FaultSpec::Action::error;
   s.value = 5;  // EIO
-  std::stringstream ss(text);
-  std::string item;
+  std::size_t start = 0;
   auto to_u64 = [](const std::string& key, const std::string& v) {
     char* end = nullptr;
     unsigned long long x = std::strtoull(v.c_str(), &end, 10);
     PYINF_EXPECT(!v.empty() && *end == '\0', "PYINFINITY_FAULT: " + key + "=" + v + " is not a number");
     return static_cast<std::uint64_t>(x);
   };
-  while (std::getline(ss, item, ',')) {
+  while (start <= text.size()) {
+    std::size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    std::string item = text.substr(start, comma - start);
+    start = comma + 1;
+    if (item.empty()) continue;
     auto eq = item.find('=');
     PYINF_EXPECT(eq != std::string::npos, "PYINFINITY_FAULT: expected key=value, got '" + item + "'");
     std::string k = item.substr(0, eq), v = item.substr(eq + 1);

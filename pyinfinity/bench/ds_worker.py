@@ -12,6 +12,18 @@ from typing import Any, Optional, TextIO
 SEED = 20261202
 
 
+def _jit_library(name: str) -> str:
+    """Where torch's JIT builder keeps op ``name`` for this interpreter (computed, not created:
+    torch's own helper makes the directory)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    cu = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_{cu}"
+    return os.path.join(root, tag, name, f"{name}.so")
+
+
 def _load_op(allow_build: bool) -> tuple[Any, str]:
     import deepspeed
     from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -24,10 +36,7 @@ def _load_op(allow_build: bool) -> tuple[Any, str]:
     except ImportError:
         prebuilt = False
     if not prebuilt:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        cached = os.path.exists(os.path.join(_get_build_directory(builder.name, False),
-                                             f"{builder.name}.so"))
+        cached = os.path.exists(_jit_library(builder.name))
         if not cached:
             if not builder.is_compatible(verbose=False):
                 raise RuntimeError("DeepSpeed's async_io op cannot be built here: libaio headers "

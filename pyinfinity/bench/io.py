@@ -396,7 +396,13 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
         if s.gpu:
             from pyinfinity.bench.gpu import run_gpu_bench
 
-            run.results.extend(run_gpu_bench(s, path, progress))
+            try:
+                run.results.extend(run_gpu_bench(s, path, progress))
+            except Exception as exc:  # the disk figures above stay valid; say what broke
+                log.exception("GPU figures failed")
+                run.results.append(Result(workload="gpu", op="h2d", tool="pyinfinity",
+                                          backend="stager", nbytes=0,
+                                          note=f"failed: {type(exc).__name__}: {exc}"[:300]))
     finally:
         for r in runners:
             r.close()

@@ -255,6 +255,18 @@ class MachineInfo:
     can_drop_caches: bool
     memlock_bytes: Optional[int]
     tools: dict[str, Optional[str]] = field(default_factory=dict)
+    source: str = ""          # git commit of the pyinfinity checkout, when run from one
+
+
+def source_revision() -> str:
+    """``git describe --always --dirty`` of the checkout holding this package, or ""."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def machine_info(path: str) -> MachineInfo:
@@ -274,4 +286,5 @@ def machine_info(path: str) -> MachineInfo:
         o_direct=probe_o_direct(d).ok if os.access(d, os.W_OK) and not fs.read_only else False,
         can_drop_caches=can_drop_caches(), memlock_bytes=memlock_limit(),
         tools={"fio": tool_version(["fio", "--version"]), "dd": tool_version(["dd", "--version"])},
+        source=source_revision(),
     )
