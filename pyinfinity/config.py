@@ -113,14 +113,18 @@ class SchedulerConfig:
 
 @dataclass
 class OffloadParamConfig:
-    """``zero_optimization.offload_param``: where parameter shards live between uses."""
+    """``zero_optimization.offload_param``: where parameter shards live between uses.
+
+    max_in_cpu: with device nvme, the first this-many elements stay in pinned RAM. The default is
+    0 (DeepSpeed's is 1e9) so that "nvme" means the parameters are on NVMe.
+    """
 
     device: str = "cpu"  # none | cpu | nvme | auto ("none" = resident on the compute device)
     nvme_path: Optional[list[str]] = None
     pin_memory: bool = True
     buffer_count: SizeOrAuto = 5
     buffer_size: SizeOrAuto = 100_000_000
-    max_in_cpu: SizeOrAuto = 1_000_000_000
+    max_in_cpu: SizeOrAuto = 0  # elements kept in RAM when device is nvme (DeepSpeed: 1e9)
 
 
 @dataclass
@@ -422,7 +426,7 @@ def _parse_zero(d: dict) -> ZeroConfig:
             pin_memory=_bool(op.get("pin_memory", True), f"{w}.pin_memory"),
             buffer_count=_int(op.get("buffer_count", 5), f"{w}.buffer_count", 1, True),
             buffer_size=_int(op.get("buffer_size", 100_000_000), f"{w}.buffer_size", 1, True),
-            max_in_cpu=_int(op.get("max_in_cpu", 1_000_000_000), f"{w}.max_in_cpu", 0, True),
+            max_in_cpu=_int(op.get("max_in_cpu", 0), f"{w}.max_in_cpu", 0, True),
         )
     oo = d.get("offload_optimizer")
     if oo is not None:

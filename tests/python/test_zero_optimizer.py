@@ -1,0 +1,132 @@
+"""OffloadOptimizer: Adam/AdamW on flat fp32 states in RAM or on NVMe (pipelined or not, partial
+NVMe ratio) against torch's optimizers; clipping; fp16 loss scaling."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pyinfinity.config import FP16Config, OptimizerConfig
+from pyinfinity.swap.tensor_swapper import TensorSwapper, Tier
+from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
+from pyinfinity.zero.partition import FlatShard, ParamSlice
+
+SIZES = [1000, 4097, 33, 70000, 5]
+
+
+def make_shards(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shards, values = [], []
+    for i, n in enumerate(SIZES):
+        p = torch.nn.Parameter(torch.empty(0))
+        sl = ParamSlice(f"p{i}", p, 0, n, torch.Size([n]), torch.float32, True)
+        shards.append(FlatShard(index=i, module_name=f"m{i}", dtype=torch.float32, slices=[sl], numel=n))
+        values.append(torch.randn(n, generator=g))
+    return shards, values
+
+
+def grads_for(step, seed=1):
+    g = torch.Generator().manual_seed(seed + step)
+    return [torch.randn(n, generator=g) * (3.0 if step % 2 else 0.5) for n in SIZES]
+
+
+def read_master(opt, shard):
+    st = opt.state_of(shard)
+    buf = torch.empty(3 * shard.numel)
+    opt.swapper.read(st.home, buf).wait()
+    return buf[:shard.numel]
+
+
+@pytest.mark.parametrize("tier, ratio, pipeline", [("cpu", 0.0, True), ("nvme", 1.0, True),
+                                                   ("nvme", 1.0, False), ("nvme", 0.5, True)])
+@pytest.mark.parametrize("mode", ["AdamW", "Adam"])
+def test_step_matches_torch(tmp_path, tier, ratio, pipeline, mode):
+    cfg = OptimizerConfig(type=mode, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                          adam_w_mode=(mode == "AdamW"))
+    sw = TensorSwapper("optimizer", torch.device("cpu"), [str(tmp_path)] if tier == "nvme" else None)
+    written = {}
+    opt = OffloadOptimizer(cfg, sw, nvme_ratio=ratio, buffer_count=3, pipeline=pipeline,
+                           write_param=lambda sh, m: written.__setitem__(sh.index, m.clone()))
+    shards, values = make_shards()
+    opt.plan(shards)
+    for sh, v in zip(shards, values):
+        opt.add_shard(sh, v)
+    tiers = {st.home.tier for st in opt.states}
+    assert tiers == ({Tier.CPU} if tier == "cpu" else {Tier.NVME} if ratio == 1.0 else {Tier.CPU, Tier.NVME})
+
+    ref_params = [torch.nn.Parameter(v.clone()) for v in values]
+    cls = torch.optim.AdamW if mode == "AdamW" else torch.optim.Adam
+    ref = cls(ref_params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(4):
+        grads = grads_for(step)
+        for sh, g in zip(shards, grads):
+            opt.accumulate(sh, sh.slices[0], g)
+        res = opt.step(clip=1.0)
+        opt.zero_grad()
+        for p, g in zip(ref_params, grads):
+            p.grad = g.clone()
+        norm = torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
+        ref.step()
+        assert res.grad_norm == pytest.approx(float(norm), rel=1e-5)
+    for sh, p in zip(shards, ref_params):
+        torch.testing.assert_close(read_master(opt, sh), p.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(written[sh.index], p.detach(), rtol=1e-5, atol=1e-7)
+    sw.close()
+    assert not list(tmp_path.glob("*.swp"))  # swap files removed on close
+
+
+def test_accumulation_is_fp32_and_handles_half_grads():
+    sw = TensorSwapper("optimizer", torch.device("cpu"))
+    opt = OffloadOptimizer(OptimizerConfig(), sw)
+    shards, values = make_shards()
+    opt.plan(shards)
+    opt.add_shard(shards[0], values[0])
+    sl = shards[0].slices[0]
+    g = torch.randn(SIZES[0])
+    opt.accumulate(shards[0], sl, g.to(torch.bfloat16))
+    opt.accumulate(shards[0], sl, g.to(torch.bfloat16))
+    st = opt.state_of(shards[0])
+    assert st.grad.dtype == torch.float32
+    torch.testing.assert_close(st.grad, 2 * g.to(torch.bfloat16).float(), rtol=0, atol=0)
+    opt.zero_grad()
+    assert st.grad.abs().sum() == 0
+
+
+def test_overflow_is_skipped_and_states_untouched(tmp_path):
+    sw = TensorSwapper("optimizer", torch.device("cpu"), [str(tmp_path)])
+    opt = OffloadOptimizer(OptimizerConfig(lr=0.1), sw, nvme_ratio=1.0)
+    shards, values = make_shards()
+    opt.plan(shards)
+    for sh, v in zip(shards, values):
+        opt.add_shard(sh, v)
+    for sh in shards:
+        g = torch.ones(sh.numel)
+        if sh.index == 2:
+            g[3] = float("inf")
+        opt.accumulate(sh, sh.slices[0], g)
+    res = opt.step(grad_scale=1024.0, check_overflow=True)
+    assert res.skipped and not math.isfinite(res.grad_norm)
+    for sh, v in zip(shards, values):
+        torch.testing.assert_close(read_master(opt, sh), v, rtol=0, atol=0)
+    sw.close()
+
+
+def test_dynamic_loss_scaler():
+    s = DynamicLossScaler(FP16Config(enabled=True, initial_scale_power=8, loss_scale_window=3, hysteresis=2,
+                                     min_loss_scale=16))
+    assert s.scale == 256
+    s.update(True)  # hysteresis absorbs the first overflow
+    assert s.scale == 256
+    s.update(True)
+    assert s.scale == 128
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 256
+    for _ in range(10):
+        s.update(True)
+        s.update(True)
+    assert s.scale == 16  # never below min_loss_scale
+    static = DynamicLossScaler(FP16Config(enabled=True, loss_scale=64))
+    static.update(True)
+    assert static.scale == 64
