@@ -9,6 +9,7 @@
 #include <limits>
 #include <optional>
 
+#include "pyinfinity/checksum.hpp"
 #include "pyinfinity/cuda_runtime.hpp"
 #include "pyinfinity/cuda_stager.hpp"
 #include "pyinfinity/defaults.hpp"
@@ -118,7 +119,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("nbytes", [](const PyRequest& r) { return r.req.nbytes(); })
       .def_property_readonly("offset", [](const PyRequest& r) { return r.req.offset(); })
       .def_property_readonly("is_write", [](const PyRequest& r) { return r.req.is_write(); })
-      .def_property_readonly("path", [](const PyRequest& r) { return r.req.path(); });
+      .def_property_readonly("path", [](const PyRequest& r) { return r.req.path(); })
+      .def("checksums", [](const PyRequest& r) { return r.req.checksums(); },
+           "CRC-32C per 64 KiB of the request (checksum=True writes, verified reads)");
 
   py::class_<SwapEngine, std::shared_ptr<SwapEngine>>(m, "SwapEngine")
       .def(py::init([](const std::string& backend, std::size_t block_size, std::size_t queue_depth,
@@ -130,15 +133,18 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "submit",
           [](SwapEngine& e, std::shared_ptr<FileHandle> file, std::uintptr_t ptr, std::size_t nbytes,
-             std::int64_t offset, bool write, py::object keepalive) {
+             std::int64_t offset, bool write, py::object keepalive, bool checksum,
+             std::vector<std::uint32_t> expected) {
             Request r = [&] {
               py::gil_scoped_release nogil;  // "auto" may probe the directory
-              return e.submit(std::move(file), reinterpret_cast<void*>(ptr), nbytes, offset, write);
+              return e.submit(std::move(file), reinterpret_cast<void*>(ptr), nbytes, offset, write,
+                              checksum, std::move(expected));
             }();
             return std::make_unique<PyRequest>(std::move(r), std::move(keepalive));
           },
           py::arg("file"), py::arg("ptr"), py::arg("nbytes"), py::arg("offset"), py::arg("write"),
-          py::arg("keepalive") = py::none())
+          py::arg("keepalive") = py::none(), py::arg("checksum") = false,
+          py::arg("expected_checksums") = std::vector<std::uint32_t>{})
       .def("backend_for", &SwapEngine::backend_for, py::call_guard<py::gil_scoped_release>())
       .def("close", &SwapEngine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &SwapEngine::closed)
@@ -234,6 +240,14 @@ PYBIND11_MODULE(_C, m) {
         return d;
       });
 
+  m.attr("CHECKSUM_BLOCK") = kChecksumBlock;
+  m.def("crc32c", [](py::buffer b, std::uint32_t crc) {
+    py::buffer_info info = b.request();
+    const auto n = static_cast<std::size_t>(info.size * info.itemsize);
+    py::gil_scoped_release nogil;
+    return pyinfinity::crc32c(info.ptr, n, crc);
+  }, py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_hardware", &crc32c_hardware);
   m.def("compiled_backends", &compiled_backends);
   m.def(
       "probe_backend",

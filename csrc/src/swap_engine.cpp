@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "pyinfinity/checksum.hpp"
 #include "pyinfinity/defaults.hpp"
 #include "pyinfinity/detail/split_io.hpp"
 #include "pyinfinity/error.hpp"
@@ -34,6 +35,10 @@ struct OpState {
   std::size_t align = 4096;
   Lane* lane = nullptr;
   SwapEngine* engine = nullptr;
+  // Integrity: a write computes one CRC-32C per kChecksumBlock; a read given `expected` checks.
+  bool checksum = false;
+  std::vector<std::uint32_t> expected;
+  std::vector<std::uint32_t> checksums;
 
   // Guarded by the lane's mutex.
   std::size_t cursor = 0;
@@ -156,6 +161,7 @@ class Lane {
     }
     s.piece = Piece{};
     if (complete) {
+      if (op->err == 0 && (op->checksum || !op->expected.empty())) verify(*op);
       op->file->add_inflight(-1);
       engine_->op_finished(*op);
       {
@@ -163,6 +169,24 @@ class Lane {
         op->finished = true;
       }
       op->cv.notify_all();
+    }
+  }
+
+  // Computed in the I/O thread once the data is in memory (reads) or on disk (writes), so the
+  // caller's thread never pays for it.
+  static void verify(OpState& op) {
+    op.checksums = block_checksums(op.buf, op.nbytes);
+    if (op.write || op.expected.empty()) return;
+    for (std::size_t k = 0; k < op.checksums.size(); ++k) {
+      if (op.checksums[k] != op.expected[k]) {
+        const std::size_t lo = k * kChecksumBlock;
+        const std::size_t hi = std::min(op.nbytes, lo + kChecksumBlock);
+        op.err = EBADMSG;
+        op.err_what = "checksum mismatch: bytes [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                      ") of the request, file offset " + std::to_string(op.offset + static_cast<std::int64_t>(lo)) +
+                      " (the swap file changed since it was written)";
+        return;
+      }
     }
   }
 
@@ -368,6 +392,11 @@ std::size_t Request::nbytes() const { return op_->nbytes; }
 std::int64_t Request::offset() const { return op_->offset; }
 bool Request::is_write() const { return op_->write; }
 const std::string& Request::path() const { return op_->file->path(); }
+std::vector<std::uint32_t> Request::checksums() const {
+  std::lock_guard<std::mutex> lk(op_->mu);
+  PYINF_EXPECT(op_->finished, "checksums: the request is not done yet; wait() first");
+  return op_->checksums;
+}
 
 SwapEngine::SwapEngine(EngineOptions o) : opts_(std::move(o)) {
   PYINF_EXPECT(opts_.block_size >= 4096 && opts_.block_size <= (std::size_t(1) << 30),
@@ -424,7 +453,8 @@ std::string SwapEngine::backend_for(const FileHandle& file) {
 }
 
 Request SwapEngine::submit(std::shared_ptr<FileHandle> file, void* buf, std::size_t nbytes,
-                           std::int64_t offset, bool write) {
+                           std::int64_t offset, bool write, bool checksum,
+                           std::vector<std::uint32_t> expected) {
   PYINF_EXPECT(!closed_.load(), "engine: used after close()");
   PYINF_EXPECT(file != nullptr, "file: must not be None");
   PYINF_EXPECT(!file->closed(), "file: used after close(): " + file->path());
@@ -440,6 +470,13 @@ Request SwapEngine::submit(std::shared_ptr<FileHandle> file, void* buf, std::siz
                  "offset: read past end of file: " + file->path() + " has " + std::to_string(size) +
                      " bytes, asked for " + std::to_string(nbytes) + " at offset " + std::to_string(offset));
   }
+  if (!expected.empty()) {
+    PYINF_EXPECT(!write, "expected_checksums: only reads are verified");
+    PYINF_EXPECT(expected.size() == (nbytes + kChecksumBlock - 1) / kChecksumBlock,
+                 "expected_checksums: " + std::to_string(expected.size()) + " given, " +
+                     std::to_string((nbytes + kChecksumBlock - 1) / kChecksumBlock) + " needed for " +
+                     std::to_string(nbytes) + " bytes");
+  }
   detail::Lane& ln = lane(backend_for(*file));
   auto op = std::make_shared<OpState>();
   op->file = std::move(file);
@@ -447,6 +484,8 @@ Request SwapEngine::submit(std::shared_ptr<FileHandle> file, void* buf, std::siz
   op->nbytes = nbytes;
   op->offset = offset;
   op->write = write;
+  op->checksum = checksum;
+  op->expected = std::move(expected);
   op->align = std::max<std::size_t>({op->file->offset_align(), static_cast<std::size_t>(::getpagesize())});
   op->lane = &ln;
   op->engine = this;

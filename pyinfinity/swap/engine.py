@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -75,8 +75,14 @@ class SwapEngine:
         return _C.FileHandle(as_path(file), "rw" if write else "r")
 
     def submit(self, tensor: torch.Tensor, file: FileLike, offset: int, write: bool,
-               nbytes_: Optional[int] = None, byte_offset: int = 0) -> Request:
-        """Transfers `nbytes_` bytes (default: all) of `tensor`, starting `byte_offset` bytes in."""
+               nbytes_: Optional[int] = None, byte_offset: int = 0, checksum: bool = False,
+               expected_checksums: Optional[Sequence[int]] = None) -> Request:
+        """Transfers `nbytes_` bytes (default: all) of `tensor`, starting `byte_offset` bytes in.
+
+        checksum: compute a CRC-32C per 64 KiB (``Request.checksums()`` after ``wait()``), in the
+        I/O thread. expected_checksums (reads): what a checksummed write returned; a mismatch
+        fails the request with ``OSError(EBADMSG)`` naming the bytes and the file.
+        """
         check_tensor(tensor)
         check_offset(offset)
         total = nbytes(tensor)
@@ -84,15 +90,17 @@ class SwapEngine:
         if byte_offset < 0 or n <= 0 or byte_offset + n > total:
             raise ValueError(f"nbytes: range [{byte_offset}, {byte_offset + n}) outside the tensor's {total} bytes")
         fh = self._file(file, write)
-        return self._core.submit(fh, tensor.data_ptr() + byte_offset, n, offset, write, tensor)
+        return self._core.submit(fh, tensor.data_ptr() + byte_offset, n, offset, write, tensor, checksum,
+                                 list(expected_checksums) if expected_checksums is not None else [])
 
-    def write(self, tensor: torch.Tensor, file: FileLike, offset: int = 0) -> Request:
+    def write(self, tensor: torch.Tensor, file: FileLike, offset: int = 0, checksum: bool = False) -> Request:
         """Writes all bytes of a contiguous CPU tensor to `file` at `offset` (creating the file)."""
-        return self.submit(tensor, file, offset, True)
+        return self.submit(tensor, file, offset, True, checksum=checksum)
 
-    def read(self, tensor: torch.Tensor, file: FileLike, offset: int = 0) -> Request:
+    def read(self, tensor: torch.Tensor, file: FileLike, offset: int = 0,
+             expected_checksums: Optional[Sequence[int]] = None) -> Request:
         """Fills a contiguous CPU tensor from `file` at `offset`; ValueError if the file is too short."""
-        return self.submit(tensor, file, offset, False)
+        return self.submit(tensor, file, offset, False, expected_checksums=expected_checksums)
 
     def backend_for(self, file: FileLike) -> str:
         """The backend used for `file` ("auto" resolved by probing its directory)."""

@@ -46,6 +46,7 @@ class Slot:
     id: int
     nbytes: int
     extents: Tuple[Extent, ...]
+    tag: str = ""  # what the slot holds (e.g. a parameter's name), for error messages
 
 
 class _Allocator:
@@ -91,10 +92,12 @@ class _Allocator:
 
 
 class _MultiRequest:
-    """Several requests (one per extent) behaving as one."""
+    """Several requests (one per extent) behaving as one; `on_done` runs after a clean wait."""
 
-    def __init__(self, reqs: Sequence[_C.Request]) -> None:
+    def __init__(self, reqs: Sequence[_C.Request], slot: Slot, on_done=None) -> None:
         self._reqs = list(reqs)
+        self._slot = slot
+        self._on_done = on_done
 
     def done(self) -> bool:
         return all(r.done() for r in self._reqs)
@@ -104,10 +107,17 @@ class _MultiRequest:
         for r in self._reqs:  # wait for all, even after a failure, so no buffer is still in use
             try:
                 r.wait(timeout)
+            except OSError as exc:
+                if err is None:
+                    what = f" (slot {self._slot.id}{', ' + repr(self._slot.tag) if self._slot.tag else ''})"
+                    err = OSError(exc.errno, (exc.strerror or str(exc)) + what, exc.filename)
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 err = err or exc
         if err is not None:
             raise err
+        if self._on_done is not None:
+            self._on_done(self._reqs)
+            self._on_done = None
 
     @property
     def nbytes(self) -> int:
@@ -123,12 +133,15 @@ class SwapSpace:
     capacity: most bytes the space may hold in all (None: as much as the disks have).
     grow_bytes: preallocation step per file.
     stripe_min: slots smaller than this go to one file (round-robin) instead of being striped.
+    checksums: record a CRC-32C per 64 KiB of every write (computed in the I/O thread) and verify
+    reads against it; a changed swap file then raises OSError(EBADMSG) naming file, offset and
+    slot tag instead of returning wrong data.
     """
 
     def __init__(self, dirs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
                  engine: Optional[SwapEngine] = None, name: str = "swap",
                  capacity: Optional[int] = None, grow_bytes: int = 256 << 20,
-                 stripe_min: int = 4 << 20, remove_on_close: bool = True) -> None:
+                 stripe_min: int = 4 << 20, remove_on_close: bool = True, checksums: bool = False) -> None:
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
         dirs = [os.fspath(d) for d in dirs]
@@ -144,6 +157,8 @@ class SwapSpace:
         self.grow_bytes = _round_up(max(grow_bytes, ALIGN))
         self.stripe_min = stripe_min
         self.remove_on_close = remove_on_close
+        self.checksums = checksums
+        self._crcs: dict = {}  # slot id -> list (per extent) of CRC lists, after a checksummed write
         self._lock = threading.Lock()
         self._files: List[_C.FileHandle] = []
         self._lock_fds: List[int] = []
@@ -180,8 +195,9 @@ class SwapSpace:
         self.paths.append(path)
 
     # -- slots -------------------------------------------------------------------------------
-    def allocate(self, nbytes: int) -> Slot:
-        """Reserves `nbytes` (> 0); OSError(ENOSPC) when the disks or `capacity` cannot hold it."""
+    def allocate(self, nbytes: int, tag: str = "") -> Slot:
+        """Reserves `nbytes` (> 0); OSError(ENOSPC) when the disks or `capacity` cannot hold it.
+        `tag` names the contents in error messages."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise TypeError(f"nbytes: expected an int, got {type(nbytes).__name__}")
         if nbytes <= 0:
@@ -221,7 +237,7 @@ class SwapSpace:
                     self._alloc[e.file].give(e.offset, e.reserved)
                 raise
             self._used += reserve
-            slot = Slot(self._next_id, nbytes, tuple(extents))
+            slot = Slot(self._next_id, nbytes, tuple(extents), tag)
             self._next_id += 1
             self._slots[slot.id] = slot
             return slot
@@ -246,6 +262,7 @@ class SwapSpace:
         with self._lock:
             if self._slots.pop(slot.id, None) is None:
                 raise ValueError(f"slot: {slot.id} is not allocated in swap space '{self.name}' (double free?)")
+            self._crcs.pop(slot.id, None)
             for e in slot.extents:
                 self._alloc[e.file].give(e.offset, e.reserved)
                 self._used -= e.reserved
@@ -261,10 +278,19 @@ class SwapSpace:
             raise ValueError(f"tensor: has {n} bytes, slot {slot.id} holds {slot.nbytes}")
         reqs = []
         pos = 0
-        for e in slot.extents:
-            reqs.append(self.engine.submit(tensor, self._files[e.file], e.offset, write, e.nbytes, pos))
+        expected = self._crcs.get(slot.id) if (self.checksums and not write) else None
+        if self.checksums and write:
+            self._crcs.pop(slot.id, None)  # stale until this write completes
+        for i, e in enumerate(slot.extents):
+            reqs.append(self.engine.submit(tensor, self._files[e.file], e.offset, write, e.nbytes, pos,
+                                           checksum=self.checksums and write,
+                                           expected_checksums=expected[i] if expected else None))
             pos += e.nbytes
-        return _MultiRequest(reqs)
+        on_done = None
+        if self.checksums and write:
+            def on_done(done, sid=slot.id):
+                self._crcs[sid] = [r.checksums() for r in done]
+        return _MultiRequest(reqs, slot, on_done)
 
     def write(self, tensor: torch.Tensor, slot: Slot) -> _MultiRequest:
         """Writes the tensor's bytes into the slot (sizes must match)."""

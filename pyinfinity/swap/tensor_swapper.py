@@ -56,6 +56,7 @@ class SwapRecord:
     dtype: torch.dtype
     tensor: Optional[torch.Tensor] = None  # cpu / gpu tiers
     slot: Any = None  # nvme tier
+    slab: Any = None  # cpu tier, when the tensor lives in the swapper's pinned arena
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +115,7 @@ class TensorSwapper:
     """
 
     def __init__(self, name: str, device: torch.device, nvme_dirs: Optional[Sequence[str]] = None,
-                 engine: Any = None, pin: bool = True) -> None:
+                 engine: Any = None, pin: bool = True, pinned_capacity: int = 0) -> None:
         self.name = name
         self.device = torch.device(device)
         self.nvme_dirs = list(nvme_dirs or [])
@@ -125,6 +126,13 @@ class TensorSwapper:
         self.stats = SwapStats()
         self._records: list[SwapRecord] = []
         self._closed = False
+        # cpu-tier homes come from one page-locked arena when a GPU exists (no per-tensor pinning,
+        # no power-of-two rounding of torch's pinned allocator); overflow falls back to torch
+        self._arena: Any = None
+        if self._pin and pinned_capacity > 0:
+            from pyinfinity.swap import PinnedArena
+
+            self._arena = PinnedArena(int(pinned_capacity))
 
     # -- placement ---------------------------------------------------------------------------
     @property
@@ -149,7 +157,14 @@ class TensorSwapper:
         if tier == Tier.NVME:
             rec.slot = self.space.allocate(rec.nbytes)
         elif tier == Tier.CPU:
-            rec.tensor = aligned_empty(numel, dtype, pin=self._pin)
+            if self._arena is not None:
+                try:
+                    rec.slab = self._arena.allocate(rec.nbytes)
+                    rec.tensor = rec.slab.tensor(dtype, (numel,))
+                except ValueError:  # arena exhausted
+                    log.debug("%s: pinned arena full, %s from torch's pinned allocator", self.name, key)
+            if rec.tensor is None:
+                rec.tensor = aligned_empty(numel, dtype, pin=self._pin)
         else:
             rec.tensor = torch.empty(numel, dtype=dtype, device=self.device)
         self.stats.resident[tier.value] = self.stats.resident.get(tier.value, 0) + rec.nbytes
@@ -186,6 +201,10 @@ class TensorSwapper:
     def free(self, rec: SwapRecord) -> None:
         if rec.tier == Tier.NVME and rec.slot is not None and self._space is not None:
             self._space.free(rec.slot)
+        if rec.slab is not None:
+            rec.tensor = None
+            rec.slab.free()
+            rec.slab = None
         self.stats.resident[rec.tier.value] = self.stats.resident.get(rec.tier.value, 0) - rec.nbytes
         rec.tensor, rec.slot = None, None
 
@@ -214,7 +233,11 @@ class TensorSwapper:
         self._closed = True
         for rec in self._records:
             rec.tensor, rec.slot = None, None
+            if rec.slab is not None:
+                rec.slab.free()
+                rec.slab = None
         self._records.clear()
+        self._arena = None
         if self._space is not None:
             try:
                 self._space.close()

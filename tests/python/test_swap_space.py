@@ -109,3 +109,42 @@ def test_use_after_close(tmp_path):
         sp.allocate(10)
     with pytest.raises(ValueError, match="after close"):
         sp.write(torch.zeros(10, dtype=torch.uint8), s)
+
+
+def test_checksums_catch_a_flipped_byte(tmp_path):
+    with SwapSpace(tmp_path, name="c", checksums=True) as sp:
+        t = random_bytes(300_000, 11)
+        s = sp.allocate(t.numel(), tag="layers.3.mlp.weight")
+        sp.write(t, s).wait()
+        back = torch.empty_like(t)
+        sp.read(back, s).wait()
+        assert torch.equal(t, back)
+        # flip one byte behind the engine's back
+        off = s.extents[0].offset + 200_000
+        with open(sp.paths[0], "r+b") as f:
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0x40]))
+        with pytest.raises(OSError) as ei:
+            sp.read(back, s).wait()
+        assert ei.value.errno == errno.EBADMSG
+        assert ei.value.filename == sp.paths[0]
+        msg = ei.value.strerror
+        assert "checksum mismatch" in msg and "bytes [196608, 262144)" in msg and "layers.3.mlp.weight" in msg
+        sp.write(t, s).wait()  # rewriting heals it
+        sp.read(back, s).wait()
+        assert torch.equal(t, back)
+
+
+def test_engine_checksums_api(tmp_path):
+    from pyinfinity import _C
+    eng = SwapEngine()
+    t = random_bytes(200_001, 12)
+    r = eng.write(t, tmp_path / "x", 5, checksum=True)
+    r.wait()
+    crcs = r.checksums()
+    assert len(crcs) == 4 and crcs[0] == _C.crc32c(t[:65536].numpy())
+    eng.read(torch.empty_like(t), tmp_path / "x", 5, expected_checksums=crcs).wait()
+    with pytest.raises(ValueError, match="expected_checksums"):
+        eng.read(torch.empty_like(t), tmp_path / "x", 5, expected_checksums=crcs[:2])

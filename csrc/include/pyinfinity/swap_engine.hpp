@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "pyinfinity/file_handle.hpp"
 
@@ -37,6 +38,9 @@ class Request {
   std::int64_t offset() const;
   bool is_write() const;
   const std::string& path() const;
+  /// CRC-32C per kChecksumBlock of the transferred bytes (requests made with checksum=true or
+  /// expected checksums); ArgumentError before the request is done.
+  std::vector<std::uint32_t> checksums() const;
 
  private:
   std::shared_ptr<detail::OpState> op_;
@@ -74,8 +78,11 @@ class SwapEngine {
 
   /// Starts a transfer of nbytes between buf and file at offset. buf must stay valid until the
   /// request is done. Bad arguments throw ArgumentError here; I/O failures surface at wait().
+  /// checksum: compute CRC-32Cs of the data (Request::checksums()). expected (reads): the
+  /// checksums a write returned; a mismatch fails the request with EBADMSG naming the bytes.
   Request submit(std::shared_ptr<FileHandle> file, void* buf, std::size_t nbytes,
-                 std::int64_t offset, bool write);
+                 std::int64_t offset, bool write, bool checksum = false,
+                 std::vector<std::uint32_t> expected = {});
   /// The backend this engine uses for file (resolving "auto" by probing its directory).
   std::string backend_for(const FileHandle& file);
   const EngineOptions& options() const noexcept { return opts_; }
