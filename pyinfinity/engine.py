@@ -214,12 +214,14 @@ class Engine:
         # the swap layer: one engine per state class so I/O time can be told apart
         self._swap_engines: dict[str, Any] = {}
         op, oo = z.offload_param, z.offload_optimizer
+        param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * 4)
+        optim_ram = sizes.numel * 12 * (1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
         self.param_swapper = TensorSwapper("params", self.device, op.nvme_path,
                                            self._swap_engine("params") if op.device == "nvme" else None,
-                                           pin=op.pin_memory)
+                                           pin=op.pin_memory, pinned_capacity=param_ram + (1 << 20))
         self.optim_swapper = TensorSwapper("optimizer", self.device, oo.nvme_path,
                                            self._swap_engine("optimizer") if oo.device == "nvme" else None,
-                                           pin=oo.pin_memory)
+                                           pin=oo.pin_memory, pinned_capacity=int(optim_ram) + (1 << 20))
         self.optimizer = OffloadOptimizer(cfg.optimizer, self.optim_swapper,
                                           nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
                                           buffer_count=oo.buffer_count,

@@ -441,7 +441,6 @@ class ParameterCoordinator:
         tr.end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.swap_stream):
             tr.start.record()
-            self.swapper._count(sh.home.tier, "read", 0)
             sh.buffer.copy_(src, non_blocking=True)
             tr.end.record()
         self._transfer_events.append((tr.start, tr.end))
