@@ -53,7 +53,7 @@ def plot_results(results: Sequence[Result], path: str, title: str = "") -> None:
     ax = axes[2]
     bars = [r for r in done if r.workload != "file"]
     if bars:
-        labels = [f"{r.workload} {r.op}\n{r.label()}" for r in bars]
+        labels = [f"{r.workload} {r.op} {r.label()}" for r in bars]
         ax.barh(range(len(bars)), [r.gbps_median for r in bars],
                 xerr=[[r.gbps_median - r.gbps_min for r in bars],
                       [r.gbps_max - r.gbps_median for r in bars]],

@@ -107,3 +107,12 @@ def ratio_to_best_peer(results: list[Result], r: Result) -> Optional[float]:
     if p is None or not p.gbps_median:
         return None
     return r.gbps_median / p.gbps_median
+
+
+def ratio_to(results: list[Result], r: Result, tool: str) -> Optional[float]:
+    """``r``'s median over ``tool``'s median at the same setting (pyinfinity rows only)."""
+    if r.tool != "pyinfinity" or not r.seconds:
+        return None
+    p = next((p for p in results if p.tool == tool and p.key() == r.key() and p.seconds
+              and p.verified is not False), None)
+    return r.gbps_median / p.gbps_median if p is not None and p.gbps_median else None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from pyinfinity.bench.records import Result, best_peer, ratio_to_best_peer
+from pyinfinity.bench.records import Result, best_peer, ratio_to, ratio_to_best_peer
 from pyinfinity.bench.workload import fmt_size
 
 
@@ -22,6 +22,10 @@ def render(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
 
 
+def _ratio(x: Optional[float]) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
 def _verified(r: Result) -> str:
     return {True: "yes", False: "NO", None: "-"}[r.verified]
 
@@ -36,7 +40,7 @@ def ratio_text(results: Sequence[Result], r: Result) -> str:
 
 def results_table(results: Sequence[Result]) -> str:
     header = ["workload", "op", "block", "qd", "thr", "request", "tool:backend", "GB/s", "min-max",
-              "vs best peer", "verified", "cache"]
+              "vs best peer", "vs DeepSpeed", "verified", "cache"]
     rows = []
     for r in results:
         if not r.seconds:
@@ -46,7 +50,8 @@ def results_table(results: Sequence[Result]) -> str:
                      (f"{r.n_ops}x{'~' if r.workload == 'small-odd' else ''}{fmt_size(r.io_size)}"
                       if r.n_ops > 1 else fmt_size(r.io_size)),
                      r.label(), f"{r.gbps_median:.2f}", f"{r.gbps_min:.2f}-{r.gbps_max:.2f}",
-                     ratio_text(results, r), _verified(r), r.cache])
+                     ratio_text(results, r), _ratio(ratio_to(list(results), r, "deepspeed")),
+                     _verified(r), r.cache])
     return render(rows, header)
 
 
