@@ -79,9 +79,10 @@ class BenchRun:
     results: list[Result] = field(default_factory=list)
     seconds: float = 0.0
     argv: list[str] = field(default_factory=list)
+    load_avg: list[float] = field(default_factory=list)   # 1-minute load at start and at end
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "argv": self.argv, "seconds": self.seconds,
+        return {"schema": SCHEMA, "argv": self.argv, "seconds": self.seconds, "load_avg": self.load_avg,
                 "settings": asdict(self.settings), "machine": asdict(self.machine),
                 "peers": [asdict(p) for p in self.peers], "backends": self.backends,
                 "cache": self.cache, "results": [r.to_json() for r in self.results]}
@@ -283,6 +284,11 @@ def prepare_file(path: str, nbytes: int) -> None:
 def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
                  argv: Optional[list[str]] = None) -> BenchRun:
     t_start = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    if load0 > 0.5 * (os.cpu_count() or 1):
+        log.warning("load average %.1f on %d cores: other work shares this machine and will add "
+                    "noise (tools are interleaved repetition by repetition, so ratios stay fair)",
+                    load0, os.cpu_count() or 1)
     ds: Optional[DeepSpeedRunner] = None
     if "deepspeed" in s.peers:
         ds = DeepSpeedRunner(allow_build=s.deepspeed_build)
@@ -414,4 +420,5 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
             except OSError:
                 pass
     run.seconds = time.perf_counter() - t_start
+    run.load_avg = [load0, os.getloadavg()[0]]
     return run

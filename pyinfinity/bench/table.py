@@ -38,7 +38,7 @@ def ratio_text(results: Sequence[Result], r: Result) -> str:
     return f"{x:.2f}x {p.label() if p else ''}"
 
 
-def results_table(results: Sequence[Result]) -> str:
+def results_table(results: Sequence[Result], markdown: bool = False) -> str:
     header = ["workload", "op", "block", "qd", "thr", "request", "tool:backend", "GB/s", "min-max",
               "vs best peer", "vs DeepSpeed", "verified", "cache"]
     rows = []
@@ -52,7 +52,14 @@ def results_table(results: Sequence[Result]) -> str:
                      r.label(), f"{r.gbps_median:.2f}", f"{r.gbps_min:.2f}-{r.gbps_max:.2f}",
                      ratio_text(results, r), _ratio(ratio_to(list(results), r, "deepspeed")),
                      _verified(r), r.cache])
-    return render(rows, header)
+    return render_markdown(rows, header) if markdown else render(rows, header)
+
+
+def render_markdown(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    """A GitHub Markdown table (for BENCHMARKS.md)."""
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
 
 
 def skipped_lines(results: Sequence[Result]) -> list[str]:

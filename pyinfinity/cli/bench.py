@@ -81,6 +81,8 @@ def add_io_options(p: argparse.ArgumentParser, suppress: bool = False) -> None:
                    help="let DeepSpeed JIT-compile its async_io op if it is not built (minutes)")
     p.add_argument("--json", metavar="FILE", default=d(None), help="write every sample + machine info")
     p.add_argument("--plot", metavar="FILE.png", default=d(None), help="GB/s vs block size (matplotlib)")
+    p.add_argument("--markdown", metavar="FILE.md", default=d(None),
+                   help="also write the table as Markdown (for BENCHMARKS.md)")
     p.add_argument("--keep-file", action="store_true", default=d(False), help="keep the benchmark file")
     p.add_argument("--no-progress", action="store_true", default=d(False), help="no progress bar")
 
@@ -197,7 +199,8 @@ def run_io(args: argparse.Namespace) -> int:
     m = run.machine
     fs = m.fs
     print(f"pyinfinity bench io: {directory} on {fs['mount_point']} ({fs['fs_type']}, {fs['source']}); "
-          f"page cache: {run.cache}; {run.seconds:.1f} s")
+          f"page cache: {run.cache}; {run.seconds:.1f} s; load average {run.load_avg[0]:.1f} -> "
+          f"{run.load_avg[1]:.1f}")
     print(f"machine: {m.cpu}, {m.cores} cores, {m.ram_bytes / 2**30:.0f} GiB RAM, kernel {m.kernel}, "
           f"torch {m.torch}, GPUs: {', '.join(g['name'] for g in m.gpus) or 'none'}")
     print("backends: " + ", ".join(f"{b} ({why})" for b, why in run.backends.items()))
@@ -217,6 +220,19 @@ def run_io(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(run.to_json(), f, indent=1)
         print(f"\njson: {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"Machine: {m.cpu}, {m.cores} cores, {m.ram_bytes / 2**30:.0f} GiB RAM, kernel "
+                    f"{m.kernel}, GPUs: {', '.join(g['name'] for g in m.gpus) or 'none'}; "
+                    f"{directory} on {fs['fs_type']} ({fs['source']}); page cache: {run.cache}; "
+                    f"pyinfinity {m.pyinfinity} ({m.source or 'no git revision'}), torch {m.torch}; "
+                    f"{m.date_utc}; load average {run.load_avg[0]:.1f} -> {run.load_avg[1]:.1f}"
+                    f"\n\nCommand: `{' '.join(run.argv)}`\n\n")
+            f.write(table.results_table(run.results, markdown=True) + "\n")
+            for line in table.summary_lines(run.results):
+                f.write(f"\n- {line}")
+            f.write("\n")
+        print(f"markdown: {args.markdown}")
     if args.plot:
         from pyinfinity.bench.plot import plot_results
 

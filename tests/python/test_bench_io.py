@@ -50,7 +50,8 @@ def test_quick_json_schema(quick_run):
     _, js, _, data_dir = quick_run
     d = json.loads(js.read_text())
     assert d["schema"] == SCHEMA
-    for key in ("argv", "settings", "machine", "peers", "backends", "cache", "results", "seconds"):
+    for key in ("argv", "settings", "machine", "peers", "backends", "cache", "results", "seconds",
+                "load_avg"):
         assert key in d
     assert d["machine"]["fs"]["fs_type"]
     assert d["machine"]["cores"] >= 1 and d["machine"]["ram_bytes"] > 0
