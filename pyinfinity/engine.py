@@ -256,7 +256,9 @@ class Engine:
                 model, self.partition, self.param_swapper, self.device,
                 device_memory=self.device_memory,
                 prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
-                on_grad=self.optimizer.accumulate, fixed_bytes=buf_bytes)
+                on_grad=self.optimizer.accumulate, fixed_bytes=buf_bytes,
+                max_live_elements=int(z.stage3_max_live_parameters),
+                max_inflight_reads=int(op.buffer_count) if op.device == "nvme" else None)
         except BaseException:
             self.close()
             raise

@@ -118,7 +118,8 @@ class ParameterCoordinator:
     def __init__(self, model: nn.Module, partition: Partition, swapper: Any, device: torch.device, *,
                  device_memory: Optional[int] = None, prefetch_bytes: int = 0, prefetch: bool = True,
                  on_grad: Optional[Callable[[FlatShard, ParamSlice, torch.Tensor], None]] = None,
-                 fixed_bytes: int = 0) -> None:
+                 fixed_bytes: int = 0, max_live_elements: Optional[int] = None,
+                 max_inflight_reads: Optional[int] = None) -> None:
         self.model = model
         self.partition = partition
         self.swapper = swapper
@@ -129,6 +130,8 @@ class ParameterCoordinator:
         self.prefetch_bytes = int(prefetch_bytes)
         self.prefetch_enabled = prefetch and prefetch_bytes > 0
         self.on_grad = on_grad
+        self.max_live_elements = max_live_elements  # stage3_max_live_parameters: caps prefetch
+        self.max_inflight_reads = max_inflight_reads  # offload_param.buffer_count: NVMe reads ahead
         self.stats = FetchStats()
         self.in_backward = False
         self._handles: list[Any] = []
@@ -362,18 +365,26 @@ class ParameterCoordinator:
     def _prefetch_ahead(self) -> None:
         if not self.prefetch_enabled or self._trace is None or self._diverged:
             return
-        inflight = sum(s.nbytes for s in self.partition.shards if s.prefetched)
-        room = self.prefetch_bytes - inflight
-        trace, shards = self._trace, self.partition.shards
-        for idx in trace[self._pos:self._pos + LOOKAHEAD_ENTRIES]:
+        shards = self.partition.shards
+        room = self.prefetch_bytes - sum(s.nbytes for s in shards if s.prefetched)
+        live = sum(s.numel for s in shards if s.state != ShardState.RELEASED)
+        reads = sum(1 for s in shards if s.state == ShardState.INFLIGHT and s.home.tier == Tier.NVME)
+        for idx in self._trace[self._pos:self._pos + LOOKAHEAD_ENTRIES]:
             sh = shards[idx]
             if sh.state != ShardState.RELEASED:
                 continue
             if sh.nbytes > room or not self.budget.fits(sh.nbytes):
                 break
+            if self.max_live_elements is not None and live + sh.numel > self.max_live_elements:
+                break
+            nvme = sh.home.tier == Tier.NVME
+            if nvme and self.max_inflight_reads is not None and reads >= self.max_inflight_reads:
+                break
             self._start_fetch(sh)
             sh.prefetched = True
             room -= sh.nbytes
+            live += sh.numel
+            reads += nvme
             self.stats.prefetch_issued += 1
         self._advance_transfers()
 
