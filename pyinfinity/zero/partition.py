@@ -122,8 +122,8 @@ def materialize_module(module: nn.Module, root: Optional[nn.Module],
     """Gives a module's own meta parameters real storage on the CPU and initialises them.
 
     Used by ``init_empty``: one module at a time, so the whole model never exists in RAM at once.
-    Initialisation: ``module.reset_parameters()`` when it has one, else the transformers root
-    model's ``_init_weights(module)``, else zeros (logged).
+    Initialisation: ``module.reset_parameters()`` when it has one, then the transformers root
+    model's ``_init_weights(module)`` when there is one; with neither, zeros (logged).
     """
     replaced = {} if replaced is None else replaced
     metas = []
@@ -144,9 +144,9 @@ def materialize_module(module: nn.Module, root: Optional[nn.Module],
     with torch.no_grad():
         if callable(reset):
             reset()
-        elif callable(init_weights):
+        if callable(init_weights):  # a transformers model's own scheme wins (e.g. std 0.02)
             init_weights(module)
-        else:
+        if not callable(reset) and not callable(init_weights):
             log.warning("init_empty: %s has no reset_parameters/_init_weights; its parameters start at 0",
                         type(module).__name__)
             for _, p in metas:

@@ -89,3 +89,22 @@ def test_init_empty_builds_on_meta_and_materialises_per_module(tiny_lm):
     assert all(n == 0 for _, n in seen)  # parameters are placeholders again right after placement
     assert not any(p.is_meta for p in model.parameters())
     assert model.head.weight is model.embed.weight  # the tie survives materialisation
+
+
+def test_init_empty_transformers_model_uses_its_own_init():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mc = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=4, initializer_range=0.05)
+    with pyinfinity.init_empty():
+        model = LlamaForCausalLM(mc)
+    stats = {}
+
+    def on_shard(shard, flat, flat32):
+        stats[shard.module_name] = (float(flat32.std()), float(flat32.mean()))
+
+    partition_model(model, on_shard=on_shard)
+    assert stats["model.embed_tokens"][0] == pytest.approx(0.05, rel=0.1)
+    assert stats["model.layers.0.mlp.up_proj"][0] == pytest.approx(0.05, rel=0.1)
+    assert stats["model.layers.0.input_layernorm"] == (0.0, 1.0)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq[:2], torch.tensor([1.0, 10000 ** (-2 / 16)]))
