@@ -110,3 +110,26 @@ def best_of(results: Sequence[Result], op: str, workload: str = "file",
     rs = [r for r in results if r.op == op and r.workload == workload and r.seconds
           and r.verified is not False and (tool is None or r.tool == tool)]
     return max(rs, key=lambda r: r.gbps_median, default=None)
+
+
+def pivot(results: Sequence[Result], markdown: bool = False) -> str:
+    """One row per setting (workload, op, block, qd, threads), one column per tool:backend, each
+    cell the median GB/s: the side-by-side view of BENCHMARKS.md."""
+    done = [r for r in results if r.seconds]
+    cols: list[str] = []
+    for r in done:
+        if r.label() not in cols:
+            cols.append(r.label())
+    cols.sort(key=lambda c: (not c.startswith("pyinfinity"), c.startswith("dd"), c))
+    rows: dict[tuple, dict[str, Result]] = {}
+    for r in done:
+        unit = fmt_size(r.block_size) if r.workload == "file" else (
+            f"{r.n_ops}x{'~' if r.workload == 'small-odd' else ''}{fmt_size(r.io_size)}")
+        rows.setdefault((r.workload, r.op, unit, r.queue_depth, r.threads), {})[r.label()] = r
+    header = ["workload", "op", "block/tensors", "qd", "thr", *cols]
+    body = []
+    for (wl, op, unit, qd, th), cells in rows.items():
+        body.append([wl, op, unit, str(qd) if qd else "-", str(th),
+                     *(f"{cells[c].gbps_median:.2f}" if c in cells and cells[c].verified is not False
+                       else ("BAD DATA" if c in cells else "") for c in cols)])
+    return render_markdown(body, header) if markdown else render(body, header)

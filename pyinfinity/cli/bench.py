@@ -228,6 +228,9 @@ def run_io(args: argparse.Namespace) -> int:
                     f"pyinfinity {m.pyinfinity} ({m.source or 'no git revision'}), torch {m.torch}; "
                     f"{m.date_utc}; load average {run.load_avg[0]:.1f} -> {run.load_avg[1]:.1f}"
                     f"\n\nCommand: `{' '.join(run.argv)}`\n\n")
+            f.write("Median GB/s (1e9 B/s) per tool, side by side:\n\n")
+            f.write(table.pivot(run.results, markdown=True) + "\n\nEvery sample's median, min-max "
+                    "and ratios:\n\n")
             f.write(table.results_table(run.results, markdown=True) + "\n")
             for line in table.summary_lines(run.results):
                 f.write(f"\n- {line}")

@@ -66,6 +66,10 @@ class PinnedArena:
             raise TypeError(f"capacity: expected an int, got {type(capacity).__name__}")
         if capacity <= 0:
             raise ValueError(f"capacity: must be > 0, got {capacity}")
+        if lock in ("auto", "cuda") and torch.cuda.is_available():
+            # torch answers is_pinned() (and so picks truly async copies) only once its own CUDA
+            # context exists; make sure it does before the memory is registered.
+            torch.cuda.init()
         self._core = _C.PinnedArena(capacity, lock)
         if self._core.lock_note:
             log.info("PinnedArena(%d bytes): %s", capacity, self._core.lock_note)
