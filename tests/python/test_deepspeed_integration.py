@@ -1,0 +1,537 @@
+"""pyinfinity as DeepSpeed's NVMe backend: DeepSpeed 0.19 ZeRO-3 trains on the CPU with every swap file
+written and read by pyinfinity, losses equal to the offload-to-cpu run; install/uninstall semantics.
+
+Each DeepSpeed training runs in its own process (``python this_file.py --worker cfg.json``) so that
+DeepSpeed's process-global state (accelerator, dist group, op cache) does not leak between runs.
+The worker forbids every DeepSpeed op build, so nothing here needs or builds DeepSpeed's aio op.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HIDDEN = 1024          # each Linear weight: 1024*1024 bf16 = 2 MiB (> 1 MiB, so it is swapped)
+LAYERS = 4
+BATCH = 8
+STEPS = 4
+WORKER_TIMEOUT_S = 240
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: one DeepSpeed training run, results as JSON
+# ---------------------------------------------------------------------------------------------
+def ds_config(offload: str, nvme_path: str, pipeline_read: bool = False, pipeline_write: bool = False,
+              fast_init: bool = False) -> Dict[str, Any]:
+    zero: Dict[str, Any] = {
+        "stage": 3,
+        "offload_param": {"device": offload, "pin_memory": True},
+        "offload_optimizer": {"device": offload, "pin_memory": True},
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 2 * HIDDEN * HIDDEN,
+        "stage3_max_live_parameters": 2 * HIDDEN * HIDDEN,
+    }
+    if offload == "nvme":
+        zero["offload_param"].update(nvme_path=nvme_path, buffer_count=4, buffer_size=LAYERS * HIDDEN * HIDDEN, max_in_cpu=0)
+        zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=4, fast_init=fast_init,
+                                         pipeline_read=pipeline_read, pipeline_write=pipeline_write)
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,  # torch's AdamW: no cpu_adam op to build
+        "aio": {"block_size": 262144, "queue_depth": 8, "intra_op_parallelism": 1,
+                "single_submit": False, "overlap_events": True},
+        "steps_per_print": 10 ** 6,
+    }
+
+
+def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+
+    if cfg["backend"] == "pyinfinity" and cfg.get("via") == "install":
+        from pyinfinity.integrations import deepspeed as pids  # noqa: F401 (env var route when via=env)
+        pids.install()
+    elif cfg["backend"] == "pyinfinity":
+        assert os.environ.get("PYINFINITY_DEEPSPEED") == "1"
+        import pyinfinity.integrations.deepspeed  # noqa: F401 - acts on PYINFINITY_DEEPSPEED=1
+
+    import deepspeed
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    def no_build(self: Any, verbose: bool = True) -> None:
+        raise RuntimeError(f"test guard: DeepSpeed tried to build its {self.name!r} op")
+
+    OpBuilder.jit_load = no_build  # nothing may be built: not DeepSpeed's aio, not cpu_adam
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # one process: gloo, no shm op build
+
+    torch.manual_seed(0)
+    conf = ds_config(cfg["offload"], cfg["nvme"], cfg["pipeline_read"], cfg["pipeline_write"], cfg["fast_init"])
+    with deepspeed.zero.Init(config_dict_or_path=conf):
+        layers: List[torch.nn.Module] = []
+        for i in range(LAYERS):
+            layers += [torch.nn.Linear(HIDDEN, HIDDEN, bias=False), torch.nn.GELU()]
+        model = torch.nn.Sequential(*layers[:-1])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
+
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(cfg["steps"]):
+        x = torch.randn(BATCH, HIDDEN, generator=g).to(torch.bfloat16)
+        y = torch.randn(BATCH, HIDDEN, generator=g)
+        loss = ((eng(x).float() - y) ** 2).mean()
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+
+    swapper = getattr(eng.optimizer, "optimizer_swapper", None)
+    out: Dict[str, Any] = {"losses": [float.hex(v) for v in losses],
+                           "optimizer_swapper": type(swapper).__name__ if swapper is not None else None,
+                           "loaded_ops": sorted(OpBuilder._loaded_ops),
+                           "ds_aio_op_imported": "deepspeed.ops.aio.async_io_op" in sys.modules}
+    if cfg["offload"] == "nvme":
+        files = sorted(str(p) for p in Path(cfg["nvme"]).rglob("*") if p.is_file())
+        out["swap_files"] = {f: os.path.getsize(f) for f in files}
+    if cfg["backend"] == "pyinfinity":
+        from pyinfinity.integrations import deepspeed as pids
+
+        out["stats"] = pids.stats().as_dict()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Running workers
+# ---------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: Dict[str, str] | None = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYINFINITY_DEEPSPEED"}
+    env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(extra or {})
+    return env
+
+
+def start_worker(tmp: Path, name: str, backend: str, offload: str, pipeline_read: bool = False,
+                 pipeline_write: bool = False, fast_init: bool = False, via: str = "install",
+                 steps: int = STEPS) -> subprocess.Popen:
+    d = tmp / name
+    (d / "nvme").mkdir(parents=True)
+    cfg = {"backend": backend, "offload": offload, "pipeline_read": pipeline_read, "pipeline_write": pipeline_write,
+           "fast_init": fast_init, "via": via, "steps": steps,
+           "nvme": str(d / "nvme"), "out": str(d / "result.json")}
+    (d / "cfg.json").write_text(json.dumps(cfg))
+    extra = {"PYINFINITY_DEEPSPEED": "1"} if via == "env" else {}
+    log = open(d / "log.txt", "w")
+    return subprocess.Popen([sys.executable, __file__, "--worker", str(d / "cfg.json")], cwd=str(ROOT),
+                            env=_env(extra), stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish_worker(proc: subprocess.Popen, tmp: Path, name: str) -> Dict[str, Any]:
+    d = tmp / name
+    try:
+        rc = proc.wait(timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = "timeout"
+    if rc != 0:
+        return {"error": f"worker {name} exited with {rc}:\n{(d / 'log.txt').read_text()[-6000:]}"}
+    return json.loads((d / "result.json").read_text())
+
+
+def run_workers(tmp: Path, specs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Runs the workers two at a time (this suite targets a 2-core CI machine)."""
+    results: Dict[str, Dict[str, Any]] = {}
+    names = list(specs)
+    for i in range(0, len(names), 2):
+        batch = {n: start_worker(tmp, n, **specs[n]) for n in names[i:i + 2]}
+        for n, p in batch.items():
+            results[n] = finish_worker(p, tmp, n)
+    return results
+
+
+def result(runs: Dict[str, Dict[str, Any]], name: str) -> Dict[str, Any]:
+    """The run's results; fails the calling test (only) when that run failed."""
+    r = runs[name]
+    if "error" in r:
+        pytest.fail(r["error"])
+    return r
+
+
+def losses(r: Dict[str, Any]) -> List[float]:
+    return [float.fromhex(h) for h in r["losses"]]
+
+
+
+PRELUDE = """
+import sys
+from pyinfinity.integrations import deepspeed as pids
+class Reached(Exception):
+    pass
+def builder():
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    return AsyncIOBuilder
+def no_builds():  # a DeepSpeed op build here would be a bug (and minutes long): raise instead
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    def jit_load(self, verbose=True):
+        raise Reached(self.name)
+    OpBuilder.jit_load = jit_load
+"""
+
+
+def run_snippet(code: str, env: Dict[str, str] | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Runs PRELUDE + `code` in a fresh interpreter (DeepSpeed's import-time state must not leak)."""
+    script = PRELUDE + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", script], cwd=str(ROOT), env=_env(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ok(code: str, env: Dict[str, str] | None = None) -> str:
+    r = run_snippet(code, env)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), f"snippet failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r.stdout
+
+
+@pytest.fixture(scope="session")
+def deepspeed_importable() -> None:
+    r = run_snippet("import deepspeed")
+    if r.returncode != 0:
+        pytest.skip(f"deepspeed is not importable: {r.stderr.strip().splitlines()[-1:]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: ZeRO-3, params + optimizer on nvme through pyinfinity vs offload to cpu
+# ---------------------------------------------------------------------------------------------
+NVME_RUNS = {
+    "nvme": dict(backend="pyinfinity", offload="nvme"),                  # install()
+    "nvme_env": dict(backend="pyinfinity", offload="nvme", via="env"),   # PYINFINITY_DEEPSPEED=1
+    "pipeline_rw": dict(backend="pyinfinity", offload="nvme", pipeline_read=True, pipeline_write=True),
+    "pipeline_r": dict(backend="pyinfinity", offload="nvme", pipeline_read=True),
+    "pipeline_w": dict(backend="pyinfinity", offload="nvme", pipeline_write=True),
+    # fast_init hands the parameter swapper's locked buffers to the optimizer swapper's handle
+    "fast_init": dict(backend="pyinfinity", offload="nvme", fast_init=True),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, deepspeed_importable: None) -> Dict[str, Dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("ds")
+    t0 = time.perf_counter()
+    res = run_workers(tmp, {"cpu": dict(backend="deepspeed", offload="cpu"), **NVME_RUNS})
+    print(f"{len(res)} DeepSpeed trainings in {time.perf_counter() - t0:.1f} s")
+    return res
+
+
+@pytest.mark.parametrize("name", list(NVME_RUNS))
+def test_every_swap_file_written_and_read_by_pyinfinity(runs: Dict[str, Dict[str, Any]], name: str) -> None:
+    r = result(runs, name)
+    files = r["swap_files"]
+    kinds = {"param": "bfloat16params", "exp_avg": "exp_avg-", "exp_avg_sq": "exp_avg_sq-", "gradient": "_gradient_"}
+    for kind, needle in kinds.items():
+        assert any(needle in f for f in files), f"{name}: no {kind} swap file in {sorted(files)}"
+    st = r["stats"]
+    assert set(files) <= set(st["files_written"]), f"{name}: written elsewhere: {set(files) - set(st['files_written'])}"
+    assert set(files) <= set(st["files_read"]), f"{name}: never read by pyinfinity: {set(files) - set(st['files_read'])}"
+    assert set(st["files_written"]) <= set(files)  # nothing pyinfinity wrote is missing from the swap folder
+    assert st["bytes_written"] >= sum(files.values()) and st["bytes_read"] > 0
+    # Each parameter is read back at least once per step (forward).
+    param_files = [f for f in files if "bfloat16params" in f]
+    assert st["reads"] >= STEPS * len(param_files)
+    assert "async_io" not in r["loaded_ops"] and not r["ds_aio_op_imported"]
+
+
+@pytest.mark.parametrize("name", list(NVME_RUNS))
+def test_losses_match_offload_to_cpu(runs: Dict[str, Dict[str, Any]], name: str) -> None:
+    ref, got = losses(result(runs, "cpu")), losses(result(runs, name))
+    assert len(got) == len(ref) == STEPS
+    assert len(set(ref)) == STEPS, f"loss did not change between steps: {ref}"
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert abs(a - b) <= 1e-6 * abs(a), f"{name} step {step}: loss {b!r} vs offload-to-cpu {a!r}"
+
+
+def test_bit_for_bit_between_pyinfinity_runs(runs: Dict[str, Dict[str, Any]]) -> None:
+    assert result(runs, "nvme")["losses"] == result(runs, "nvme_env")["losses"]  # float.hex: every bit
+
+
+def test_pipeline_flags_choose_deepspeeds_swapper(runs: Dict[str, Dict[str, Any]]) -> None:
+    plain = result(runs, "nvme")
+    assert plain["optimizer_swapper"] == "PartitionedOptimizerSwapper"
+    for name in ("pipeline_rw", "pipeline_r", "pipeline_w"):
+        r = result(runs, name)
+        assert r["optimizer_swapper"] == "PipelinedOptimizerSwapper", name
+        # the pipelined swapper builds a read and a write handle: one more than the plain one
+        assert r["stats"]["handles"] == plain["stats"]["handles"] + 1, name
+
+
+# ---------------------------------------------------------------------------------------------
+# install / uninstall / import order / env var / version and layout checks
+# ---------------------------------------------------------------------------------------------
+def test_install_before_import_patches_when_deepspeed_loads(deepspeed_importable: None) -> None:
+    out = ok("""
+    pids.install()
+    assert "deepspeed" not in sys.modules, "install() must not import deepspeed"
+    assert pids.is_installed()
+    import deepspeed
+    no_builds()
+    assert not any(type(f).__name__ == "_PostImportHook" for f in sys.meta_path)
+    B = builder()
+    assert B().load() is pids.aio_op and B().load(verbose=False).aio_handle is pids.DeepSpeedAioHandle
+    assert B().is_compatible() is True
+    from deepspeed.runtime.swap_tensor import partitioned_param_swapper as pps
+    assert pps.AsyncIOBuilder().load() is pids.aio_op
+    print("OK")
+    """)
+
+
+def test_install_after_import(deepspeed_importable: None) -> None:
+    ok("""
+    import deepspeed
+    no_builds()
+    from deepspeed.runtime.swap_tensor import pipelined_optimizer_swapper as pos  # bound before install
+    pids.install()
+    assert pos.AsyncIOBuilder().load() is pids.aio_op
+    h = pids.aio_op.aio_handle(block_size=1 << 20, queue_depth=8, single_submit=False, overlap_events=True,
+                               intra_op_parallelism=1)
+    assert isinstance(h, pids.AioHandle)
+    print("OK")
+    """)
+
+
+def test_install_is_idempotent_and_uninstall_restores(deepspeed_importable: None) -> None:
+    ok("""
+    pids.install(); pids.install()           # twice before import: one hook
+    assert sum(type(f).__name__ == "_PostImportHook" for f in sys.meta_path) == 1
+    import deepspeed
+    no_builds()
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    B = builder()
+    patched = B.__dict__["load"]
+    pids.install(); pids.install()           # twice after import: same patch
+    assert B.__dict__["load"] is patched
+    pids.uninstall(); pids.uninstall()
+    assert not pids.is_installed()
+    # DeepSpeed's own methods are back: load() reaches its JIT build path again
+    import inspect
+    assert "PinMemoryBuilder" in inspect.getsource(B.load) and "has_function" in inspect.getsource(B.is_compatible)
+    try:
+        B().load()
+    except Reached:
+        pass
+    else:
+        raise AssertionError("uninstall() left AsyncIOBuilder().load() patched")
+    pids.install()                           # and again
+    assert B().load() is pids.aio_op
+    print("OK")
+    """)
+
+
+def test_uninstall_before_import_drops_the_hook(deepspeed_importable: None) -> None:
+    ok("""
+    pids.install(); pids.uninstall()
+    import deepspeed
+    no_builds()
+    assert "load" in builder().__dict__ and not getattr(builder().__dict__["load"], "__pyinfinity_patch__", False)
+    assert not pids.is_installed()
+    print("OK")
+    """)
+
+
+@pytest.mark.parametrize("value,installed", [("1", True), ("0", False), ("", False)])
+def test_env_var(deepspeed_importable: None, value: str, installed: bool) -> None:
+    ok(f"""
+    assert pids.is_installed() is {installed}
+    import deepspeed
+    no_builds()
+    if {installed}:
+        assert builder()().load() is pids.aio_op
+    assert getattr(builder().__dict__["load"], "__pyinfinity_patch__", False) is {installed}
+    print("OK")
+    """, env={"PYINFINITY_DEEPSPEED": value})
+
+
+def test_env_var_bad_value_is_an_error() -> None:
+    r = run_snippet("import pyinfinity.integrations.deepspeed", env={"PYINFINITY_DEEPSPEED": "maybe"})
+    assert r.returncode != 0 and "PYINFINITY_DEEPSPEED='maybe'" in r.stderr
+
+
+def test_version_mismatch_fails_loudly_and_leaves_deepspeed_alone(deepspeed_importable: None) -> None:
+    out = ok("""
+    import deepspeed
+    no_builds()
+    deepspeed.__version__ = "0.20.0"
+    try:
+        pids.install()
+    except pids.DeepSpeedLayoutError as e:
+        print(e)
+    else:
+        raise AssertionError("no error for deepspeed 0.20.0")
+    assert not getattr(builder().__dict__["load"], "__pyinfinity_patch__", False)
+    assert not pids.is_installed()
+    print("OK")
+    """)
+    assert "deepspeed 0.20.0 is not supported" in out and "0.19.x" in out and "0.19.8" in out
+
+
+def test_version_mismatch_at_import_after_install(deepspeed_importable: None) -> None:
+    r = run_snippet("""
+    pids.SUPPORTED_SERIES = ((0, 18),)   # as if this deepspeed were a release we do not know
+    pids.install()
+    import deepspeed
+    no_builds()
+    """)
+    assert r.returncode != 0
+    assert "DeepSpeedLayoutError: deepspeed 0.19" in r.stderr and "0.18.x" in r.stderr
+
+
+def test_layout_mismatch_names_what_differs(deepspeed_importable: None) -> None:
+    out = ok("""
+    import deepspeed
+    no_builds()
+    from deepspeed.runtime.swap_tensor import partitioned_optimizer_swapper as pos
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    pos.AsyncIOBuilder = lambda: None         # a DeepSpeed that binds something else there
+    saved = OpBuilder._loaded_ops
+    del OpBuilder._loaded_ops
+    try:
+        pids.install()
+    except pids.DeepSpeedLayoutError as e:
+        print(e)
+    else:
+        raise AssertionError("no error for a changed layout")
+    OpBuilder._loaded_ops = saved
+    assert not pids.is_installed()
+    print("OK")
+    """)
+    assert "partitioned_optimizer_swapper.AsyncIOBuilder is <function" in out
+    assert "OpBuilder._loaded_ops" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 2: DeepSpeed's fast checkpoint writer goes through the same AsyncIOBuilder
+# ---------------------------------------------------------------------------------------------
+def test_fast_checkpoint_writer_writes_through_pyinfinity(deepspeed_importable: None, tmp_path: Path) -> None:
+    ok(f"""
+    import types, torch
+    pids.install()
+    import deepspeed
+    no_builds()
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.model_checkpointing.writer_factory import CheckpointWriterFactory
+    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+    import deepspeed.io.fast_file_writer as ffw
+    # Two CPU-accelerator gaps unrelated to I/O: no utils op (a byte view) and no pinning.
+    def cast(ts):
+        one = lambda t: t if t.nbytes <= 1 else t.reshape(-1).view(torch.uint8)
+        return [one(t) for t in ts] if isinstance(ts, list) else one(ts)
+    ffw.UtilsBuilder = lambda: types.SimpleNamespace(load=lambda: types.SimpleNamespace(cast_to_byte_tensor=cast))
+    get_accelerator().is_pinned = lambda t: True
+    wc = {{"type": "FAST", "io_buffer_size": 1 << 20, "io_buffer_double": True, "io_multiplier": 1,
+          "show_statistics": False}}
+    factory = CheckpointWriterFactory(wc, get_aio_config({{}}), types.SimpleNamespace(world_size=1, rank=0, global_rank=0))
+    assert isinstance(factory._dnvme_handle, pids.DeepSpeedAioHandle)
+    sd = {{"w": torch.randn(1000, 777), "b": torch.arange(13), "s": "x"}}
+    path = {str(tmp_path / "ckpt.pt")!r}
+    torch.save(sd, factory.create_writer(path, False))
+    factory.release_writer()
+    back = torch.load(path)
+    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"]) and back["s"] == "x"
+    st = pids.stats()
+    import os
+    assert st.files_written == {{path}} and st.writes >= 2, st
+    assert st.bytes_written <= os.path.getsize(path) < st.bytes_written + 4096, (st, os.path.getsize(path))
+    print("OK")
+    """)
+
+
+# ---------------------------------------------------------------------------------------------
+# The handle and the op module, in process (no DeepSpeed import)
+# ---------------------------------------------------------------------------------------------
+def test_locked_buffers_are_process_wide_like_deepspeeds() -> None:
+    import torch
+    from pyinfinity.aio import AioHandle
+    from pyinfinity.integrations.deepspeed import DeepSpeedAioHandle
+
+    a, b = DeepSpeedAioHandle(), DeepSpeedAioHandle()
+    t = a.new_cpu_locked_tensor(4096, torch.empty(0, dtype=torch.bfloat16))
+    assert a.is_pinned(t) and b.is_pinned(t) and b.is_pinned(t[100:200])
+    plain = AioHandle()
+    assert not plain.is_pinned(t)  # AioHandle alone: per handle (see the module docstring)
+    assert not b.is_pinned(torch.empty(10))
+    assert b.free_cpu_locked_tensor(t) is True  # freed through the other handle
+    assert not a.is_pinned(t)
+    with pytest.raises(ValueError):
+        a.free_cpu_locked_tensor(t)
+
+
+def test_stats_count_paths_and_descriptors(tmp_path: Path) -> None:
+    import torch
+    from pyinfinity.integrations import deepspeed as pids
+
+    pids.reset_stats()
+    h = pids.DeepSpeedAioHandle(block_size=65536, queue_depth=4)
+    t = torch.arange(50_000, dtype=torch.float32)
+    p = tmp_path / "f.swp"
+    assert h.async_pwrite(t, str(p)) == 0 and h.wait() == 1
+    fd = os.open(tmp_path / "g.swp", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        assert h.sync_pwrite(t, fd) == 1
+    finally:
+        os.close(fd)
+    u = torch.empty_like(t)
+    assert h.pread(u, str(p), True, False) == 1 and torch.equal(t, u)
+    st = pids.stats()
+    assert (st.handles, st.writes, st.reads) == (1, 2, 1)
+    assert (st.bytes_written, st.bytes_read) == (2 * t.nbytes, t.nbytes)
+    assert st.files_written == {str(p), str(tmp_path / "g.swp")} and st.files_read == {str(p)}
+    pids.reset_stats()
+    assert pids.stats().writes == 0
+
+
+def test_aio_op_has_deepspeeds_module_functions(tmp_path: Path) -> None:
+    import torch
+    from pyinfinity.integrations import deepspeed as pids
+
+    src = None
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("deepspeed")
+        if spec is not None and spec.origin:
+            src = Path(spec.origin).parent / "ops" / "csrc" / "aio" / "py_lib" / "py_ds_aio.cpp"
+    except (ImportError, ValueError):
+        pass
+    if src is None or not src.exists():
+        pytest.skip("deepspeed's aio sources are not installed")
+    import re
+    names = set(re.findall(r'm\.def\(\s*"(\w+)"', src.read_text())) | {"aio_handle"}
+    assert names and all(hasattr(pids.aio_op, n) for n in names), names
+    t = torch.randn(3000)
+    p = str(tmp_path / "m")
+    assert pids.aio_op.aio_write(t, p, 1 << 20, 8, False, True, False) == 0
+    u = torch.empty_like(t)
+    assert pids.aio_op.aio_read(u, p, 1 << 20, 8, False, True, True) == 0 and torch.equal(t, u)
+    v = torch.empty_like(t)
+    assert pids.aio_op.deepspeed_memcpy(v, t) == 0 and torch.equal(v, t)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    _cfg = json.loads(Path(sys.argv[2]).read_text())
+    _res = _worker(_cfg)
+    Path(_cfg["out"]).write_text(json.dumps(_res))
+    sys.exit(0)
