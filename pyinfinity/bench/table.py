@@ -120,7 +120,9 @@ def pivot(results: Sequence[Result], markdown: bool = False) -> str:
     for r in done:
         if r.label() not in cols:
             cols.append(r.label())
-    cols.sort(key=lambda c: (not c.startswith("pyinfinity"), c.startswith("dd"), c))
+    first = ["pyinfinity:aio", "pyinfinity:uring", "pyinfinity:posix", "pyinfinity:AioHandle",
+             "deepspeed:aio_handle", "fio:libaio", "fio:io_uring", "dd:O_DIRECT"]
+    cols.sort(key=lambda c: (first.index(c) if c in first else len(first), c))
     rows: dict[tuple, dict[str, Result]] = {}
     for r in done:
         unit = fmt_size(r.block_size) if r.workload == "file" else (

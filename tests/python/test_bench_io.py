@@ -201,3 +201,25 @@ def test_tmpfs_figures_are_labelled_memory(tmpfs_dir):
     measured = [r for r in run.results if r.seconds]
     assert measured and all(r.cache == "memory" for r in measured)
     assert all(r.verified is not False for r in measured)
+
+
+def test_without_o_direct_caches_are_dropped_and_writes_synced(monkeypatch, tmp_path):
+    """Where O_DIRECT fails, root drops caches before reads and labels the figures 'dropped'."""
+    if not bio.mach.can_drop_caches():
+        pytest.skip("dropping caches needs root")
+    monkeypatch.setattr(bio.mach, "probe_o_direct", lambda d: bio.mach.DirectProbe(False, "test"))
+    drops = []
+    real_drop = bio.mach.drop_page_cache
+    monkeypatch.setattr(bio.mach, "drop_page_cache", lambda p=None: drops.append(p) or real_drop(p))
+    s = bio.IoBenchSettings(directory=str(tmp_path), file_size=2 * MiB, block_sizes=[1 * MiB],
+                            queue_depths=[1], threads=[1], io_sizes=[2 * MiB], reps=2,
+                            backends=["posix"], peers=["dd"], small_count=0, gpu=False,
+                            aio_handle=False)
+    run = bio.run_io_bench(s)
+    assert run.cache == "dropped"
+    measured = [r for r in run.results if r.seconds]
+    assert {r.label() for r in measured} == {"pyinfinity:posix", "dd:buffered"}
+    assert all(r.cache == "dropped" for r in measured)
+    reads = sum(len(r.seconds) for r in measured if r.op == "read")
+    assert len(drops) == reads  # one drop before every timed read
+    assert all(r.verified is not False for r in measured)
