@@ -436,6 +436,7 @@ detail::Lane& SwapEngine::lane(const std::string& backend) {
 std::string SwapEngine::backend_for(const FileHandle& file) {
   if (opts_.backend != "auto") return opts_.backend;
   if (!file.direct()) return "posix";
+  if (std::string hint = file.backend_hint(); !hint.empty()) return hint;
   // The directory of the open file itself (the given path may be a symlink or /proc/self/fd/N).
   std::string p = file.path();
   char link[4096];
@@ -449,7 +450,9 @@ std::string SwapEngine::backend_for(const FileHandle& file) {
   }
   auto slash = p.rfind('/');
   std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : p.substr(0, slash));
-  return probe_backend(dir).best;
+  std::string best = probe_backend(dir).best;
+  file.set_backend_hint(best);
+  return best;
 }
 
 Request SwapEngine::submit(std::shared_ptr<FileHandle> file, void* buf, std::size_t nbytes,

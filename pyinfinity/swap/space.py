@@ -160,6 +160,7 @@ class SwapSpace:
         self.checksums = checksums
         self._crcs: dict = {}  # slot id -> list (per extent) of CRC lists, after a checksummed write
         self._lock = threading.Lock()
+        self._warned_deleted: set = set()
         self._files: List[_C.FileHandle] = []
         self._lock_fds: List[int] = []
         self._alloc = [_Allocator() for _ in dirs]
@@ -204,6 +205,7 @@ class SwapSpace:
             raise ValueError(f"nbytes: must be > 0, got {nbytes}")
         with self._lock:
             self._check_open()
+            self._check_files()
             nf = len(self._files)
             if nf == 1 or nbytes < self.stripe_min:
                 order = [self._rr % nf]
@@ -241,6 +243,15 @@ class SwapSpace:
             self._next_id += 1
             self._slots[slot.id] = slot
             return slot
+
+    def _check_files(self) -> None:
+        """Warns once per file when it was deleted under the space (the open descriptor still
+        holds the data, so nothing is lost, but nothing survives this process either)."""
+        for i, fd in enumerate(self._lock_fds):
+            if i not in self._warned_deleted and os.fstat(fd).st_nlink == 0:
+                self._warned_deleted.add(i)
+                log.warning("swap file %s was deleted while in use (directory removed?); its data stays "
+                            "readable through the open file until this space is closed", self.paths[i])
 
     def _ensure(self, f: int, end: int) -> None:
         if end <= self._allocated[f]:

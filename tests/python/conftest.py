@@ -55,6 +55,29 @@ def tiny_tmpfs_dir():
 
 
 @pytest.fixture
+def small_ext4_dir(tmp_path):
+    """A 32 MiB ext4 filesystem on a loop device (O_DIRECT works there, unlike some tmpfs)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    img = tmp_path / "ext4.img"
+    with open(img, "wb") as f:
+        f.truncate(32 << 20)
+    rc = subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], capture_output=True, text=True)
+    if rc.returncode != 0:
+        pytest.fail(f"mkfs.ext4 failed: {rc.stderr.strip()}")
+    d = tempfile.mkdtemp(prefix="pyinf-ext4-")
+    rc = subprocess.run(["mount", "-o", "loop", str(img), d], capture_output=True, text=True)
+    if rc.returncode != 0:
+        os.rmdir(d)
+        pytest.fail(f"mount -o loop failed: {rc.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", d], check=False)
+        os.rmdir(d)
+
+
+@pytest.fixture
 def readonly_dir(tmp_path):
     """A read-only mount (root ignores permission bits, so chmod would not do)."""
     with mounted("tmpfs", "size=1m") as d:

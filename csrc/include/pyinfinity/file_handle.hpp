@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 namespace pyinfinity {
@@ -42,6 +43,15 @@ class FileHandle {
   /// In-flight request count, kept by SwapEngine.
   void add_inflight(int delta) noexcept { inflight_.fetch_add(delta, std::memory_order_acq_rel); }
   int inflight() const noexcept { return inflight_.load(std::memory_order_acquire); }
+  /// The backend an "auto" engine chose for this file (probed once, then kept with the file).
+  std::string backend_hint() const {
+    std::lock_guard<std::mutex> lk(hint_mu_);
+    return backend_hint_;
+  }
+  void set_backend_hint(const std::string& b) const {
+    std::lock_guard<std::mutex> lk(hint_mu_);
+    backend_hint_ = b;
+  }
 
  private:
   void close_fds() noexcept;
@@ -53,6 +63,8 @@ class FileHandle {
   std::size_t offset_align_ = 4096;
   std::size_t memory_align_ = 4096;
   std::atomic<int> inflight_{0};
+  mutable std::mutex hint_mu_;
+  mutable std::string backend_hint_;
 };
 
 }  // namespace pyinfinity
