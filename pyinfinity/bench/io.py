@@ -42,8 +42,8 @@ class IoBenchSettings:
     block_sizes: list[int] = field(default_factory=lambda: [256 * KiB, 1 * MiB, 4 * MiB])
     queue_depths: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
     threads: list[int] = field(default_factory=lambda: [1, 2])
-    io_sizes: list[int] = field(default_factory=lambda: [64 * MiB, 1 * GiB])
-    reps: int = 5
+    io_sizes: list[int] = field(default_factory=lambda: [1 * GiB])   # per request; add 64M etc.
+    reps: int = 3
     backends: Optional[list[str]] = None          # None: every backend that works on the directory
     peers: list[str] = field(default_factory=lambda: ["fio", "dd", "deepspeed"])
     fio_engines: list[str] = field(default_factory=lambda: list(FIO_ENGINES))
@@ -360,6 +360,9 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
             rs = [r for r in runners if _peer_config_filter(r, cfg, seen)]
             plan.append((cfg, rs))
         steps = sum(len(rs) for _, rs in plan) * s.reps
+        moved = sum(cfg.nbytes * 2 * sum(1 for r in rs if not r.supports(cfg)) for cfg, rs in plan) * s.reps
+        log.info("%d configurations x %d repetitions: about %.0f GB to move (%.0f min at 2 GB/s)",
+                 len(plan), s.reps, moved / 1e9, moved / 2e9 / 60)
         done = 0
         for cfg, rs in plan:
             results: dict[tuple[int, str], Result] = {}

@@ -289,6 +289,33 @@ def _auto_choice(path: str) -> Optional[str]:
         return None
 
 
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _check_kernel() -> list[Check]:
+    """Kernel limits the aio and uring backends depend on."""
+    checks = []
+    nr, mx = _read_int("/proc/sys/fs/aio-nr"), _read_int("/proc/sys/fs/aio-max-nr")
+    if nr is not None and mx is not None:
+        free = mx - nr
+        checks.append(Check("kernel AIO contexts", OK if free >= 4096 else WARN,
+                            f"{nr} of fs.aio-max-nr {mx} in use",
+                            "" if free >= 4096 else "few kernel AIO events left: raise it "
+                            "(sysctl -w fs.aio-max-nr=1048576) or the aio backend fails with EAGAIN"))
+    dis = _read_int("/proc/sys/kernel/io_uring_disabled")
+    if dis is not None:
+        checks.append(Check("io_uring", OK if dis == 0 else WARN,
+                            "enabled" if dis == 0 else f"kernel.io_uring_disabled = {dis}",
+                            "" if dis == 0 else "the uring backend needs sysctl -w "
+                            "kernel.io_uring_disabled=0; aio and posix still work"))
+    return checks
+
+
 def _check_tools() -> list[Check]:
     checks = []
     import importlib.metadata
@@ -318,6 +345,7 @@ def run_report(path: Optional[str] = None, need_bytes: int = 10 << 30) -> list[C
     checks += build_checks
     checks += _check_gpu(info)
     checks += _check_host()
+    checks += _check_kernel()
     checks += _check_path(path, need_bytes)
     checks += _check_tools()
     return checks
