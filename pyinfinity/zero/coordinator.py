@@ -59,15 +59,27 @@ class FetchStats:
 
 @dataclass
 class DeviceBudget:
-    """Bytes of shard buffers resident on the compute device, against ``device_memory``."""
+    """Bytes of shard buffers resident on the compute device, against ``device_memory``.
+
+    On a GPU the allocator's own figure (activations and workspaces included) must also leave
+    room: torch's per-process memory fraction enforces the same cap on everything, so a prefetch
+    that only counted shards would run the step out of memory.
+    """
 
     capacity: Optional[int]
     resident: int = 0
     peak: int = 0
     fixed: int = 0  # buffers and persistent shards, counted in resident too
+    cuda_device: Optional[torch.device] = None
 
     def fits(self, nbytes: int) -> bool:
-        return self.capacity is None or self.resident + nbytes <= self.capacity
+        if self.capacity is None:
+            return True
+        if self.resident + nbytes > self.capacity:
+            return False
+        if self.cuda_device is not None:  # a host-side counter: no synchronisation
+            return torch.cuda.memory_allocated(self.cuda_device) + nbytes <= self.capacity
+        return True
 
     def add(self, nbytes: int) -> None:
         self.resident += nbytes
@@ -124,7 +136,8 @@ class ParameterCoordinator:
         self.partition = partition
         self.swapper = swapper
         self.device = torch.device(device)
-        self.budget = DeviceBudget(capacity=device_memory)
+        self.budget = DeviceBudget(capacity=device_memory,
+                                   cuda_device=self.device if self.device.type == "cuda" else None)
         self.budget.add(fixed_bytes)
         self.budget.fixed = fixed_bytes
         self.prefetch_bytes = int(prefetch_bytes)
@@ -409,6 +422,8 @@ class ParameterCoordinator:
                 self._evict(sh)
                 if self.budget.fits(nbytes):
                     return
+        if self.budget.resident + nbytes <= self.budget.capacity:
+            return  # shards fit; whether activations leave room is the allocator's to say (OOM)
         held = [s for s in self.partition.shards if s.state != ShardState.RELEASED and not s.persistent]
         raise DeviceBudgetError(
             f"device_memory: {self.budget.capacity} bytes cannot hold shard {for_shard.module_name!r} "

@@ -65,13 +65,15 @@ def test_gpu_budget_holds_and_llama_bf16_trains(tmp_path):
                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, use_cache=False)
     with pyinfinity.init_empty():
         model = LlamaForCausalLM(mc)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     weights = sum(p.numel() for p in model.parameters()) * 2
-    budget = weights // 3
+    budget = weights // 2  # torch's memory fraction caps activations and workspaces too
     cfg = _cfg("nvme", tmp_path, bf16={"enabled": True}, gradient_accumulation_steps=1,
                pyinfinity={"device": "cuda", "device_memory": budget})
     cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = budget // 4
     x = torch.randint(0, 256, (2, 128), device="cuda")
     with pyinfinity.initialize(model, cfg) as eng:
+        eng.train()
         for _ in range(6):
             out = eng(input_ids=x, labels=x)
             eng.backward(out.loss)
@@ -79,5 +81,6 @@ def test_gpu_budget_holds_and_llama_bf16_trains(tmp_path):
         h = eng.history
         assert h[-1].loss < h[0].loss
         assert max(r.peak_device_bytes for r in h) <= budget < weights
+        assert max(r.peak_device_allocated for r in h) <= budget
         assert sum(r.prefetch_hits for r in h) > 0
         print("llama bf16 gpu:", [(round(r.loss, 3), r.overlap_fraction, r.peak_device_allocated) for r in h])
