@@ -32,19 +32,32 @@ def gpu_present() -> bool:
         return False
 
 
-def _timed(fn: Callable[[], Any], stream: "torch.cuda.Stream") -> float:
+# The three CUDA calls the timing needs, as module functions so a CPU test can stand in for them.
+def _new_stream(dev: torch.device) -> Any:
+    return torch.cuda.Stream(dev)
+
+
+def _synchronize() -> None:
     torch.cuda.synchronize()
+
+
+def _on_stream(stream: Any) -> Any:
+    return torch.cuda.stream(stream)
+
+
+def _timed(fn: Callable[[], Any], stream: Any) -> float:
+    _synchronize()
     t0 = time.perf_counter()
-    with torch.cuda.stream(stream):
+    with _on_stream(stream):
         fn()
     stream.synchronize()
     return time.perf_counter() - t0
 
 
 def run_gpu_bench(s: Any, path: str, progress: Optional[Callable[[int, int, str], None]] = None,
-                  shard_bytes: int = 128 * MiB) -> list[Result]:
+                  shard_bytes: int = 128 * MiB, device: Optional[torch.device] = None) -> list[Result]:
     """Every GPU figure for settings ``s`` (an IoBenchSettings); [] without a device."""
-    if not gpu_present():
+    if device is None and not gpu_present():
         log.info("no CUDA device: host<->GPU and NVMe<->GPU figures skipped")
         return []
     from pyinfinity.swap import CudaStager, FileHandle, PinnedArena, SwapEngine
@@ -53,8 +66,8 @@ def run_gpu_bench(s: Any, path: str, progress: Optional[Callable[[int, int, str]
     shard = min(shard_bytes, int(s.gpu_bytes))
     count = max(1, int(s.gpu_bytes) // shard)
     n = shard * count
-    dev = torch.device("cuda", torch.cuda.current_device())
-    stream = torch.cuda.Stream(dev)
+    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    stream = _new_stream(dev)
     results: list[Result] = []
 
     arena = PinnedArena(2 * n)
@@ -62,12 +75,12 @@ def run_gpu_bench(s: Any, path: str, progress: Optional[Callable[[int, int, str]
     host = slab_a.tensor(torch.uint8, (n,))
     host_back = slab_b.tensor(torch.uint8, (n,))
     fill_pattern(host, SEED)
-    torch_pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    torch_pinned = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     torch_pinned.copy_(host)
     pageable = host.clone()
     gpu = torch.empty(n, dtype=torch.uint8, device=dev)
     engine = SwapEngine(backend="auto", block_size=1 << 20, queue_depth=32, threads=1)
-    stager = CudaStager(engine, device=dev.index)
+    stager = CudaStager(engine, device=dev.index or 0)
     steps, step = reps * 8, 0
 
     def tick(desc: str) -> None:
@@ -115,7 +128,7 @@ def run_gpu_bench(s: Any, path: str, progress: Optional[Callable[[int, int, str]
     st_w = result("gpu2nvme", "pyinfinity", "stager", count, shard)
     st_r = result("nvme2gpu", "pyinfinity", "stager", count, shard)
     gpu.copy_(host)
-    torch.cuda.synchronize()
+    _synchronize()
     for rep in range(reps):
         tick("gpu disk-only")
         t0 = time.perf_counter()
@@ -132,14 +145,14 @@ def run_gpu_bench(s: Any, path: str, progress: Optional[Callable[[int, int, str]
             disk_w.verified = disk_r.verified = same(host_back, host)
 
         tick("gpu stager")
-        torch.cuda.synchronize()
+        _synchronize()
         t0 = time.perf_counter()
         for q in [stager.write_from_device(gpu[i * shard:(i + 1) * shard], fh, i * shard, stream=stream)
                   for i in range(count)]:
             q.wait()
         st_w.seconds.append(time.perf_counter() - t0)
         dst = torch.full_like(gpu, 0xA5) if rep == 0 else gpu
-        torch.cuda.synchronize()
+        _synchronize()
         t0 = time.perf_counter()
         for q in [stager.read_to_device(dst[i * shard:(i + 1) * shard], fh, i * shard, stream=stream)
                   for i in range(count)]:

@@ -85,7 +85,11 @@ def probe_backends(directory: str) -> list[BackendProbe]:
             dst = torch.zeros(n, dtype=torch.uint8)
             eng.read(dst, path, offset=off).wait()
             ok = bool(torch.equal(src, dst))
-            out.append(BackendProbe(b, True, ok, "round trip OK" if ok else "data mismatch"))
+            served = str(eng.backend_for(path))
+            detail = "round trip OK" if ok else "data mismatch"
+            if served != b:
+                detail += f" (served by {served}: the engine fell back for this file)"
+            out.append(BackendProbe(b, True, ok, detail))
         except Exception as exc:  # the reason is the result
             out.append(BackendProbe(b, True, False, f"{type(exc).__name__}: {exc}"))
         finally:
