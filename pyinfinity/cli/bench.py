@@ -5,7 +5,6 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import shutil
 import sys
 import tempfile

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
 from pyinfinity.bench import machine as mach
 from pyinfinity.bench.report import FAIL, OK, WARN, run_report, worst
 from pyinfinity.cli import main
