@@ -60,8 +60,13 @@ def test_gpu_parity_with_torch_adamw(tier, tiny_lm, lm_batches, tmp_path):
 def test_gpu_budget_holds_and_llama_bf16_trains(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()  # the memory fraction caps the whole process: start from a clean one
     torch.manual_seed(0)
-    mc = LlamaConfig(vocab_size=260, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+    # large enough that the budget (half its bf16 weights) leaves room for cuBLAS workspaces
+    mc = LlamaConfig(vocab_size=260, hidden_size=1024, intermediate_size=2752, num_hidden_layers=8,
                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, use_cache=False)
     with pyinfinity.init_empty():
         model = LlamaForCausalLM(mc)
