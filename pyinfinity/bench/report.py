@@ -44,6 +44,14 @@ def default_swap_dir() -> str:
     return os.environ.get("PYINFINITY_SWAP_DIR") or tempfile.gettempdir()
 
 
+def swap_dirs_from_config(path: str) -> list[str]:
+    """The ``nvme_path`` directories a DeepSpeed-format config names (through pyinfinity.config;
+    its errors are ValueErrors that name the key)."""
+    from pyinfinity.config import load_config
+
+    return list(load_config(path).nvme_paths)
+
+
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 

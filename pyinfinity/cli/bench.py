@@ -84,6 +84,8 @@ def add_io_options(p: argparse.ArgumentParser, suppress: bool = False) -> None:
                    help="also write the table as Markdown (for BENCHMARKS.md)")
     p.add_argument("--keep-file", action="store_true", default=d(False), help="keep the benchmark file")
     p.add_argument("--no-progress", action="store_true", default=d(False), help="no progress bar")
+    p.add_argument("--config", metavar="FILE", default=d(None),
+                   help="measure the first nvme_path of this DeepSpeed-format config (instead of DIR)")
 
 
 SWEEP_HELP = ("Full sweep (no --quick): 1 GiB file, block 256K/1M/4M x queue depth 1/8/32/128 x "
@@ -191,6 +193,18 @@ def run_io(args: argparse.Namespace) -> int:
 
     made: Optional[str] = None
     directory = args.dir
+    if directory is None and getattr(args, "config", None):
+        from pyinfinity.bench.report import swap_dirs_from_config
+
+        try:
+            dirs = swap_dirs_from_config(args.config)
+        except (OSError, ValueError) as exc:
+            print(f"pyinfinity bench io: --config {args.config}: {exc}", file=sys.stderr)
+            return 2
+        if not dirs:
+            print(f"pyinfinity bench io: --config {args.config} names no nvme_path", file=sys.stderr)
+            return 2
+        directory = dirs[0]
     if directory is None:
         base = default_swap_dir()
         made = directory = tempfile.mkdtemp(prefix="pyinfinity-bench-", dir=base)

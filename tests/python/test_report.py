@@ -87,3 +87,27 @@ def test_fs_info_sees_the_mount(tmpfs_dir, readonly_dir):
     assert mach.fs_info(os.path.join(tmpfs_dir, "not", "yet")).mount_point == t.mount_point
     r = mach.fs_info(readonly_dir)
     assert r.read_only
+
+
+def _ds_config(tmp_path, p1, p2):
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"stage": 3,
+                                 "offload_param": {"device": "nvme", "nvme_path": str(p1)},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(p2)}}}
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps(cfg))
+    return str(f)
+
+
+def test_cli_checks_every_nvme_path_of_a_config(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    main(["report", "--config", _ds_config(tmp_path, a, b), "--need", "1M"])
+    out = capsys.readouterr().out
+    assert f"swap path writable [{b}]" in out
+    assert f"{a}" in out
+
+
+def test_cli_config_with_read_only_nvme_path_fails(tmp_path, readonly_dir, capsys):
+    rc = main(["report", "--config", _ds_config(tmp_path, tmp_path / "a", readonly_dir), "--need", "1M"])
+    assert rc == 1
+    assert "FAIL" in capsys.readouterr().out
