@@ -78,7 +78,9 @@ class DeviceBudget:
         if self.resident + nbytes > self.capacity:
             return False
         if self.cuda_device is not None:  # a host-side counter: no synchronisation
-            return torch.cuda.memory_allocated(self.cuda_device) + nbytes <= self.capacity
+            # keep headroom for the allocator's fragmentation and the step's transient tensors
+            headroom = min(256 << 20, self.capacity // 8)
+            return torch.cuda.memory_allocated(self.cuda_device) + nbytes <= self.capacity - headroom
         return True
 
     def add(self, nbytes: int) -> None:
