@@ -212,6 +212,12 @@ def run_io(args: argparse.Namespace) -> int:
     bar = Progress(not args.no_progress)
     try:
         run = run_io_bench(s, progress=bar, argv=["pyinfinity", *sys.argv[1:]])
+    except OSError as exc:
+        bar.close()
+        print(f"pyinfinity bench io: cannot benchmark {directory}: {exc}\n"
+              f"  `pyinfinity report --path {directory}` says what is wrong and how to fix it",
+              file=sys.stderr)
+        return 2
     finally:
         bar.close()
         if made:

@@ -223,3 +223,9 @@ def test_without_o_direct_caches_are_dropped_and_writes_synced(monkeypatch, tmp_
     reads = sum(len(r.seconds) for r in measured if r.op == "read")
     assert len(drops) == reads  # one drop before every timed read
     assert all(r.verified is not False for r in measured)
+
+
+def test_read_only_directory_is_a_clear_error(readonly_dir, capsys):
+    assert main(["bench", "--quick", readonly_dir, "--no-progress", "--peers", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot benchmark" in err and "pyinfinity report" in err
