@@ -28,6 +28,7 @@ PRESETS = {
     "350m": (1024, 24, 16, 2816),
     "1b": (2048, 16, 16, 5504),
     "3b": (2560, 32, 32, 6912),
+    "5b": (4096, 24, 32, 11008),  # bf16 weights ~9.8 GB: more than an 8 GiB device budget
     "7b": (4096, 32, 32, 11008),
     "13b": (5120, 40, 40, 13824),
 }
@@ -57,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where parameters and optimizer states live (nvme needs --nvme)")
     p.add_argument("--offload-optimizer", choices=["cpu", "nvme", "auto"],
                    help="optimizer-state tier if different from --offload")
+    p.add_argument("--optimizer-nvme-ratio", type=float, default=1.0, metavar="R",
+                   help="with the optimizer on nvme: the fraction of its state on disk (the rest in RAM)")
     p.add_argument("--nvme", action="append", metavar="DIR",
                    help="swap directory (repeat to stripe over several drives)")
     p.add_argument("--device", default="auto", help="compute device: cpu, cuda, cuda:N or auto")
@@ -154,7 +157,7 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": args.offload, "max_in_cpu": 0},
-            "offload_optimizer": {"device": opt_tier},
+            "offload_optimizer": {"device": opt_tier, "ratio": args.optimizer_nvme_ratio},
             "stage3_prefetch_bucket_size": "auto",
             "stage3_param_persistence_threshold": "auto",
         },
