@@ -486,11 +486,71 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restores DeepSpeed's own AsyncIOBuilder (and drops a pending post-import hook). Idempotent.
-    Handles created while installed stay pyinfinity's."""
+    """Restores DeepSpeed's own AsyncIOBuilder (and drops a pending post-import hook), and undoes
+    :func:`fix_nvme_prefetch`. Idempotent. Handles created while installed stay pyinfinity's."""
     with _state_lock:
         _remove_hook()
         _unpatch()
+        _unfix_nvme_prefetch()
+
+
+# -- a DeepSpeed bug on the parameter-swapping path (independent of the I/O backend) ------------------
+_prefetch_fix: Optional[Tuple[type, Any]] = None  # (AsyncPartitionedParameterSwapper, its own swap_in)
+
+
+def fix_nvme_prefetch() -> None:
+    """Works around a DeepSpeed 0.19 bug with ``offload_param.device: nvme`` and prefetch on.
+
+    ``PartitionedParameterCoordinator.__prefetch_nvme_param_partitions`` walks the trace queue, in
+    which a parameter used at the end of the forward pass and again first in the backward pass
+    (e.g. a language model's ``lm_head``) appears twice, and hands both to
+    ``AsyncPartitionedParameterSwapper.swap_in``, which then stops with "param N already assigned
+    swap buffer id M". This makes ``swap_in`` drop repeats (one read serves both). Opt-in,
+    idempotent, undone by :func:`uninstall`; imports deepspeed.
+    """
+    global _prefetch_fix
+    with _state_lock:
+        if _prefetch_fix is not None:
+            return
+        import deepspeed
+
+        version = getattr(deepspeed, "__version__", "<none>")
+        parsed = _parse_version(version)
+        if parsed is None or parsed[:2] not in SUPPORTED_SERIES:
+            raise DeepSpeedLayoutError(f"fix_nvme_prefetch: deepspeed {version} is not a version it was checked "
+                                       f"against ({TESTED_VERSION})")
+        from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper as S
+
+        original = S.__dict__.get("swap_in")
+        params = list(inspect.signature(original).parameters) if callable(original) else []
+        if params[:4] != ["self", "params", "async_op", "swap_in_buffers"]:
+            raise DeepSpeedLayoutError(f"fix_nvme_prefetch: deepspeed {version}: "
+                                       f"AsyncPartitionedParameterSwapper.swap_in{params} is not (self, params, "
+                                       f"async_op, swap_in_buffers)")
+
+        def swap_in(self: Any, params: List[Any], async_op: bool = True, swap_in_buffers: Any = None) -> Any:
+            if swap_in_buffers is None:
+                seen: Set[int] = set()
+                unique = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+                if len(unique) != len(params):
+                    log.debug("fix_nvme_prefetch: dropped %d repeated parameter(s) from swap_in",
+                              len(params) - len(unique))
+                params = unique
+            return original(self, params, async_op=async_op, swap_in_buffers=swap_in_buffers)
+
+        setattr(swap_in, _MARK, True)
+        S.swap_in = swap_in
+        _prefetch_fix = (S, original)
+        log.info("pyinfinity: deepspeed %s AsyncPartitionedParameterSwapper.swap_in now drops repeated parameters",
+                 version)
+
+
+def _unfix_nvme_prefetch() -> None:
+    global _prefetch_fix
+    if _prefetch_fix is not None:
+        cls, original = _prefetch_fix
+        cls.swap_in = original
+        _prefetch_fix = None
 
 
 def is_installed() -> bool:

@@ -31,17 +31,18 @@ WORKER_TIMEOUT_S = 240
 # The worker: one DeepSpeed training run, results as JSON
 # ---------------------------------------------------------------------------------------------
 def ds_config(offload: str, nvme_path: str, pipeline_read: bool = False, pipeline_write: bool = False,
-              fast_init: bool = False) -> Dict[str, Any]:
+              fast_init: bool = False, llama: bool = False) -> Dict[str, Any]:
     zero: Dict[str, Any] = {
         "stage": 3,
         "offload_param": {"device": offload, "pin_memory": True},
         "offload_optimizer": {"device": offload, "pin_memory": True},
-        "stage3_param_persistence_threshold": 0,
-        "stage3_prefetch_bucket_size": 2 * HIDDEN * HIDDEN,
-        "stage3_max_live_parameters": 2 * HIDDEN * HIDDEN,
+        "stage3_param_persistence_threshold": 1e5 if llama else 0,
+        "stage3_prefetch_bucket_size": 5e7 if llama else 2 * HIDDEN * HIDDEN,
+        "stage3_max_live_parameters": 1e8 if llama else 2 * HIDDEN * HIDDEN,
     }
     if offload == "nvme":
-        zero["offload_param"].update(nvme_path=nvme_path, buffer_count=4, buffer_size=LAYERS * HIDDEN * HIDDEN, max_in_cpu=0)
+        zero["offload_param"].update(nvme_path=nvme_path, buffer_count=6 if llama else 4,
+                                     buffer_size=LAYERS * HIDDEN * HIDDEN, max_in_cpu=0)
         zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=4, fast_init=fast_init,
                                          pipeline_read=pipeline_read, pipeline_write=pipeline_write)
     return {
@@ -69,6 +70,11 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     import deepspeed
     from deepspeed.ops.op_builder.builder import OpBuilder
 
+    if cfg["fix_prefetch"]:
+        from pyinfinity.integrations import deepspeed as pids
+
+        pids.fix_nvme_prefetch()
+
     def no_build(self: Any, verbose: bool = True) -> None:
         raise RuntimeError(f"test guard: DeepSpeed tried to build its {self.name!r} op")
 
@@ -76,21 +82,34 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # one process: gloo, no shm op build
 
     torch.manual_seed(0)
-    conf = ds_config(cfg["offload"], cfg["nvme"], cfg["pipeline_read"], cfg["pipeline_write"], cfg["fast_init"])
+    llama = cfg["model"] == "llama"
+    conf = ds_config(cfg["offload"], cfg["nvme"], cfg["pipeline_read"], cfg["pipeline_write"], cfg["fast_init"],
+                     llama)
+    if llama:  # imported outside zero.Init, which patches torch.Tensor.__new__
+        from transformers import LlamaConfig, LlamaForCausalLM
     with deepspeed.zero.Init(config_dict_or_path=conf):
-        layers: List[torch.nn.Module] = []
-        for i in range(LAYERS):
-            layers += [torch.nn.Linear(HIDDEN, HIDDEN, bias=False), torch.nn.GELU()]
-        model = torch.nn.Sequential(*layers[:-1])
+        if llama:  # lm_head (4096 x 256) ends the forward pass and starts the backward pass
+            model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+        else:
+            layers: List[torch.nn.Module] = []
+            for i in range(LAYERS):
+                layers += [torch.nn.Linear(HIDDEN, HIDDEN, bias=False), torch.nn.GELU()]
+            model = torch.nn.Sequential(*layers[:-1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
 
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(cfg["steps"]):
-        x = torch.randn(BATCH, HIDDEN, generator=g).to(torch.bfloat16)
-        y = torch.randn(BATCH, HIDDEN, generator=g)
-        loss = ((eng(x).float() - y) ** 2).mean()
+        if llama:
+            ids = torch.randint(0, 4096, (2, 64), generator=g)
+            loss = eng(input_ids=ids, labels=ids).loss
+        else:
+            x = torch.randn(BATCH, HIDDEN, generator=g).to(torch.bfloat16)
+            y = torch.randn(BATCH, HIDDEN, generator=g)
+            loss = ((eng(x).float() - y) ** 2).mean()
         eng.backward(loss)
         eng.step()
         losses.append(loss.item())
@@ -130,11 +149,11 @@ def _env(extra: Dict[str, str] | None = None) -> Dict[str, str]:
 
 def start_worker(tmp: Path, name: str, backend: str, offload: str, pipeline_read: bool = False,
                  pipeline_write: bool = False, fast_init: bool = False, via: str = "install",
-                 steps: int = STEPS) -> subprocess.Popen:
+                 steps: int = STEPS, model: str = "mlp", fix_prefetch: bool = False) -> subprocess.Popen:
     d = tmp / name
     (d / "nvme").mkdir(parents=True)
     cfg = {"backend": backend, "offload": offload, "pipeline_read": pipeline_read, "pipeline_write": pipeline_write,
-           "fast_init": fast_init, "via": via, "steps": steps,
+           "fast_init": fast_init, "via": via, "steps": steps, "model": model, "fix_prefetch": fix_prefetch,
            "nvme": str(d / "nvme"), "out": str(d / "result.json")}
     (d / "cfg.json").write_text(json.dumps(cfg))
     extra = {"PYINFINITY_DEEPSPEED": "1"} if via == "env" else {}
@@ -234,7 +253,10 @@ NVME_RUNS = {
 def runs(tmp_path_factory: pytest.TempPathFactory, deepspeed_importable: None) -> Dict[str, Dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("ds")
     t0 = time.perf_counter()
-    res = run_workers(tmp, {"cpu": dict(backend="deepspeed", offload="cpu"), **NVME_RUNS})
+    res = run_workers(tmp, {"cpu": dict(backend="deepspeed", offload="cpu"), **NVME_RUNS,
+                            "llama_cpu": dict(backend="deepspeed", offload="cpu", model="llama"),
+                            "llama_nvme_fixed": dict(backend="pyinfinity", offload="nvme", model="llama",
+                                                     fix_prefetch=True)})
     print(f"{len(res)} DeepSpeed trainings in {time.perf_counter() - t0:.1f} s")
     return res
 
@@ -264,6 +286,17 @@ def test_losses_match_offload_to_cpu(runs: Dict[str, Dict[str, Any]], name: str)
     assert len(set(ref)) == STEPS, f"loss did not change between steps: {ref}"
     for step, (a, b) in enumerate(zip(ref, got)):
         assert abs(a - b) <= 1e-6 * abs(a), f"{name} step {step}: loss {b!r} vs offload-to-cpu {a!r}"
+
+
+def test_nvme_params_with_prefetch_fix_train_like_offload_to_cpu(runs: Dict[str, Dict[str, Any]]) -> None:
+    """A Llama with its parameters on nvme and prefetch on hits DeepSpeed 0.19.8's repeated-parameter
+    swap_in (see fix_nvme_prefetch); with the fix it trains exactly like offload-to-cpu."""
+    ref, got = result(runs, "llama_cpu"), result(runs, "llama_nvme_fixed")
+    assert len(set(ref["losses"])) == STEPS
+    assert got["losses"] == ref["losses"]
+    files = got["swap_files"]
+    assert any("lm_head" in f or "params" in f for f in files)
+    assert set(files) <= set(got["stats"]["files_written"]) & set(got["stats"]["files_read"])
 
 
 def test_bit_for_bit_between_pyinfinity_runs(runs: Dict[str, Dict[str, Any]]) -> None:
@@ -528,6 +561,64 @@ def test_aio_op_has_deepspeeds_module_functions(tmp_path: Path) -> None:
     assert pids.aio_op.aio_read(u, p, 1 << 20, 8, False, True, True) == 0 and torch.equal(t, u)
     v = torch.empty_like(t)
     assert pids.aio_op.deepspeed_memcpy(v, t) == 0 and torch.equal(v, t)
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/deepspeed_backend_h200.py, as far as a CPU goes
+# ---------------------------------------------------------------------------------------------
+EXAMPLE = ROOT / "examples" / "deepspeed_backend_h200.py"
+
+
+def run_example(args: List[str], timeout: int = 180) -> subprocess.CompletedProcess:
+    env = _env()
+    env.pop("DS_ACCELERATOR")  # the script sets it for its children from --device
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=str(ROOT), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_h200_example_dry_run_shows_each_configuration() -> None:
+    r = run_example(["--dry-run", "--buffer-count", "9", "--nvme-dir", "/x/nv"])
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["model"]["hidden_size"] == 2048 and plan["model"]["num_hidden_layers"] == 22
+    cfgs = plan["configs"]
+    assert list(cfgs) == ["pyinf-cpu-nvme", "ds-cpu-nvme", "pyinf-nvme-nvme", "pyinf-nvme-nvme-fix"]
+    for name, c in cfgs.items():
+        zero = c["deepspeed_config"]["zero_optimization"]
+        assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "nvme"
+        assert zero["offload_optimizer"]["nvme_path"] == f"/x/nv/{name}"
+        assert zero["offload_param"]["device"] == c["params"]
+        assert c["command"][-2:] == ["--child", name]
+        assert c["deepspeed_config"]["optimizer"]["type"] == "AdamW"  # DeepSpeed's CPU Adam, as the baseline
+    assert cfgs["ds-cpu-nvme"]["backend"] == "deepspeed" and cfgs["pyinf-cpu-nvme"]["backend"] == "pyinfinity"
+    assert "nvme_path" not in cfgs["pyinf-cpu-nvme"]["deepspeed_config"]["zero_optimization"]["offload_param"]
+    assert cfgs["pyinf-nvme-nvme"]["deepspeed_config"]["zero_optimization"]["offload_param"]["buffer_count"] == 9
+    assert cfgs["pyinf-nvme-nvme-fix"]["fix_prefetch"] and not cfgs["pyinf-nvme-nvme"]["fix_prefetch"]
+
+
+def test_h200_example_rejects_bad_arguments() -> None:
+    r = run_example(["--dry-run", "--configs", "pyinf-cpu-nvme,bogus"])
+    assert r.returncode == 2 and "bogus" in r.stderr and "ds-cpu-nvme" in r.stderr
+    r = run_example(["--dry-run", "--steps", "0"])
+    assert r.returncode == 2 and "--steps" in r.stderr
+
+
+def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    r = run_example(["--device", "cpu", "--tiny", "--optimizer", "torch", "--steps", "3", "--seq", "32",
+                     "--batch", "2", "--max-in-cpu", "0", "--buffer-size", "2e6",
+                     "--configs", "pyinf-cpu-nvme,pyinf-nvme-nvme-fix",
+                     "--nvme-dir", str(tmp_path / "nv"), "--out", str(out)])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [x["config"] for x in doc["results"]] == ["pyinf-cpu-nvme", "pyinf-nvme-nvme-fix"]
+    for x in doc["results"]:
+        assert x["ok"] and x["tokens_per_s"] > 0 and len(x["step_s"]) == 3, x
+        assert x["pyinfinity_io"]["swap_files"] > 0 and not x["pyinfinity_io"]["swap_files_not_through_pyinfinity"]
+        assert "async_io" not in x["deepspeed_ops_loaded"]
+    assert doc["loss_checks"] and doc["loss_checks"][0]["max_rel_loss_diff"] == 0.0
+    assert "pyinf-nvme-nvme-fix | pyinfinity | nvme" in r.stdout and "tokens/s" in r.stdout
+    assert not (tmp_path / "nv" / "pyinf-cpu-nvme").exists()  # swap files removed after each configuration
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
