@@ -384,9 +384,10 @@ class Engine:
 
     def __getattr__(self, name: str) -> Any:
         # generate(), config, ... of the wrapped module (hooks make its parameters resident)
-        if name.startswith("_") or name in ("module", "coordinator", "partition", "config"):
-            raise AttributeError(name)
-        return getattr(self.__dict__["module"], name)
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("_") or name in ("coordinator", "partition", "config"):
+            raise AttributeError(f"'Engine' object has no attribute {name!r}")
+        return getattr(module, name)
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

@@ -18,10 +18,10 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_parity_with_torch_adamw(tier, tiny_lm, lm_batches, engine_config):
+@pytest.mark.parametrize("tier, persistent", [("cpu", 0), ("nvme", 0), ("nvme", 100)])
+def test_parity_with_torch_adamw(tier, persistent, tiny_lm, lm_batches, engine_config):
     """Same model, init and data: losses and final parameters match torch AdamW, with gradient
-    accumulation, clipping and a WarmupDecayLR schedule."""
+    accumulation, clipping and a WarmupDecayLR schedule (and with small shards kept resident)."""
     steps, gas = 10, 2
     model = tiny_lm()
     ref = copy.deepcopy(model)
@@ -29,6 +29,7 @@ def test_parity_with_torch_adamw(tier, tiny_lm, lm_batches, engine_config):
                                                  "warmup_max_lr": 1e-2, "warmup_num_steps": 3,
                                                  "warmup_type": "linear"}}
     cfg = engine_config(tier, gradient_accumulation_steps=gas, gradient_clipping=0.3, scheduler=sched)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistent
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     ref_sched = WarmupDecayLR(ref_opt, **sched["params"])
     batches = lm_batches(steps * gas)
@@ -48,6 +49,7 @@ def test_parity_with_torch_adamw(tier, tiny_lm, lm_batches, engine_config):
                 ref_opt.zero_grad()
                 ref_sched.step()
         assert eng.global_steps == steps
+        assert any(s.persistent for s in eng.partition.shards) == bool(persistent)
         assert [r.lr for r in eng.history][:4] != [1e-2] * 4  # the schedule was applied
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         assert losses[-1] < losses[0]
