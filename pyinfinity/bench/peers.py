@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -298,6 +299,12 @@ class DeepSpeedRunner:
         if self._proc is None:
             raise RuntimeError("DeepSpeed worker is not running")
         assert self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout)
+        if not ready:  # a hung handle must not hang the benchmark
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+            raise RuntimeError(f"DeepSpeed worker gave no answer in {self.timeout:.0f} s; killed")
         line = self._proc.stdout.readline()
         if not line:
             code = self._proc.wait(timeout=10)

@@ -229,3 +229,8 @@ def test_read_only_directory_is_a_clear_error(readonly_dir, capsys):
     assert main(["bench", "--quick", readonly_dir, "--no-progress", "--peers", "none"]) == 2
     err = capsys.readouterr().err
     assert "cannot benchmark" in err and "pyinfinity report" in err
+
+
+def test_a_silent_deepspeed_worker_is_killed_not_waited_for():
+    st = peers.DeepSpeedRunner(timeout=0.001).start()   # no interpreter starts in 1 ms
+    assert not st.available and "no answer" in st.note
