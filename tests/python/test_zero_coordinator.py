@@ -256,3 +256,27 @@ def test_prefetch_is_real_under_an_io_stall(engine_config):
     # read of layer k+1 runs during the compute of layer k
     assert hits[False][0] == 0 and hits[True][0] >= 2 * (layers - 1)
     assert times[True] < 0.8 * times[False], (times, hits)
+
+
+@pytest.mark.parametrize("buffer_count", [1, 3])
+def test_buffer_count_and_max_live_bound_prefetch(tiny_lm, lm_batches, engine_config, buffer_count):
+    model = tiny_lm(layers=6)
+    cfg = engine_config("nvme")
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = buffer_count
+    biggest = max(p.numel() for p in model.parameters())
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = 4 * biggest
+    with pyinfinity.initialize(model, cfg) as eng:
+        inflight, live = [], []
+
+        def probe(shard):  # called by the coordinator before each fetch starts
+            inflight.append(sum(s.state == ShardState.INFLIGHT for s in eng.partition.shards))
+            live.append(sum(s.numel for s in eng.partition.shards if s.state != ShardState.RELEASED))
+
+        eng.coordinator._fault = probe
+        for x, y in lm_batches(3):
+            eng.backward(eng(x, y))
+            eng.step()
+        assert eng.coordinator.stats.prefetch_hits > 0
+        assert max(inflight) <= buffer_count
+        # prefetch never starts a fetch past the live-parameter cap (a demand fetch may)
+        assert max(live) <= 4 * biggest
