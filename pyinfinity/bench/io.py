@@ -281,8 +281,107 @@ def prepare_file(path: str, nbytes: int) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def _cache_mode(info: mach.MachineInfo, fs: mach.FsInfo) -> tuple[bool, str]:
+    """(use O_DIRECT, cache label) for the directory."""
+    direct = info.o_direct and not fs.in_memory
+    if fs.in_memory:
+        return direct, CACHE_MEMORY
+    if direct:
+        return direct, CACHE_DIRECT
+    return direct, CACHE_DROPPED if mach.can_drop_caches() else CACHE_CACHED
+
+
+def _make_runners(s: IoBenchSettings, info: mach.MachineInfo, direct: bool,
+                  ds: Optional[DeepSpeedRunner], runners: list[Runner]
+                  ) -> tuple[list[PeerStatus], dict[str, str]]:
+    """Append every tool that can run here to ``runners``; return the peers' status and the
+    pyinfinity backends' status (each "ok" or why not)."""
+    want_handle = s.aio_handle and (s.backends is None or "AioHandle" in s.backends)
+    wanted = [b for b in s.backends if b != "AioHandle"] if s.backends else None
+    backends = working_backends(s.directory, wanted or None)
+    peers: list[PeerStatus] = []
+    for b, why in backends.items():
+        if why == "ok":
+            # without O_DIRECT the engine writes through the page cache: time the fsync in
+            runners.append(PyinfinityRunner(b, fsync_writes=not direct))
+        else:
+            log.warning("pyinfinity backend %s skipped: %s", b, why)
+    if want_handle and any(why == "ok" for why in backends.values()):
+        runners.append(AioHandleRunner())
+    if "fio" in s.peers:
+        st = fio_status()
+        peers.append(st)
+        if st.available:
+            for eng in s.fio_engines:
+                why = fio_engine_works(eng, s.directory, direct)
+                if why is None:
+                    runners.append(FioRunner(eng, direct, batch_reps=s.reps if s.fio_batch else 0))
+                else:
+                    peers.append(PeerStatus(f"fio:{eng}", False, note=why))
+        else:
+            log.warning("%s", st.note)
+    if "dd" in s.peers:
+        ok = info.tools.get("dd") is not None
+        peers.append(PeerStatus("dd", ok, version=info.tools.get("dd") or "",
+                                note="" if ok else "dd (coreutils) not found"))
+        if ok:
+            runners.append(DdRunner(direct))
+    if ds is not None:
+        st = ds.start()
+        peers.append(st)
+        if st.available:
+            runners.append(ds)
+        else:
+            log.warning("DeepSpeed aio peer unavailable: %s", st.note)
+    return peers, backends
+
+
+def _measure(cfg: IoConfig, rs: list[Runner], path: str, reps: int, cache: str, drop_odd: bool,
+             tick: Callable[[str], None]) -> list[Result]:
+    """Every repetition of one configuration: per repetition, each tool writes then reads back."""
+    results: dict[tuple[int, str], Result] = {}
+    skip: dict[int, str] = {}
+    for i, r in enumerate(rs):
+        why = r.supports(cfg)
+        if why:
+            skip[i] = why
+        for op in ("write", "read"):
+            c = cfg.with_op(op)
+            results[(i, op)] = Result(
+                workload=c.workload, op=op, tool=r.tool, backend=r.backend, nbytes=c.nbytes,
+                block_size=c.block_size, queue_depth=c.queue_depth, threads=c.threads,
+                io_size=c.io_size, n_ops=c.n_ops, cache=cache, note=skip.get(i, ""))
+    for rep in range(reps):
+        for i, r in enumerate(rs):
+            tick(f"{cfg.workload} {r.tool}:{r.backend}")
+            if i in skip:
+                continue
+            for op in ("write", "read"):
+                res = results[(i, op)]
+                if res.note and not res.seconds and rep > 0:
+                    continue  # failed on its first repetition
+                # unaligned heads/tails go through the page cache even with O_DIRECT: drop it
+                # before reads of odd sizes too, so they come from the disk
+                if op == "read" and (cache == CACHE_DROPPED or (drop_odd and not cfg.aligned)):
+                    mach.drop_page_cache(path)
+                try:
+                    smp = r.run(cfg.with_op(op), path, verify=(rep == 0))
+                except Exception as exc:  # a tool failing is a result, not a crash
+                    log.warning("%s:%s %s failed: %s", r.tool, r.backend, op, exc)
+                    res.note = f"failed: {exc}"[:300]
+                    if op == "write":
+                        break  # its read would check bytes that were never written
+                    continue
+                res.seconds.append(smp.seconds)
+                res.nbytes = smp.nbytes
+                if smp.verified is not None:
+                    res.verified = smp.verified if res.verified in (None, True) else False
+    return [results[(i, op)] for i in range(len(rs)) for op in ("write", "read")]
+
+
 def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
                  argv: Optional[list[str]] = None) -> BenchRun:
+    """The whole `bench io` run: set-up, every configuration with every tool, GPU figures."""
     t_start = time.perf_counter()
     load0 = os.getloadavg()[0]
     if load0 > 0.5 * (os.cpu_count() or 1):
@@ -293,119 +392,41 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
     if "deepspeed" in s.peers:
         ds = DeepSpeedRunner(allow_build=s.deepspeed_build)
         ds.begin()  # its imports overlap the set-up below; measurements start after it is ready
-    os.makedirs(s.directory, exist_ok=True)
-    info = mach.machine_info(s.directory)
-    fs = mach.fs_info(s.directory)
-    direct = info.o_direct and not fs.in_memory
-    if fs.in_memory:
-        cache = CACHE_MEMORY
-    elif direct:
-        cache = CACHE_DIRECT
-    elif mach.can_drop_caches():
-        cache = CACHE_DROPPED
-    else:
-        cache = CACHE_CACHED
-    if cache in (CACHE_MEMORY, CACHE_CACHED):
-        log.warning("figures on %s are labelled %r: %s", s.directory, cache,
-                    "it is a RAM filesystem" if cache == CACHE_MEMORY
-                    else "no O_DIRECT and caches cannot be dropped (not root)")
-
-    path = os.path.join(s.directory, BENCH_FILE)
-    configs = _configs(s)
-    can_drop = mach.can_drop_caches()
     runners: list[Runner] = []
+    path = os.path.join(s.directory, BENCH_FILE)
     try:
+        os.makedirs(s.directory, exist_ok=True)
+        info = mach.machine_info(s.directory)
+        direct, cache = _cache_mode(info, mach.fs_info(s.directory))
+        if cache in (CACHE_MEMORY, CACHE_CACHED):
+            log.warning("figures on %s are labelled %r: %s", s.directory, cache,
+                        "it is a RAM filesystem" if cache == CACHE_MEMORY
+                        else "no O_DIRECT and caches cannot be dropped (not root)")
+        configs = _configs(s)
         prepare_file(path, max([c.nbytes for c in configs] + [0]))
-        want_handle = s.aio_handle and (s.backends is None or "AioHandle" in s.backends)
-        wanted = [b for b in s.backends if b != "AioHandle"] if s.backends else None
-        backends = working_backends(s.directory, wanted or None)
-        peers: list[PeerStatus] = []
-        for b, why in backends.items():
-            if why == "ok":
-                # without O_DIRECT the engine writes through the page cache: time the fsync in
-                runners.append(PyinfinityRunner(b, fsync_writes=not direct))
-            else:
-                log.warning("pyinfinity backend %s skipped: %s", b, why)
-        if want_handle and any(why == "ok" for why in backends.values()):
-            runners.append(AioHandleRunner())
-        if "fio" in s.peers:
-            st = fio_status()
-            peers.append(st)
-            if st.available:
-                for eng in s.fio_engines:
-                    why = fio_engine_works(eng, s.directory, direct)
-                    if why is None:
-                        runners.append(FioRunner(eng, direct, batch_reps=s.reps if s.fio_batch else 0))
-                    else:
-                        peers.append(PeerStatus(f"fio:{eng}", False, note=why))
-            else:
-                log.warning("%s", st.note)
-        if "dd" in s.peers:
-            ok = info.tools.get("dd") is not None
-            peers.append(PeerStatus("dd", ok, version=info.tools.get("dd") or "",
-                                    note="" if ok else "dd (coreutils) not found"))
-            if ok:
-                runners.append(DdRunner(direct))
-        if ds is not None:
-            st = ds.start()
-            peers.append(st)
-            if st.available:
-                runners.append(ds)
-            else:
-                log.warning("DeepSpeed aio peer unavailable: %s", st.note)
-
+        peers, backends = _make_runners(s, info, direct, ds, runners)
         run = BenchRun(s, info, peers, backends, cache, argv=list(argv or []))
+
         plan: list[tuple[IoConfig, list[Runner]]] = []
         seen: set = set()
         for cfg in configs:
-            rs = [r for r in runners if _peer_config_filter(r, cfg, seen)]
-            plan.append((cfg, rs))
+            plan.append((cfg, [r for r in runners if _peer_config_filter(r, cfg, seen)]))
         steps = sum(len(rs) for _, rs in plan) * s.reps
-        moved = sum(cfg.nbytes * 2 * sum(1 for r in rs if not r.supports(cfg)) for cfg, rs in plan) * s.reps
+        moved = s.reps * sum(cfg.nbytes * 2 * sum(1 for r in rs if not r.supports(cfg))
+                             for cfg, rs in plan)
         log.info("%d configurations x %d repetitions: about %.0f GB to move (%.0f min at 2 GB/s)",
                  len(plan), s.reps, moved / 1e9, moved / 2e9 / 60)
         done = 0
+
+        def tick(desc: str) -> None:
+            nonlocal done
+            done += 1
+            if progress:
+                progress(done, steps, desc)
+
+        drop_odd = cache == CACHE_DIRECT and mach.can_drop_caches()
         for cfg, rs in plan:
-            results: dict[tuple[int, str], Result] = {}
-            skip: dict[int, str] = {}
-            for i, r in enumerate(rs):
-                why = r.supports(cfg)
-                if why:
-                    skip[i] = why
-                for op in ("write", "read"):
-                    c = cfg.with_op(op)
-                    results[(i, op)] = Result(
-                        workload=c.workload, op=op, tool=r.tool, backend=r.backend,
-                        nbytes=c.nbytes, block_size=c.block_size, queue_depth=c.queue_depth,
-                        threads=c.threads, io_size=c.io_size, n_ops=c.n_ops,
-                        cache=cache, note=skip.get(i, ""))
-            for rep in range(s.reps):
-                for i, r in enumerate(rs):
-                    done += 1
-                    if progress:
-                        progress(done, steps, f"{cfg.workload} {r.tool}:{r.backend}")
-                    if i in skip:
-                        continue
-                    for op in ("write", "read"):
-                        res = results[(i, op)]
-                        if res.note and not res.seconds and rep > 0:
-                            continue  # failed on its first repetition
-                        # unaligned heads/tails go through the page cache even with O_DIRECT:
-                        # drop it before reads of odd sizes too, so they come from the disk
-                        if op == "read" and (cache == CACHE_DROPPED
-                                             or (not cfg.aligned and cache == CACHE_DIRECT and can_drop)):
-                            mach.drop_page_cache(path)
-                        try:
-                            smp = r.run(cfg.with_op(op), path, verify=(rep == 0))
-                        except Exception as exc:  # a tool failing is a result, not a crash
-                            log.warning("%s:%s %s failed: %s", r.tool, r.backend, op, exc)
-                            res.note = f"failed: {exc}"[:300]
-                            continue
-                        res.seconds.append(smp.seconds)
-                        res.nbytes = smp.nbytes
-                        if smp.verified is not None:
-                            res.verified = smp.verified if res.verified in (None, True) else False
-            run.results.extend(results[(i, op)] for i in range(len(rs)) for op in ("write", "read"))
+            run.results.extend(_measure(cfg, rs, path, s.reps, cache, drop_odd, tick))
         if s.gpu:
             from pyinfinity.bench.gpu import run_gpu_bench
 

@@ -234,3 +234,24 @@ def test_read_only_directory_is_a_clear_error(readonly_dir, capsys):
 def test_a_silent_deepspeed_worker_is_killed_not_waited_for():
     st = peers.DeepSpeedRunner(timeout=0.001).start()   # no interpreter starts in 1 ms
     assert not st.available and "no answer" in st.note
+
+
+def test_a_failing_tool_is_a_result_and_its_read_is_skipped(tmp_path):
+    class Broken:
+        tool, backend = "fio", "broken"
+        calls: list[str] = []
+
+        def supports(self, cfg):
+            return None
+
+        def run(self, cfg, path, verify):
+            Broken.calls.append(cfg.op)
+            raise RuntimeError("disk on fire")
+
+        def close(self):
+            pass
+
+    cfg = file_config("write", 1 * MiB, 1 * MiB, 1, 1, 1 * MiB)
+    res = bio._measure(cfg, [Broken()], str(tmp_path / "f"), 3, "direct", False, lambda d: None)
+    assert Broken.calls == ["write"]              # no read of unwritten bytes, no retry per rep
+    assert all(not r.seconds and "disk on fire" in r.note for r in res if r.op == "write")
