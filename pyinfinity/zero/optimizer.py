@@ -32,6 +32,9 @@ class ShardOptimState:
     home: SwapRecord  # fp32 [master | exp_avg | exp_avg_sq]
     grad: Optional[torch.Tensor] = None  # fp32 accumulator on the host, allocated on first grad
     step: int = 0
+    # slices (by offset) that received a gradient in this accumulation window: the first one is
+    # copied rather than added, so zero_grad needs no pass over the buffer
+    written: set = field(default_factory=set)
 
     @property
     def numel(self) -> int:
@@ -149,17 +152,32 @@ class OffloadOptimizer:
         if st is None:
             return
         if st.grad is None:
-            st.grad = torch.zeros(shard.numel, dtype=torch.float32)
+            st.grad = torch.empty(shard.numel, dtype=torch.float32)
         dst = st.grad[sl.offset:sl.offset + sl.numel]
         g = grad.detach().reshape(-1)
         if g.device.type != "cpu":
             g = g.to("cpu")
-        dst.add_(g)
+        if sl.offset in st.written:
+            dst.add_(g)
+        else:
+            dst.copy_(g)
+            st.written.add(sl.offset)
 
     def zero_grad(self) -> None:
         for st in self.states:
-            if st.grad is not None:
-                st.grad.zero_()
+            st.written.clear()
+
+    def _fill_unwritten(self) -> None:
+        """Parameters that got no gradient in this window count as zero gradient."""
+        for st in self.states:
+            if len(st.written) == len(st.shard.slices) and st.grad is not None:
+                continue
+            if st.grad is None:
+                st.grad = torch.empty(st.numel, dtype=torch.float32)
+            for sl in st.shard.slices:
+                if sl.offset not in st.written:
+                    st.grad[sl.offset:sl.offset + sl.numel].zero_()
+                    st.written.add(sl.offset)
 
     def grad_norm(self) -> float:
         """Global L2 norm over every shard's gradient (inf/nan if any is not finite)."""
@@ -229,6 +247,7 @@ class OffloadOptimizer:
         """One Adam/AdamW step on every shard. Gradients are divided by ``grad_scale`` (fp16 loss
         scale) and clipped to global norm ``clip`` (0 = off), as torch's clip_grad_norm_ does."""
         t0 = time.perf_counter()
+        self._fill_unwritten()
         norm = self.grad_norm()
         raw_norm = norm / grad_scale if grad_scale != 1.0 else norm
         if check_overflow and not math.isfinite(norm):
@@ -238,6 +257,7 @@ class OffloadOptimizer:
             coef = clip / (raw_norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
+        inv_factor = torch.tensor(1.0 / factor) if factor != 1.0 else None
         g = self.param_groups[0]
         beta1, beta2 = g["betas"]
         kernel = torch._fused_adamw_ if self.cfg.adam_w_mode else torch._fused_adam_
@@ -249,14 +269,12 @@ class OffloadOptimizer:
                 st, flat = item
                 n = st.numel
                 master, m, v = flat[:n], flat[n:2 * n], flat[2 * n:]
-                grad = st.grad if st.grad is not None else torch.zeros(n, dtype=torch.float32)
-                if factor != 1.0:
-                    grad.mul_(factor)
                 st.step += 1
                 step_t = torch.tensor(float(st.step))
-                kernel([master], [grad], [m], [v], [], [step_t], lr=float(g["lr"]), beta1=beta1, beta2=beta2,
-                       weight_decay=float(g["weight_decay"]), eps=float(g["eps"]), amsgrad=False,
-                       maximize=False)
+                # unscaling/clipping happens inside the kernel (it divides by grad_scale): no extra pass
+                kernel([master], [st.grad], [m], [v], [], [step_t], lr=float(g["lr"]), beta1=beta1,
+                       beta2=beta2, weight_decay=float(g["weight_decay"]), eps=float(g["eps"]),
+                       amsgrad=False, maximize=False, grad_scale=inv_factor)
                 extra = []
                 if self.write_param is not None:
                     req = self.write_param(st.shard, master)
