@@ -356,9 +356,12 @@ def _measure(cfg: IoConfig, rs: list[Runner], path: str, reps: int, cache: str, 
             tick(f"{cfg.workload} {r.tool}:{r.backend}")
             if i in skip:
                 continue
+            w = results[(i, "write")]
+            if w.note and not w.seconds:
+                continue  # its first write failed: nothing to read back, no retries
             for op in ("write", "read"):
                 res = results[(i, op)]
-                if res.note and not res.seconds and rep > 0:
+                if res.note and not res.seconds:
                     continue  # failed on its first repetition
                 # unaligned heads/tails go through the page cache even with O_DIRECT: drop it
                 # before reads of odd sizes too, so they come from the disk
