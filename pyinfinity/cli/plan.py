@@ -1,0 +1,132 @@
+"""`pyinfinity plan`: where a model's parameters, gradients and optimizer states should live under
+the given budgets, every buffer's size, and the predicted step time with its bottleneck; writes
+the resolved DeepSpeed-format config (every "auto" replaced) that `pyinfinity train` and
+`pyinfinity.initialize` accept."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("plan", help="plan placement and buffers for a model and budgets",
+                              description=__doc__)
+    p.add_argument("--model", required=True, metavar="CONFIG",
+                   help="a transformers config.json (or a directory holding one)")
+    p.add_argument("--config", metavar="JSON",
+                   help="a DeepSpeed-format config whose \"auto\" values are decided (default: all auto)")
+    p.add_argument("--gpu-memory", "--device-memory", dest="device_memory", default=None,
+                   help="device memory budget, e.g. 8GiB (default: measured)")
+    p.add_argument("--cpu-memory", dest="host_memory", default=None,
+                   help="host RAM budget, e.g. 64GiB (default: 80%% of what is available)")
+    p.add_argument("--nvme", action="append", metavar="DIR", default=None,
+                   help="swap directory (repeat to stripe over several drives)")
+    p.add_argument("--device", default=None, help="compute device: cpu, cuda, cuda:N (default: cuda if present)")
+    p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default: the config's, else 1)")
+    p.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation steps")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--rates", metavar="JSON",
+                   help="measured rates: `pyinfinity bench io --json`, `pyinfinity tune -o` (aio settings "
+                        "for the probe) or a file from --save-rates")
+    p.add_argument("--save-rates", metavar="JSON", help="write the rates used here")
+    p.add_argument("--out", "-o", metavar="JSON", help="write the resolved config here (default: print it)")
+    p.add_argument("--json", metavar="FILE", help="write the placement (and prediction) as JSON")
+    p.set_defaults(func=run)
+
+
+def template(args: argparse.Namespace) -> dict:
+    """The config to resolve: --config's, else one with every knob "auto"; the flags override."""
+    if args.config:
+        with open(args.config) as f:
+            cfg = json.load(f)
+    else:
+        auto_sec = {"device": "auto", "buffer_count": "auto", "buffer_size": "auto"}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {**auto_sec, "max_in_cpu": "auto", "pin_memory": True},
+                "offload_optimizer": {"device": "auto", "pin_memory": True},
+                "stage3_prefetch_bucket_size": "auto",
+                "stage3_max_live_parameters": "auto",
+                "stage3_param_persistence_threshold": "auto",
+            },
+            "pyinfinity": {"device": "auto", "device_memory": "auto", "host_memory": "auto"},
+        }
+    z = cfg.setdefault("zero_optimization", {"stage": 3})
+    if args.nvme:
+        for sec in ("offload_param", "offload_optimizer"):
+            z.setdefault(sec, {"device": "auto"}).setdefault("nvme_path", args.nvme)
+    e = cfg.setdefault("pyinfinity", {})
+    if args.device_memory:
+        e["device_memory"] = args.device_memory
+    if args.host_memory:
+        e["host_memory"] = args.host_memory
+    if args.device:
+        e["device"] = args.device
+    if args.micro_batch:
+        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+        cfg.pop("train_batch_size", None)
+    if args.grad_accum:
+        cfg["gradient_accumulation_steps"] = args.grad_accum
+        cfg.pop("train_batch_size", None)
+    for key in ("bf16", "fp16"):
+        cfg.pop(key, None)
+    if args.dtype != "fp32":
+        cfg[args.dtype] = {"enabled": True}
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from pyinfinity.config import ConfigError, load_config
+    from pyinfinity.plan import PlanError, resolve_auto
+    from pyinfinity.plan.rates import measure_rates
+    from pyinfinity.plan.resolve import _aio_dict, _compute_dtype, _device
+    from pyinfinity.plan.sizes import sizes_from_config
+
+    try:
+        cfg_dict = template(args)
+        cfg = load_config(json.loads(json.dumps(cfg_dict)))
+        dev = _device(cfg, None)
+        sizes = sizes_from_config(args.model, args.dtype)
+        tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
+        m = sizes.hidden or 1024
+        rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
+                              aio=_aio_dict(cfg), matmul_shape=(min(tokens, 8192), m, m),
+                              dtype=_compute_dtype(cfg) or __import__("torch").float32)
+        if args.save_rates:
+            rates.save(args.save_rates)
+        resolved, placement = resolve_auto(cfg_dict, sizes, rates=rates, seq_len=args.seq_len,
+                                           checkpointing=args.checkpointing, fill_absent=True)
+    except (ConfigError, PlanError, ValueError) as exc:
+        print(f"pyinfinity plan: {exc}", file=sys.stderr)
+        return 1
+    print(f"model: {sizes.source}, {sizes.numel:,} parameters ({sizes.numel / 1e9:.2f} B), "
+          f"{len(sizes.shard_numels)} shards, compute dtype {args.dtype}; micro-batch "
+          f"{cfg.train_micro_batch_size_per_gpu} x {args.seq_len} tokens x {cfg.gradient_accumulation_steps} "
+          f"accumulation{', checkpointing' if args.checkpointing else ''}; device {dev}")
+    print(f"rates: {rates.describe()} ({', '.join(sorted(set(rates.source.values())))})")
+    print(placement.table())
+    text = json.dumps(resolved, indent=2) + "\n"
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"placement": placement.to_json(), "rates": rates.to_json(), "config": resolved}, f, indent=1)
+    return 0

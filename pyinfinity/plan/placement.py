@@ -1,0 +1,552 @@
+"""The placement solver: where parameters, gradients and optimizer states live (device, pinned RAM,
+disk — fractions allowed, RAM first), how every buffer is sized, and what one step will cost.
+
+A candidate is a set of engine knobs (:class:`Knobs`, exactly what the config can express:
+``offload_param.device``/``max_in_cpu``, ``offload_optimizer.device``/``ratio``, prefetch bytes,
+buffer counts, persistence threshold). :func:`evaluate` places the model's shards the way the
+engine will (the same greedy rules: ``max_in_cpu`` elements of parameter shards in creation order
+stay in RAM; the first ``1 - ratio`` of the optimizer state stays in RAM), charges every budget,
+and predicts the step time from the measured rates. :func:`solve` evaluates the candidates the
+config leaves open and returns the fastest that respects every budget, or raises
+:class:`PlanError` with the numbers when none does.
+
+The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the optimizer):
+  * micro-batch: matmul FLOPs / matmul rate; every non-persistent shard is fetched twice (forward
+    and backward; the recompute of checkpointing re-fetches instead of the backward); fetches
+    from RAM are host->device copies (on the CPU device: memcpys the compute thread does itself,
+    so they add to compute), fetches from disk are SwapEngine reads that prefetch overlaps with
+    compute; gradients leave the device and are accumulated in fp32 on the host.
+    With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
+    without prefetch: the sum.
+  * optimizer (after the last backward, not overlapped with it): gradient norm and zeroing
+    (memory bound), fused Adam over every parameter at the measured rate; the RAM part first,
+    then the disk part pipelined (read k+1 || step k || write k-1) with the parameter write-back.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable, Optional, Sequence
+
+from pyinfinity.plan.budgets import Budgets
+from pyinfinity.plan.rates import Rates
+from pyinfinity.plan.sizes import SMALL_SHARD_NUMEL, ModelSizes
+
+log = logging.getLogger(__name__)
+
+OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
+GRAD_BYTES_PER_PARAM = 4  # fp32 accumulator on the host
+SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
+SWAP_SLOT_ALIGN = 4096
+FETCH_PASSES = 2  # forward + backward (or recompute) fetch of every non-persistent shard
+PERSISTENT_SHARE = 0.05  # small shards stay resident when they cost at most this share of the device
+DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
+TIE = 0.02  # candidates within 2% of the fastest are ties; less disk traffic wins
+
+
+class PlanError(ValueError):
+    """No placement respects the budgets; the message says what is needed, what is there, and what
+    to change."""
+
+
+def fmt(n: float) -> str:
+    """Bytes in decimal units (as disks are sold), e.g. ``212 GB``, ``1.5 GB``, ``64 MB``."""
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= div:
+            v = n / div
+            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclass
+class TrainShape:
+    """The training shape: tokens per micro-batch, accumulation and activation checkpointing."""
+
+    micro_batch: int = 1
+    seq_len: int = 1024
+    grad_accum: int = 1
+    checkpointing: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+@dataclass
+class Knobs:
+    """One configuration the engine can realise (the config keys in brackets)."""
+
+    param_device: str = "cpu"  # none | cpu | nvme          [offload_param.device]
+    max_in_cpu: int = 0  # elements kept in RAM with nvme   [offload_param.max_in_cpu]
+    optimizer_device: str = "cpu"  # cpu | nvme             [offload_optimizer.device]
+    ratio: float = 1.0  # share of optimizer state on nvme  [offload_optimizer.ratio]
+    persistence_threshold: int = 0  # elements               [stage3_param_persistence_threshold]
+    prefetch_bytes: int = 0  #                              [stage3_prefetch_bucket_size]
+    max_live: int = 0  # elements                           [stage3_max_live_parameters]
+    param_buffer_count: int = 2  # NVMe reads in flight      [offload_param.buffer_count]
+    param_buffer_size: int = 0  # bytes (largest shard)     [offload_param.buffer_size]
+    optimizer_buffer_count: int = 4  # staging buffers       [offload_optimizer.buffer_count]
+    prefetch: bool = True  #                                [pyinfinity.prefetch]
+    pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
+
+
+@dataclass
+class Share:
+    """Bytes of one tensor class on the device, in RAM and on disk."""
+
+    device: int = 0
+    ram: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.ram + self.disk
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds per optimizer step. compute/h2d/disk/optimizer are each resource's busy
+    time (not additive: they overlap as the model says); total is the prediction."""
+
+    compute: float
+    h2d: float
+    disk: float
+    optimizer: float
+    micro_batch: float  # one forward+backward, overlap included
+    optimizer_phase: float  # the optimizer step, overlap included
+    total: float
+    bottleneck: str
+
+    def breakdown(self) -> str:
+        return (f"{self.total:.3f} s/step (compute {self.compute:.3f}, host<->device {self.h2d:.3f}, "
+                f"disk {self.disk:.3f}, optimizer {self.optimizer:.3f}; bound by {self.bottleneck})")
+
+
+@dataclass
+class Placement:
+    """A plan: the knobs, where each tensor class lives, memory charged to each budget, the
+    predicted step time, and any budget it violates (empty for a plan ``solve`` returns)."""
+
+    knobs: Knobs
+    params: Share
+    grads: Share
+    optimizer: Share
+    device_bytes: int  # peak on the device: persistent + working set + prefetch + activations
+    host_bytes: int  # RAM: homes + gradients + staging (+ the device pool on the CPU device)
+    pinned_bytes: int  # of host_bytes, the pinned pool (homes in RAM + staging)
+    swap_bytes: int  # on disk over all swap directories
+    swap_per_dir: dict[str, int]
+    activation_bytes: int
+    predicted: StepTime
+    optimizer_step_device: str = "cpu"
+    device_memory: int = 0  # the budget the config caps the engine at
+    host_memory: int = 0
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+    @property
+    def disk_traffic(self) -> int:
+        return self.params.disk + 2 * self.optimizer.disk
+
+    def config_values(self) -> dict[str, Any]:
+        """Dotted config key -> value for every knob the plan decides."""
+        k = self.knobs
+        out: dict[str, Any] = {
+            "zero_optimization.offload_param.device": k.param_device,
+            "zero_optimization.offload_param.max_in_cpu": int(k.max_in_cpu),
+            "zero_optimization.offload_param.buffer_count": int(k.param_buffer_count),
+            "zero_optimization.offload_param.buffer_size": int(max(1, k.param_buffer_size)),
+            "zero_optimization.offload_optimizer.device": k.optimizer_device,
+            "zero_optimization.offload_optimizer.ratio": float(k.ratio),
+            "zero_optimization.offload_optimizer.buffer_count": int(k.optimizer_buffer_count),
+            "zero_optimization.stage3_prefetch_bucket_size": int(k.prefetch_bytes),
+            "zero_optimization.stage3_max_live_parameters": int(k.max_live),
+            "zero_optimization.stage3_param_persistence_threshold": int(k.persistence_threshold),
+            "pyinfinity.device_memory": int(self.device_memory),
+            "pyinfinity.host_memory": int(self.host_memory),
+        }
+        return out
+
+    def table(self) -> str:
+        """The plan as a text table: tiers per tensor class, buffers, budgets, predicted time."""
+        k, p = self.knobs, self.predicted
+
+        def row(name: str, s: Share, extra: str = "") -> str:
+            return f"  {name:<18}{fmt(s.device):>10}{fmt(s.ram):>10}{fmt(s.disk):>10}  {extra}"
+
+        opt_tier = "cpu" if k.optimizer_device == "cpu" else f"nvme, ratio {k.ratio:.3f}"
+        par_tier = k.param_device + (f", max_in_cpu {k.max_in_cpu:,}" if k.param_device == "nvme" else "")
+        lines = [f"  {'tensor class':<18}{'device':>10}{'RAM':>10}{'disk':>10}  tier",
+                 row("parameters", self.params, par_tier),
+                 row("gradients (fp32)", self.grads, "host accumulator"),
+                 row("optimizer states", self.optimizer, opt_tier),
+                 "",
+                 f"  device peak {fmt(self.device_bytes)} of {fmt(self.device_memory)} (activations "
+                 f"{fmt(self.activation_bytes)}, prefetch {fmt(k.prefetch_bytes)}, persistent <= "
+                 f"{k.persistence_threshold:,} elements)",
+                 f"  host RAM {fmt(self.host_bytes)} of {fmt(self.host_memory)} (pinned pool {fmt(self.pinned_bytes)})",
+                 f"  swap {fmt(self.swap_bytes)}" + "".join(f"; {d}: {fmt(b)}" for d, b in self.swap_per_dir.items()),
+                 f"  buffers: {k.param_buffer_count} parameter reads in flight of <= {fmt(k.param_buffer_size)}, "
+                 f"{k.optimizer_buffer_count} optimizer staging buffers; optimizer steps on {self.optimizer_step_device}",
+                 f"  predicted: {p.breakdown()}"]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  VIOLATES: {v}" for v in self.violations]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------- evaluation
+
+
+def _is_cuda(rates: Rates, budgets: Budgets) -> bool:
+    return not budgets.device_is_host and rates.device.startswith("cuda")
+
+
+def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, knobs: Knobs,
+             nvme_paths: Sequence[str] = ()) -> Placement:
+    """Places the shards as the engine will under ``knobs``, charges the budgets and predicts the
+    step time. Budget violations are listed in ``violations`` (not raised)."""
+    isz = sizes.itemsize
+    cuda = _is_cuda(rates, budgets)
+    k = knobs
+    # -- parameters: the engine's greedy rules, shard by shard
+    params = Share()
+    persistent = fetch_ram = fetch_disk = 0
+    fetch_disk_s = 0.0  # seconds of one read of every disk-homed shard
+    left = k.max_in_cpu if k.param_device == "nvme" else 0
+    param_tier: list[str] = []
+    for n in sizes.shard_numels:
+        nb = n * isz
+        if k.param_device == "none":
+            tier = "device"
+        elif k.param_device == "cpu":
+            tier = "ram"
+        else:
+            tier = "ram" if left >= n else "disk"
+            if tier == "ram":
+                left -= n
+        param_tier.append(tier)
+        setattr(params, tier, getattr(params, tier) + nb)
+        if tier == "device":
+            continue
+        if 0 < n <= k.persistence_threshold:
+            persistent += nb
+        elif tier == "ram":
+            fetch_ram += nb
+        else:
+            fetch_disk += nb
+            fetch_disk_s += rates.read_time(nb)
+    # -- optimizer states: the first (1 - ratio) of the trainable elements in RAM
+    total_train = sizes.trainable_numel
+    ram_share = total_train * (1.0 - (k.ratio if k.optimizer_device == "nvme" else 0.0))
+    optim = Share()
+    placed = 0
+    # optimizer state in RAM (segment a, stepped first), on disk (b); *_s: seconds of disk I/O
+    seg_a = {"adam": 0, "param_ram": 0, "param_disk": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0}
+    seg_b = {"adam": 0, "param_ram": 0, "param_disk": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0,
+             "state": 0, "state_s": 0.0}
+    biggest_disk_state = 0
+    first_disk_state = 0
+    for n, trainable, ptier in zip(sizes.shard_numels, sizes.shard_trainable, param_tier):
+        if not trainable:
+            continue
+        ram = placed + n <= ram_share
+        placed += n
+        seg = seg_a if ram else seg_b
+        if ram:
+            optim.ram += OPT_BYTES_PER_PARAM * n
+        else:
+            optim.disk += OPT_BYTES_PER_PARAM * n
+            seg_b["state"] += OPT_BYTES_PER_PARAM * n
+            seg_b["state_s"] += rates.read_time(OPT_BYTES_PER_PARAM * n) + rates.write_time(OPT_BYTES_PER_PARAM * n)
+            biggest_disk_state = max(biggest_disk_state, n)
+            first_disk_state = first_disk_state or n
+        seg["adam"] += n
+        seg["cast"] += n if isz != 4 else 0
+        seg["param_dev" if ptier == "device" else f"param_{ptier}"] += n * isz
+        if ptier == "disk":
+            seg["param_disk_s"] += rates.write_time(n * isz)
+    grads = Share(ram=GRAD_BYTES_PER_PARAM * total_train)
+    # -- device: persistent shards + one block's working set + the next shard + prefetch + activations
+    acts = sizes.activation_bytes(train.micro_batch, train.seq_len, train.checkpointing)
+    if k.param_device == "none":
+        shard_peak = params.device
+    else:
+        shard_peak = persistent + sizes.block_bytes + sizes.largest_shard_bytes + (k.prefetch_bytes if k.prefetch else 0)
+    device_bytes = shard_peak + acts
+    # -- host: homes in RAM, gradients, staging, write-back temporaries (+ the device pool on the CPU)
+    staging = 0
+    if optim.disk:
+        staging += (k.optimizer_buffer_count if k.pipeline else 1) * OPT_BYTES_PER_PARAM * biggest_disk_state
+    if cuda and fetch_disk:
+        staging += k.param_buffer_count * sizes.largest_shard_bytes  # pinned read staging
+    writeback = (sizes.largest_shard_numel * isz * k.optimizer_buffer_count) if isz != 4 else 0
+    pinned = params.ram + optim.ram + staging
+    host_bytes = pinned + grads.ram + writeback + (device_bytes if budgets.device_is_host else 0)
+    # -- swap: striped equally over the directories, each file grows in SWAP_GROW steps
+    n_shards = len(sizes.shard_numels)
+    swap_bytes = params.disk + optim.disk
+    swap_per_dir: dict[str, int] = {}
+    dirs = list(nvme_paths) or budgets.swap_paths
+    if swap_bytes and dirs:
+        spaces = (1 if params.disk else 0) + (1 if optim.disk else 0)
+        per = math.ceil(swap_bytes / len(dirs)) + spaces * SWAP_GROW + 2 * n_shards * SWAP_SLOT_ALIGN
+        swap_per_dir = {d: per for d in dirs}
+    violations: list[str] = []
+    if device_bytes > budgets.device_memory:
+        violations.append(
+            f"device memory: needs {fmt(device_bytes)} (parameters resident/in flight {fmt(shard_peak)}, "
+            f"activations {fmt(acts)} for micro-batch {train.micro_batch} x {train.seq_len} tokens"
+            f"{' with checkpointing' if train.checkpointing else ''}), budget {fmt(budgets.device_memory)}")
+    if host_bytes > budgets.host_memory:
+        violations.append(
+            f"host RAM: needs {fmt(host_bytes)} (parameters {fmt(params.ram)}, optimizer states {fmt(optim.ram)}, "
+            f"fp32 gradients {fmt(grads.ram)}, staging {fmt(staging + writeback)}"
+            f"{', device pool ' + fmt(device_bytes) if budgets.device_is_host else ''}), budget {fmt(budgets.host_memory)}")
+    if swap_bytes and not dirs:
+        violations.append(f"swap: needs {fmt(swap_bytes)} on disk but no nvme_path is given")
+    elif swap_bytes:
+        by_fs: dict[int, tuple[list[str], int, int]] = {}
+        for i, d in enumerate(budgets.swap):
+            if d.path in swap_per_dir:
+                paths, need, free = by_fs.get(d.fs_id or -(i + 1), ([], 0, d.free))
+                by_fs[d.fs_id or -(i + 1)] = (paths + [d.path], need + swap_per_dir[d.path], free)
+        for paths, need, free in by_fs.values():
+            if need > free:
+                violations.append(f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; "
+                                  f"add {fmt(need - free)}, or a second path")
+    pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
+                   fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state)
+    return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
+                     host_bytes=host_bytes, pinned_bytes=pinned, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
+                     activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
+                     host_memory=budgets.host_memory, violations=violations)
+
+
+def _div(a: float, b: float) -> float:
+    if a <= 0:
+        return 0.0
+    return a / b if b > 0 else math.inf
+
+
+def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *, cuda: bool, fetch_ram: int,
+            fetch_disk: int, fetch_disk_s: float, seg_a: dict, seg_b: dict, first_disk_state: int) -> StepTime:
+    """Seconds per optimizer step from the byte flows ``evaluate`` worked out (see the module doc)."""
+    isz = sizes.itemsize
+    train_numel = sizes.trainable_numel
+    # -- one micro-batch
+    compute = sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
+    passes = FETCH_PASSES
+    ram_copy = _div(passes * fetch_ram, rates.h2d)
+    disk_read = passes * fetch_disk_s
+    grads_off = _div(train_numel * isz, rates.d2h) if cuda else 0.0
+    # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
+    accumulate = _div(train_numel * (isz + 8), 2 * rates.memcpy)  # read grad, read+write fp32 accumulator
+    overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
+    latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
+    if cuda:
+        # copies run on the swap stream, host accumulation in the grad hooks: both overlap the
+        # GPU's compute; without prefetch every fetch (disk read, then H2D) is waited for
+        disk_h2d = _div(passes * fetch_disk, rates.h2d)
+        link = ram_copy + disk_h2d + grads_off
+        serial = 0.0 if overlap else ram_copy + disk_h2d + disk_read
+        micro = max(compute + serial, link, disk_read, accumulate) + latency
+        h2d_busy = link
+    else:
+        # the CPU device: fetches from RAM and the accumulation are memcpys of the compute thread
+        cpu_side = compute + ram_copy + accumulate
+        micro = (max(cpu_side, disk_read) if overlap else cpu_side + disk_read) + latency
+        h2d_busy = ram_copy + accumulate
+    # -- the optimizer step: norm + zeroing, RAM part, then the disk part pipelined
+    host = _div(2 * GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy)  # norm (read) + zero (write)
+
+    def cpu_time(seg: dict) -> float:
+        return (_div(seg["adam"], rates.adam) + _div(seg["cast"] * (4 + isz), 2 * rates.memcpy)
+                + _div(seg["param_ram"], rates.memcpy) + _div(seg["param_dev"], rates.h2d))
+
+    a = cpu_time(seg_a)
+    b = cpu_time(seg_b)
+    first_read = rates.read_time(OPT_BYTES_PER_PARAM * first_disk_state) if first_disk_state else 0.0
+    disk_a = seg_a["param_disk_s"] + first_read
+    disk_b = seg_b["state_s"] + seg_b["param_disk_s"] - first_read
+    if knobs.pipeline:
+        backlog = max(0.0, disk_a - a)
+        opt_phase = host + a + max(b, backlog + disk_b)
+    else:
+        opt_phase = host + a + disk_a + b + disk_b
+    g = train.grad_accum
+    total = g * micro + opt_phase
+    disk_busy = g * disk_read + disk_a + disk_b
+    busy = {"compute": g * compute, "host<->device": g * h2d_busy, "disk": disk_busy, "optimizer": host + a + b}
+    bottleneck = max(busy, key=busy.get)
+    return StepTime(compute=busy["compute"], h2d=busy["host<->device"], disk=disk_busy, optimizer=busy["optimizer"],
+                    micro_batch=micro, optimizer_phase=opt_phase, total=total, bottleneck=bottleneck)
+
+
+# --------------------------------------------------------------------------------- the solver
+
+
+@dataclass
+class Fixed:
+    """Knobs the user set explicitly (None = the planner decides)."""
+
+    param_device: Optional[str] = None
+    max_in_cpu: Optional[int] = None
+    optimizer_device: Optional[str] = None
+    ratio: Optional[float] = None
+    persistence_threshold: Optional[int] = None
+    prefetch_bytes: Optional[int] = None
+    max_live: Optional[int] = None
+    param_buffer_count: Optional[int] = None
+    param_buffer_size: Optional[int] = None
+    optimizer_buffer_count: Optional[int] = None
+    prefetch: Optional[bool] = None
+
+
+def _optimizer_split(sizes: ModelSizes, ram_bytes: int) -> float:
+    """The nvme ratio whose RAM prefix (as the engine places it) fits in ``ram_bytes``."""
+    total = sizes.trainable_numel
+    if total == 0:
+        return 0.0
+    fit = max(0, ram_bytes) // OPT_BYTES_PER_PARAM
+    if fit >= total:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - fit / total))
+
+
+def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs, fixed: Fixed) -> Knobs:
+    """Sizes the buffers of ``k`` from the device budget (those the user did not fix)."""
+    isz = sizes.itemsize
+    acts = sizes.activation_bytes(train.micro_batch, train.seq_len, train.checkpointing)
+    if fixed.persistence_threshold is None:
+        small = sizes.small_shard_bytes(SMALL_SHARD_NUMEL)
+        k.persistence_threshold = SMALL_SHARD_NUMEL if small <= PERSISTENT_SHARE * budgets.device_memory else 0
+    persistent = sizes.small_shard_bytes(k.persistence_threshold) if k.persistence_threshold else 0
+    room = int(budgets.device_memory * (1 - DEVICE_HEADROOM)) - persistent - sizes.block_bytes \
+        - sizes.largest_shard_bytes - acts
+    cap = (2 if budgets.device_is_host else 4) * max(sizes.block_bytes, sizes.largest_shard_bytes)
+    if fixed.prefetch_bytes is None:
+        k.prefetch_bytes = max(0, min(room, cap))
+    if fixed.prefetch is None:
+        k.prefetch = True
+    if fixed.max_live is None:
+        k.max_live = max(1, (persistent + sizes.block_bytes + sizes.largest_shard_bytes + k.prefetch_bytes) // isz)
+    if fixed.param_buffer_size is None:
+        k.param_buffer_size = max(1, sizes.largest_shard_bytes)
+    if fixed.param_buffer_count is None:
+        k.param_buffer_count = int(max(2, min(32, k.prefetch_bytes // max(1, sizes.largest_shard_bytes) + 1)))
+    if fixed.optimizer_buffer_count is None:
+        k.optimizer_buffer_count = 4
+    return k
+
+
+def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
+               have_disk: bool, steps: int = 16) -> Iterable[Knobs]:
+    """Knob sets to evaluate: every parameter/optimizer tier split the config leaves open (parameters
+    in RAM by whole shards on a grid of ``steps``, the optimizer state given the RAM that is left)."""
+    base = _fill(sizes, train, budgets, rates, Knobs(), fixed)
+    for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
+                 "param_buffer_size", "optimizer_buffer_count", "prefetch"):
+        v = getattr(fixed, name)
+        if v is not None:
+            setattr(base, name, v)
+    pdevs = [fixed.param_device] if fixed.param_device else (["none", "cpu", "nvme"] if have_disk else ["none", "cpu"])
+    odevs = [fixed.optimizer_device] if fixed.optimizer_device else (["cpu", "nvme"] if have_disk else ["cpu"])
+    numel = sizes.numel
+    for pd in pdevs:
+        if pd == "nvme" and fixed.max_in_cpu is None:
+            grid = sorted({int(numel * i / steps) for i in range(steps)})
+        else:
+            grid = [base.max_in_cpu]
+        for mic in grid:
+            for od in odevs:
+                k = replace(base, param_device=pd, max_in_cpu=mic if pd == "nvme" else 0, optimizer_device=od)
+                if pd == "none":
+                    k.prefetch_bytes = 0 if fixed.prefetch_bytes is None else k.prefetch_bytes
+                if od == "cpu":
+                    k.ratio = 1.0 if fixed.ratio is None else fixed.ratio
+                    yield k
+                    continue
+                if fixed.ratio is not None:
+                    yield k
+                    continue
+                # what RAM is left for optimizer states once everything else is charged
+                probe = evaluate(sizes, train, budgets, rates, replace(k, ratio=1.0))
+                left = budgets.host_memory - probe.host_bytes
+                yield replace(k, ratio=_optimizer_split(sizes, left))
+                yield replace(k, ratio=1.0)
+
+
+def solve(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Optional[Fixed] = None,
+          nvme_paths: Sequence[str] = ()) -> Placement:
+    """The fastest placement that respects every budget (ties: the least disk traffic, i.e. RAM
+    first). Raises PlanError naming the numbers when no candidate fits."""
+    fixed = fixed or Fixed()
+    paths = list(nvme_paths) or budgets.swap_paths
+    have_disk = bool(paths)
+    evaluated = [evaluate(sizes, train, budgets, rates, k, paths)
+                 for k in candidates(sizes, train, budgets, rates, fixed, have_disk)]
+    ok = [p for p in evaluated if p.feasible]
+    if not ok:
+        raise PlanError(_explain(sizes, train, budgets, evaluated, paths))
+    best_t = min(p.predicted.total for p in ok)
+    near = [p for p in ok if p.predicted.total <= best_t * (1 + TIE)]
+    best = min(near, key=lambda p: (p.disk_traffic, p.predicted.total))
+    best.notes.extend(_notes(best, sizes, budgets, len(evaluated), len(ok)))
+    log.info("plan: params %s, optimizer %s; %s", best.knobs.param_device, best.knobs.optimizer_device,
+             best.predicted.breakdown())
+    return best
+
+
+def _notes(p: Placement, sizes: ModelSizes, budgets: Budgets, n_eval: int, n_ok: int) -> list[str]:
+    out = [f"{n_ok} of {n_eval} candidate placements fit the budgets; this one is the fastest predicted"
+           " (ties go to less disk traffic)"]
+    if p.optimizer.disk and p.optimizer.ram:
+        out.append(f"optimizer state split: {fmt(p.optimizer.ram)} in RAM, the overflow {fmt(p.optimizer.disk)} on disk")
+    if p.params.disk and p.params.ram:
+        out.append(f"parameters split: {fmt(p.params.ram)} in RAM, {fmt(p.params.disk)} on disk")
+    out.append("the optimizer steps on the CPU (fused AdamW); a GPU-streamed step is not implemented in the engine")
+    return out
+
+
+def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: list[Placement],
+             paths: Sequence[str]) -> str:
+    """The error for an infeasible problem: what the least-violating candidate needs, and what to change."""
+    def deficit(p: Placement) -> float:
+        d = max(0, p.device_bytes - budgets.device_memory) + max(0, p.host_bytes - budgets.host_memory)
+        if p.swap_bytes:
+            d += max(0, p.swap_bytes - budgets.swap_free) if paths else p.swap_bytes
+        return d
+
+    best = min(evaluated, key=deficit) if evaluated else None
+    msgs = list(best.violations) if best else ["no candidate placement"]
+    hints = []
+    for v in msgs:
+        if v.startswith("device memory"):
+            hints.append("raise the device budget (--gpu-memory / pyinfinity.device_memory), lower the "
+                         "micro-batch or sequence length, or enable activation checkpointing")
+        elif v.startswith("host RAM") and not paths:
+            state = sizes.trainable_numel * (OPT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) + sizes.param_bytes
+            hints.append(f"give a swap directory (--nvme DIR / nvme_path) with at least "
+                         f"{fmt(max(0, (best.host_bytes if best else state) - budgets.host_memory))} free, or raise the "
+                         "host budget (--cpu-memory / pyinfinity.host_memory)")
+        elif v.startswith("host RAM"):
+            hints.append("raise the host budget (--cpu-memory / pyinfinity.host_memory): the fp32 gradients "
+                         f"({fmt(sizes.trainable_numel * GRAD_BYTES_PER_PARAM)}) and staging buffers stay in RAM")
+        elif v.startswith("swap: needs") and "no nvme_path" in v:
+            hints.append("give a swap directory (--nvme DIR / nvme_path)")
+        elif v.startswith("swap"):
+            hints.append("or lower the state on disk: raise the host budget (--cpu-memory / pyinfinity.host_memory, "
+                         f"now {fmt(budgets.host_memory)}) or train a smaller model")
+    return "; ".join(msgs + hints)
+
+
+__all__ = ["Placement", "Knobs", "Share", "StepTime", "TrainShape", "Fixed", "PlanError", "evaluate", "predict",
+           "solve", "candidates", "fmt"]

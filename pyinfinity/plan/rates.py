@@ -1,0 +1,296 @@
+"""Measured rates the planner predicts step time from: host<->device copy, disk read/write,
+CPU Adam, device matmul and host memcpy.
+
+Disk rates come from a saved JSON when given (``pyinfinity bench io --json`` results, a rates file
+written by :meth:`Rates.save`; a ``pyinfinity tune`` output holds only the chosen ``aio`` settings,
+which the probe then uses), else from a short probe through ``pyinfinity.swap.SwapEngine`` in the
+swap directory (O_DIRECT where the filesystem allows, as the engine does). Everything else is
+timed here on a few MB: torch's fused AdamW kernel (the one the engine's optimizer calls), a matmul
+of the model's shape on the compute device, pinned copies (GPU) or memcpy (CPU device).
+Figures are medians of a few repetitions.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "pyinfinity.plan.rates/1"
+
+
+@dataclass
+class Rates:
+    """Rates in bytes/s (copies, disk), params/s (Adam) and FLOP/s (matmul).
+
+    h2d/d2h: between the shards' host homes and the compute device (on the CPU device: a memcpy
+    the compute thread does itself). disk_read/disk_write: one SwapEngine (one queue) on the swap
+    directory; a request costs ``pieces(n) * disk_latency + n / rate`` (the engine splits it into
+    ``block_size`` pieces, an unaligned tail is one more), disk_latency fitted from a one-page read.
+    memcpy: host memory bandwidth (gradient accumulation, cpu-tier write-back).
+    source: where each figure came from ("probe", "file:<path>", "given").
+    """
+
+    h2d: float
+    d2h: float
+    disk_read: float
+    disk_write: float
+    adam: float
+    matmul: float
+    memcpy: float
+    disk_latency: float = 0.0  # seconds per I/O piece, on top of bytes / rate
+    block_size: int = 1 << 20  # the aio block size the disk figures were measured with
+    device: str = "cpu"
+    source: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    def save(self, path: str) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Rates":
+        keys = {k: d[k] for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
+                                  "disk_latency", "block_size", "device", "source") if k in d}
+        return cls(**keys)
+
+    def pieces(self, nbytes: int) -> int:
+        """I/O pieces the swap engine cuts a request of ``nbytes`` into."""
+        if nbytes <= 0:
+            return 0
+        aligned = nbytes // 4096 * 4096
+        return -(-aligned // max(1, self.block_size)) + (1 if nbytes % 4096 else 0)
+
+    def read_time(self, nbytes: int) -> float:
+        """Seconds of one disk read of ``nbytes``."""
+        return self.pieces(nbytes) * self.disk_latency + (nbytes / self.disk_read if self.disk_read > 0 else math.inf)
+
+    def write_time(self, nbytes: int) -> float:
+        """Seconds of one disk write of ``nbytes``."""
+        return self.pieces(nbytes) * self.disk_latency + (nbytes / self.disk_write if self.disk_write > 0 else math.inf)
+
+    def describe(self) -> str:
+        g = 1e9
+        return (f"h2d {self.h2d / g:.2f} GB/s, d2h {self.d2h / g:.2f} GB/s, disk read {self.disk_read / g:.3f} GB/s, "
+                f"write {self.disk_write / g:.3f} GB/s, latency {self.disk_latency * 1e3:.2f} ms, Adam {self.adam / 1e9:.3f} Gparam/s, "
+                f"matmul {self.matmul / 1e12:.3f} TFLOP/s, memcpy {self.memcpy / g:.2f} GB/s")
+
+
+def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Callable[[], None] = lambda: None) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------- probes
+
+
+def measure_adam(numel: int = 2_000_000, reps: int = 5) -> float:
+    """Params/s of torch's fused AdamW on the CPU (the engine's optimizer kernel), fp32."""
+    p, g = torch.randn(numel), torch.randn(numel) * 1e-3
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    step = torch.tensor(1.0)
+
+    def run() -> None:
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999,
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+
+    return numel / _median_time(run, reps)
+
+
+def measure_memcpy(nbytes: int = 64 << 20, reps: int = 5) -> float:
+    """Host memcpy bytes/s (a copy of page-aligned tensors, as the engine's cpu-tier moves are)."""
+    from pyinfinity.swap.tensor_swapper import aligned_empty
+
+    n = nbytes // 4
+    a, b = aligned_empty(n, torch.float32), aligned_empty(n, torch.float32)
+    a.fill_(1.0)
+    b.fill_(0.0)
+    return nbytes / _median_time(lambda: b.copy_(a), reps)
+
+
+def measure_matmul(device: Union[str, torch.device] = "cpu", m: int = 1024, k: int = 1024, n: int = 1024,
+                   dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
+    """FLOP/s of an (m x k) @ (k x n) matmul on ``device`` in ``dtype`` (the model's shape)."""
+    dev = torch.device(device)
+    a = torch.randn(m, k, device=dev).to(dtype)
+    b = torch.randn(k, n, device=dev).to(dtype)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    inner = 10 if dev.type == "cuda" else 1
+
+    def run() -> None:
+        for _ in range(inner):
+            a @ b
+
+    return 2.0 * m * k * n * inner / _median_time(run, reps, warmup=2, sync=sync)
+
+
+def measure_copies(device: Union[str, torch.device], nbytes: int = 256 << 20, reps: int = 5) -> tuple[float, float]:
+    """(h2d, d2h) bytes/s between pinned host memory and ``device``; memcpy on the CPU device."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        r = measure_memcpy(min(nbytes, 64 << 20), reps)
+        return r, r
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+    h2d = nbytes / _median_time(lambda: gpu.copy_(host, non_blocking=True), reps, sync=sync)
+    d2h = nbytes / _median_time(lambda: host.copy_(gpu, non_blocking=True), reps, sync=sync)
+    return h2d, d2h
+
+
+def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
+                 aio: Optional[dict] = None) -> tuple[float, float, float]:
+    """(read bytes/s, write bytes/s, seconds per I/O piece) of one SwapEngine on a file in
+    ``directory`` (removed afterwards). The per-piece cost is the time of a one-page read; the
+    rates are of a large transfer with its pieces' cost taken out (at most 95% of it).
+
+    aio: the ``aio`` section to use (block_size, queue_depth, thread_count/intra_op_parallelism, backend).
+    """
+    from pyinfinity.swap import SwapEngine
+    from pyinfinity.swap.tensor_swapper import aligned_empty
+
+    aio = aio or {}
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".pyinfinity-rates-{os.getpid()}.bin")
+    buf = aligned_empty(nbytes, torch.uint8)
+    buf.random_(0, 256)
+    page = buf[:4096]
+    threads = aio.get("thread_count", aio.get("intra_op_parallelism"))
+    eng = SwapEngine(backend=aio.get("backend"), block_size=aio.get("block_size"),
+                     queue_depth=aio.get("queue_depth"), threads=threads)
+    eng_block = eng.block_size
+    try:
+        eng.write(buf, path, 0).wait()  # allocate the file's blocks before timing
+        w = _median_time(lambda: eng.write(buf, path, 0).wait(), reps, warmup=0)
+        r = _median_time(lambda: eng.read(buf, path, 0).wait(), reps, warmup=1)
+        lat = _median_time(lambda: eng.read(page, path, nbytes // 2).wait(), max(5, reps), warmup=1)
+    finally:
+        eng.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    block = int(aio.get("block_size") or eng_block)
+    n = -(-nbytes // block)
+    lat = min(lat, 0.95 * min(r, w) / n)
+    return nbytes / (r - n * lat), nbytes / (w - n * lat), lat
+
+
+# ----------------------------------------------------------------------------------- files
+
+
+def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
+    """Figures found in a saved JSON: a rates file (all of them), ``bench io --json`` results (disk
+    read/write: the best pyinfinity file figure; h2d/d2h when measured), or a ``tune`` output
+    (no rates, only the ``aio`` settings, returned second)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"rates file {path!r}: cannot read it ({exc})") from exc
+    if not isinstance(d, dict):
+        raise ValueError(f"rates file {path!r}: expected a JSON object")
+    out: dict[str, float] = {}
+    aio = dict(d.get("aio") or {})
+    if d.get("schema") == SCHEMA:
+        out = {k: float(d[k]) for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
+                                        "disk_latency")
+               if isinstance(d.get(k), (int, float))}
+    elif isinstance(d.get("results"), list):
+        best: dict[str, float] = {}
+        for r in d["results"]:
+            gbps = r.get("gbps_median")
+            if not isinstance(gbps, (int, float)) or r.get("verified") is False:
+                continue
+            op, tool = r.get("op"), r.get("tool")
+            key = {"read": "disk_read", "write": "disk_write", "h2d": "h2d", "d2h": "d2h"}.get(op)
+            if key is None or tool != "pyinfinity" or (key.startswith("disk") and r.get("workload") != "file"):
+                continue
+            best[key] = max(best.get(key, 0.0), gbps * 1e9)
+        out = best
+    if not out and not aio:
+        raise ValueError(f"rates file {path!r}: no rates and no aio section in it (expected a file from "
+                         "`pyinfinity bench io --json`, `pyinfinity tune -o` or `pyinfinity plan --save-rates`)")
+    return out, aio
+
+
+_CACHE: dict[tuple, Rates] = {}
+
+
+def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[str] = None, *,
+                  rates_file: Optional[str] = None, aio: Optional[dict] = None,
+                  matmul_shape: tuple[int, int, int] = (1024, 1024, 1024),
+                  dtype: torch.dtype = torch.float32, quick: bool = True, cache: bool = False) -> Rates:
+    """Rates of this machine. ``rates_file`` figures win; the rest is probed (about a second
+    with ``quick``). Without a swap directory the disk figures are 0 (no disk tier possible).
+    cache: reuse an earlier measurement of the same arguments in this process (the engine's
+    "auto" does, so several engines in one process probe once)."""
+    dev = torch.device(device)
+    key = (str(dev), swap_dir, rates_file, json.dumps(aio, sort_keys=True, default=str), matmul_shape, str(dtype), quick)
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    given: dict[str, float] = {}
+    source: dict[str, str] = {}
+    aio = dict(aio or {})
+    if rates_file:
+        given, file_aio = load_rates_file(rates_file)
+        aio = {**file_aio, **aio}
+        source.update({k: f"file:{rates_file}" for k in given})
+    reps = 3 if quick else 7
+    vals: dict[str, float] = dict(given)
+    if "adam" not in vals:
+        vals["adam"] = measure_adam(1_000_000 if quick else 4_000_000, reps)
+    if "memcpy" not in vals:
+        vals["memcpy"] = measure_memcpy((32 << 20) if quick else (256 << 20), reps)
+    if "h2d" not in vals or "d2h" not in vals:
+        if dev.type == "cuda":
+            h, d = measure_copies(dev, (64 << 20) if quick else (512 << 20), reps)
+        else:
+            h = d = vals["memcpy"]
+        vals.setdefault("h2d", h)
+        vals.setdefault("d2h", d)
+    if "matmul" not in vals:
+        m, k, n = matmul_shape
+        vals["matmul"] = measure_matmul(dev, m, k, n, dtype, reps)
+    if "disk_read" not in vals or "disk_write" not in vals:
+        if swap_dir:
+            r, w, lat = measure_disk(swap_dir, (32 << 20) if quick else (256 << 20), reps, aio)
+            vals.setdefault("disk_latency", lat)
+        else:
+            r = w = 0.0
+        vals.setdefault("disk_read", r)
+        vals.setdefault("disk_write", w)
+    for k in vals:
+        source.setdefault(k, "probe")
+    rates = Rates(h2d=vals["h2d"], d2h=vals["d2h"], disk_read=vals["disk_read"], disk_write=vals["disk_write"],
+                  adam=vals["adam"], matmul=vals["matmul"], memcpy=vals["memcpy"],
+                  disk_latency=vals.get("disk_latency", 0.0),
+                  block_size=int(aio.get("block_size") or (1 << 20)), device=str(dev), source=source)
+    log.info("rates: %s", rates.describe())
+    if cache:
+        _CACHE[key] = rates
+    return rates
+
+
+__all__ = ["Rates", "measure_rates", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
+           "measure_disk", "load_rates_file"]

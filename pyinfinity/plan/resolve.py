@@ -1,0 +1,268 @@
+"""``"auto"`` in a DeepSpeed-format config, decided by the planner.
+
+``resolve_auto(config_dict, model_or_sizes)`` returns the same dict with every ``"auto"`` replaced
+(and, where a section's device is ``"auto"``, its split knobs ``max_in_cpu``/``ratio`` too) plus the
+:class:`Placement`; ``plan_engine_config(cfg, model, device)`` is the same for the engine's parsed
+``Config``. Explicit values are honoured: the planner only chooses among placements that keep them.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from pyinfinity.plan.budgets import Budgets, measure_budgets
+from pyinfinity.plan.placement import Fixed, Placement, TrainShape, evaluate, fmt, solve
+from pyinfinity.plan.rates import Rates, measure_rates
+from pyinfinity.plan.sizes import ModelSizes, model_sizes
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+DEFAULT_SEQ_LEN = 1024
+
+# Fixed field -> dotted config key
+KEYS = {
+    "param_device": "zero_optimization.offload_param.device",
+    "max_in_cpu": "zero_optimization.offload_param.max_in_cpu",
+    "param_buffer_count": "zero_optimization.offload_param.buffer_count",
+    "param_buffer_size": "zero_optimization.offload_param.buffer_size",
+    "optimizer_device": "zero_optimization.offload_optimizer.device",
+    "ratio": "zero_optimization.offload_optimizer.ratio",
+    "optimizer_buffer_count": "zero_optimization.offload_optimizer.buffer_count",
+    "prefetch_bytes": "zero_optimization.stage3_prefetch_bucket_size",
+    "max_live": "zero_optimization.stage3_max_live_parameters",
+    "persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
+    "prefetch": "pyinfinity.prefetch",
+}
+SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
+
+
+@dataclass
+class Decision:
+    """One value the planner chose (same fields as ``pyinfinity.config.AutoDecision``)."""
+
+    key: str
+    value: Any
+    why: str
+
+
+def _get(d: dict, dotted: str) -> Any:
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def _has(d: dict, dotted: str) -> bool:
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return False
+        cur = cur[part]
+    return True
+
+
+def _set(d: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur = d
+    for part in parts[:-1]:
+        if not isinstance(cur.get(part), dict):
+            cur[part] = {}
+        cur = cur[part]
+    cur[parts[-1]] = value
+
+
+def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> TrainShape:
+    return TrainShape(micro_batch=int(cfg.train_micro_batch_size_per_gpu), seq_len=int(seq_len or DEFAULT_SEQ_LEN),
+                      grad_accum=int(cfg.gradient_accumulation_steps), checkpointing=checkpointing)
+
+
+def _compute_dtype(cfg: Any) -> Optional[torch.dtype]:
+    if cfg.fp16.enabled:
+        return torch.float16
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    return None
+
+
+def _device(cfg: Any, device: Optional[Union[str, torch.device]]) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    spec = cfg.pyinfinity.device
+    if spec == AUTO:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
+    """Knobs the config fixes, and the fields the planner owns (auto, or the split knob of an auto
+    device; with ``raw`` given, absent keys are planner-owned too)."""
+    z = cfg.zero_optimization
+    values = {
+        "param_device": z.offload_param.device, "max_in_cpu": z.offload_param.max_in_cpu,
+        "param_buffer_count": z.offload_param.buffer_count, "param_buffer_size": z.offload_param.buffer_size,
+        "optimizer_device": z.offload_optimizer.device, "ratio": z.offload_optimizer.ratio,
+        "optimizer_buffer_count": z.offload_optimizer.buffer_count,
+        "prefetch_bytes": z.stage3_prefetch_bucket_size, "max_live": z.stage3_max_live_parameters,
+        "persistence_threshold": z.stage3_param_persistence_threshold, "prefetch": cfg.pyinfinity.prefetch,
+    }
+    owned = {name for name, v in values.items() if v == AUTO}
+    for split, dev in SPLIT_OF.items():
+        if values[dev] == AUTO:
+            owned.add(split)
+    if raw is not None:
+        owned |= {name for name, key in KEYS.items() if not _has(raw, key)}
+    fixed = Fixed(**{name: v for name, v in values.items() if name not in owned})
+    return fixed, owned
+
+
+def _placement_is_possible(cfg: Any) -> bool:
+    """Whether anything placement-related is "auto" (else no rates need measuring)."""
+    fixed, owned = _fixed_from(cfg, None)
+    return bool(owned)
+
+
+def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, train: TrainShape,
+                owned: set[str], fixed: Fixed) -> tuple[Any, list[Decision], Placement]:
+    """Solves with ``fixed`` and writes the owned knobs into a copy of ``cfg`` (a parsed Config)."""
+    c = copy.deepcopy(cfg)
+    z = c.zero_optimization
+    paths = list(c.nvme_paths)
+    placement = solve(sizes, train, budgets, rates, fixed, paths)
+    vals = placement.config_values()
+    decisions: list[Decision] = []
+    why = f"planner: {placement.predicted.breakdown()}"
+    for name in sorted(owned):
+        key = KEYS[name]
+        if name == "prefetch":
+            continue
+        value = vals[key]
+        sec, _, leaf = key.rpartition(".")
+        obj: Any = c
+        for part in sec.split("."):
+            obj = getattr(obj, part)
+        setattr(obj, leaf, value)
+        decisions.append(Decision(key, value, why))
+    for sec in (z.offload_param, z.offload_optimizer):
+        if sec.device == "nvme" and not sec.nvme_path:
+            sec.nvme_path = paths or None
+    e = c.pyinfinity
+    if e.device_memory in (AUTO, None):
+        e.device_memory = budgets.device_memory
+        decisions.append(Decision("pyinfinity.device_memory", e.device_memory, "measured device budget"))
+    if e.host_memory == AUTO:
+        e.host_memory = budgets.host_memory
+        decisions.append(Decision("pyinfinity.host_memory", e.host_memory, "measured host budget"))
+    return c, decisions, placement
+
+
+def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budgets] = None,
+                 rates: Optional[Rates] = None, *, seq_len: Optional[int] = None, checkpointing: bool = False,
+                 device: Optional[Union[str, torch.device]] = None, rates_file: Optional[str] = None,
+                 fill_absent: bool = False) -> tuple[dict, Placement]:
+    """Every ``"auto"`` of ``config_dict`` decided by the planner: returns (a new dict the config
+    loader accepts, the Placement). ``model_or_sizes``: an nn.Module (possibly from
+    ``init_empty``), a transformers config (dict or path) or ModelSizes. ``budgets``/``rates``
+    default to measuring this machine. fill_absent: keys the dict does not set are decided too
+    (the CLI's resolved config spells every knob out).
+
+    The training shape comes from the config (micro-batch, accumulation, bf16/fp16) plus
+    ``seq_len`` (default 1024) and ``checkpointing``. Raises ConfigError for a bad config and
+    PlanError (a ValueError) when no placement fits, with the numbers.
+    """
+    from pyinfinity.config import load_config
+
+    cfg = load_config(copy.deepcopy(config_dict))
+    dev = _device(cfg, device)
+    sizes = model_sizes(model_or_sizes, _compute_dtype(cfg))
+    if budgets is None:
+        dm, hm = cfg.pyinfinity.device_memory, cfg.pyinfinity.host_memory
+        budgets = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
+                                  host_memory=hm if isinstance(hm, int) else None)
+    if rates is None:
+        m = sizes.hidden or 1024
+        rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=rates_file,
+                              aio=_aio_dict(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
+                                                                                * (seq_len or DEFAULT_SEQ_LEN))), m, m),
+                              dtype=_compute_dtype(cfg) or torch.float32, cache=True)
+    fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
+    train = _train_shape(cfg, seq_len, checkpointing)
+    resolved_cfg, decisions, placement = plan_config(cfg, sizes, budgets, rates, train, owned, fixed)
+    out = copy.deepcopy(config_dict)
+    for d in decisions:
+        _set(out, d.key, d.value)
+    z = resolved_cfg.zero_optimization
+    for name, sec in (("offload_param", z.offload_param), ("offload_optimizer", z.offload_optimizer)):
+        if sec.device == "nvme" and not _get(out, f"zero_optimization.{name}.nvme_path") and sec.nvme_path:
+            _set(out, f"zero_optimization.{name}.nvme_path", sec.nvme_path)
+    if _get(out, "pyinfinity.device") == AUTO or device is not None:
+        _set(out, "pyinfinity.device", str(dev))
+    load_config(out)  # what we hand back must load
+    return out, placement
+
+
+def _aio_dict(cfg: Any) -> dict:
+    a = cfg.aio
+    return {"block_size": a.block_size, "queue_depth": a.queue_depth, "thread_count": a.thread_count,
+            "backend": a.backend}
+
+
+def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *,
+                       seq_len: Optional[int] = None, rates: Optional[Rates] = None,
+                       budgets: Optional[Budgets] = None) -> tuple[Any, list[Decision], Optional[Placement]]:
+    """For ``Engine.__init__``: (Config with every "auto" decided, the decisions, the Placement or
+    None when only budgets were "auto"). Rates are probed once per process (cached)."""
+    dev = torch.device(device)
+    c = copy.deepcopy(cfg)
+    if c.pyinfinity.device == AUTO:
+        c.pyinfinity.device = str(dev)
+    dm, hm = c.pyinfinity.device_memory, c.pyinfinity.host_memory
+    if budgets is None:
+        budgets = measure_budgets(dev, c.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
+                                  host_memory=hm if isinstance(hm, int) else None)
+    if not _placement_is_possible(c):
+        decisions = []
+        if dm in (AUTO, None):
+            c.pyinfinity.device_memory = budgets.device_memory
+            decisions.append(Decision("pyinfinity.device_memory", budgets.device_memory, "measured device budget"))
+        if hm == AUTO:
+            c.pyinfinity.host_memory = budgets.host_memory
+            decisions.append(Decision("pyinfinity.host_memory", budgets.host_memory, "measured host budget"))
+        return c, decisions, None
+    sizes = model_sizes(model, _compute_dtype(c))
+    if rates is None:
+        m = sizes.hidden or 1024
+        rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=_aio_dict(c),
+                              matmul_shape=(1024, m, m), dtype=_compute_dtype(c) or torch.float32, cache=True)
+    fixed, owned = _fixed_from(c, None)
+    out, decisions, placement = plan_config(c, sizes, budgets, rates, _train_shape(c, seq_len, False), owned, fixed)
+    log.info("plan:\n%s", placement.table())
+    return out, decisions, placement
+
+
+def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets, rates: Rates, *,
+                 seq_len: Optional[int] = None, checkpointing: bool = False) -> Placement:
+    """The placement and predicted step time of a fully specified config (a hand configuration);
+    budget violations are listed, not raised."""
+    from pyinfinity.config import load_config
+
+    cfg = load_config(copy.deepcopy(config)) if isinstance(config, dict) else config
+    sizes = model_sizes(model_or_sizes, _compute_dtype(cfg))
+    fixed, owned = _fixed_from(cfg, None)
+    if owned:
+        raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
+    from pyinfinity.plan.placement import Knobs
+
+    k = Knobs(**{name: getattr(fixed, name) for name in KEYS})
+    oo = cfg.zero_optimization.offload_optimizer
+    k.pipeline = oo.pipeline_read or oo.pipeline_write
+    return evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
+
+
+__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "plan_config", "Decision", "DEFAULT_SEQ_LEN"]

@@ -1,0 +1,272 @@
+"""What the planner knows about a model: its flat shards (bytes in the compute dtype, in the
+order the engine partitions them), the working set of one block, the matmul FLOPs per token and
+an activation estimate.
+
+Sources: an ``nn.Module`` (real or built under ``pyinfinity.init_empty``: meta parameters have
+shapes, which is all that is needed), or a transformers config (a ``config.json`` path or a dict),
+built on the meta device so any architecture transformers knows is counted exactly; a Llama-style
+analytic count is the fallback when transformers cannot build it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SMALL_SHARD_NUMEL = 100_000
+"""DeepSpeed's default ``stage3_param_persistence_threshold``: shards this small may stay resident."""
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """``"bf16"``/``"fp16"``/``"fp32"`` (or a torch dtype) -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"dtype: expected one of {', '.join(sorted(_DTYPES))}, got {dtype!r}") from None
+
+
+@dataclass
+class ModelSizes:
+    """Parameter sizes of one model as the engine will partition it.
+
+    shard_numels: elements of each flat shard (one per module and dtype, creation order);
+    shard_trainable: whether each shard gets optimizer state. itemsize: bytes per element in the
+    compute dtype. block_bytes: the parameter bytes of the largest repeated block (a decoder
+    layer), the working set the coordinator holds during that block's backward.
+    flops_per_token: forward matmul FLOPs per token, without attention scores (2 x the weights of
+    every matmul). Transformer fields (hidden, layers, heads, vocab) are 0 when unknown.
+    """
+
+    shard_numels: list[int]
+    shard_trainable: list[bool]
+    itemsize: int
+    block_bytes: int
+    flops_per_token: float
+    hidden: int = 0
+    layers: int = 0
+    heads: int = 0
+    vocab: int = 0
+    intermediate: int = 0
+    act_width: int = 0  # sum of matmul output widths per token (generic activation estimate)
+    source: str = ""
+
+    @property
+    def numel(self) -> int:
+        return sum(self.shard_numels)
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(n for n, t in zip(self.shard_numels, self.shard_trainable) if t)
+
+    @property
+    def param_bytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def largest_shard_numel(self) -> int:
+        return max(self.shard_numels, default=0)
+
+    @property
+    def largest_shard_bytes(self) -> int:
+        return self.largest_shard_numel * self.itemsize
+
+    def small_shard_bytes(self, threshold: int = SMALL_SHARD_NUMEL) -> int:
+        """Bytes of the shards of at most ``threshold`` elements (kept resident when persistent)."""
+        return sum(n for n in self.shard_numels if 0 < n <= threshold) * self.itemsize
+
+    def with_dtype(self, dtype: Union[str, torch.dtype]) -> "ModelSizes":
+        from dataclasses import replace
+
+        itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+        return replace(self, itemsize=itemsize, block_bytes=self.block_bytes // self.itemsize * itemsize)
+
+    def activation_bytes(self, micro_batch: int, seq: int, checkpointing: bool,
+                         itemsize: Optional[int] = None) -> int:
+        """Device bytes of saved activations for one micro-batch.
+
+        Transformers: Korthikanti et al.'s 34·h bytes per token and layer at 2-byte activations
+        (scaled by itemsize; no seq² term: fused/SDPA attention keeps no score matrix), plus the
+        logits in fp32 twice (output and its gradient); with checkpointing each layer keeps only its
+        input, plus one layer's full set during recompute. Other models: every matmul output kept
+        once and twice for its gradient.
+        """
+        isz = itemsize or self.itemsize
+        tokens = micro_batch * seq
+        if self.hidden and self.layers:
+            per_layer = tokens * 34 * self.hidden * isz // 2
+            logits = tokens * self.vocab * 4 * 2
+            if checkpointing:
+                return self.layers * tokens * self.hidden * isz + per_layer + logits
+            return self.layers * per_layer + logits
+        return 3 * tokens * max(self.act_width, 1) * isz
+
+    def flops_per_step(self, micro_batch: int, seq: int, checkpointing: bool) -> float:
+        """Matmul FLOPs of one micro-batch's forward + backward (+ recompute with checkpointing):
+        (6 or 8) x weights x tokens, plus causal attention scores (2·seq·h per token and layer
+        forward, the causal half of 4·seq·h)."""
+        tokens = micro_batch * seq
+        passes = 4.0 if checkpointing else 3.0
+        attn = 2.0 * seq * self.hidden * self.layers
+        return passes * (self.flops_per_token + attn) * tokens
+
+
+# --------------------------------------------------------------------------- from a module
+
+
+def _compute_itemsize(p: torch.Tensor, dtype: Optional[torch.dtype]) -> int:
+    if dtype is not None and p.dtype.is_floating_point:
+        return torch.empty((), dtype=dtype).element_size()
+    return p.element_size()
+
+
+def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]] = None) -> ModelSizes:
+    """Sizes of ``model`` as ``partition_model`` will cut it (a module's own parameters = one
+    shard per dtype, tied parameters once). Meta parameters (``init_empty``) work: only shapes are read.
+
+    dtype: the compute dtype (fp16/bf16 config); None keeps each parameter's dtype.
+    """
+    dt = parse_dtype(dtype) if dtype is not None else None
+    seen: set[int] = set()
+    numels: list[int] = []
+    trainable: list[bool] = []
+    itemsizes: list[int] = []
+    own: dict[int, int] = {}  # id(module) -> bytes of its own shards
+    flops = 0.0
+    act_width = 0
+    for module in model.modules():
+        by_size: dict[int, list[int]] = {}
+        train_by: dict[int, bool] = {}
+        mod_bytes = 0
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            isz = _compute_itemsize(p, dt)
+            by_size.setdefault(isz, []).append(p.numel())
+            train_by[isz] = train_by.get(isz, False) or p.requires_grad
+            mod_bytes += p.numel() * isz
+        for isz, ns in by_size.items():
+            if sum(ns):
+                numels.append(sum(ns))
+                trainable.append(train_by[isz])
+                itemsizes.append(isz)
+        own[id(module)] = mod_bytes
+        w = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and w is not None:
+            flops += 2.0 * w.numel()
+            act_width += module.out_features
+        elif isinstance(module, nn.modules.conv._ConvNd) and w is not None:
+            flops += 2.0 * w.numel()  # per output position; a rough figure for conv nets
+            act_width += module.out_channels
+    itemsize = max(itemsizes, default=4)
+
+    def subtree(m: nn.Module) -> int:
+        return sum(own.get(id(x), 0) for x in m.modules())
+
+    block = 0
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1:
+            block = max(block, max(subtree(c) for c in m))
+    largest = max((n * i for n, i in zip(numels, itemsizes)), default=0)
+    block = max(block, largest)
+    cfg = getattr(model, "config", None)
+    s = ModelSizes(shard_numels=numels, shard_trainable=trainable, itemsize=itemsize, block_bytes=block,
+                   flops_per_token=flops, act_width=act_width, source=type(model).__name__)
+    if cfg is not None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_hidden_layers", None):
+        s.hidden = int(cfg.hidden_size)
+        s.layers = int(cfg.num_hidden_layers)
+        s.heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+        s.vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+        s.intermediate = int(getattr(cfg, "intermediate_size", 0) or 0)
+    return s
+
+
+# --------------------------------------------------------------------------- from a transformers config
+
+
+def _load_config_dict(config: Union[str, os.PathLike, dict]) -> dict:
+    if isinstance(config, dict):
+        return dict(config)
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"model config {path!r}: cannot read it ({exc.strerror})") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model config {path!r}: not valid JSON ({exc})") from exc
+
+
+def llama_sizes(d: dict, dtype: Union[str, torch.dtype] = "bf16") -> ModelSizes:
+    """Analytic sizes of a Llama-style decoder (embedding, per layer q/k/v/o, gate/up/down and two
+    RMSNorms, final norm, untied head unless ``tie_word_embeddings``), shards in module order."""
+    h = int(d["hidden_size"])
+    L = int(d["num_hidden_layers"])
+    V = int(d.get("vocab_size", 32000))
+    ff = int(d.get("intermediate_size", 4 * h))
+    heads = int(d.get("num_attention_heads", max(1, h // 128)))
+    kv = int(d.get("num_key_value_heads", heads) or heads)
+    hd = int(d.get("head_dim", h // heads) or h // heads)
+    bias = bool(d.get("attention_bias", False))
+    tied = bool(d.get("tie_word_embeddings", False))
+    layer = [h * heads * hd + (heads * hd if bias else 0), h * kv * hd + (kv * hd if bias else 0),
+             h * kv * hd + (kv * hd if bias else 0), heads * hd * h + (h if bias else 0),
+             h * ff, h * ff, ff * h, h, h]
+    shards = [V * h] + layer * L + [h] + ([] if tied else [V * h])
+    isz = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+    mm = sum(layer[:7]) + V * h  # every layer's matmuls and the head
+    return ModelSizes(shard_numels=shards, shard_trainable=[True] * len(shards), itemsize=isz,
+                      block_bytes=sum(layer) * isz, flops_per_token=2.0 * (L * sum(layer[:7]) + V * h),
+                      hidden=h, layers=L, heads=heads, vocab=V, intermediate=ff,
+                      act_width=(heads * hd + 2 * kv * hd + h + 3 * ff) * L + V, source="llama (analytic)")
+
+
+def sizes_from_config(config: Union[str, os.PathLike, dict],
+                      dtype: Union[str, torch.dtype] = "bf16") -> ModelSizes:
+    """Sizes from a transformers config (path to config.json / a model directory / a dict): the
+    model is built on the meta device (nothing allocated) so the count is exact; if transformers
+    cannot build it, a Llama-style analytic count."""
+    d = _load_config_dict(config)
+    try:
+        import transformers
+
+        mt = d.get("model_type", "llama")
+        cfg = transformers.AutoConfig.for_model(mt, **{k: v for k, v in d.items() if k != "model_type"})
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        s = sizes_from_module(model, dtype)
+        s.source = f"{type(model).__name__} (meta)"
+        return s
+    except Exception as exc:  # noqa: BLE001 - any failure to build falls back to the formula
+        if "hidden_size" not in d or "num_hidden_layers" not in d:
+            raise ValueError(f"model config: transformers could not build it ({exc}) and it has no "
+                             "hidden_size/num_hidden_layers for the Llama formula") from exc
+        log.info("transformers could not build the model (%s); counting it as a Llama decoder", exc)
+        return llama_sizes(d, dtype)
+
+
+def model_sizes(model: Any, dtype: Optional[Union[str, torch.dtype]] = None) -> ModelSizes:
+    """ModelSizes from whatever is given: ModelSizes (returned), an nn.Module, a config dict/path."""
+    if isinstance(model, ModelSizes):
+        return model if dtype is None else model.with_dtype(dtype)
+    if isinstance(model, nn.Module):
+        return sizes_from_module(model, dtype)
+    return sizes_from_config(model, dtype or "bf16")
+
+
+__all__ = ["ModelSizes", "sizes_from_module", "sizes_from_config", "llama_sizes", "model_sizes",
+           "parse_dtype", "SMALL_SHARD_NUMEL"]
