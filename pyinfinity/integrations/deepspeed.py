@@ -11,12 +11,15 @@ does NVMe I/O (the three swappers in ``runtime/swap_tensor`` and
 ``runtime/model_checkpointing/writer_factory.py``), and each calls ``AsyncIOBuilder().load()``
 when it builds its handles. The one object all of them share is that class, so ``install()``
 replaces its ``load`` and ``is_compatible`` in place (the originals are kept for
-:func:`uninstall`). That reaches every binding however early it was made, needs no list of
-importers to rebind, and leaves ``OpBuilder._loaded_ops`` alone (seeding it would not do: the
-builder's ``load`` first JIT-builds the ``pin_memory`` op). If ``deepspeed`` is not imported yet,
+:func:`uninstall`). That reaches every binding however early it was made, rebinds nothing in the
+importers (``BINDING_MODULES`` is only checked), and leaves ``OpBuilder._loaded_ops`` alone
+(seeding it would not do: the builder's ``load`` first JIT-builds the ``pin_memory`` op). If ``deepspeed`` is not imported yet,
 ``install()`` does not import it; a post-import hook patches the moment ``import deepspeed``
 completes. A DeepSpeed whose version or layout differs from what this was checked against makes
 ``install()`` (or that import) raise :class:`DeepSpeedLayoutError`, naming each difference.
+
+:func:`fix_nvme_prefetch` (opt-in) works around a DeepSpeed 0.19.8 bug on the nvme-parameter
+prefetch path that stops training whatever the I/O backend.
 """
 from __future__ import annotations
 
