@@ -8,6 +8,7 @@ O_DIRECT, else by dropping caches (root), else the figure is labelled "cached".
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -55,6 +56,7 @@ class IoBenchSettings:
     aio_handle: bool = True                       # also pyinfinity.aio.AioHandle (DeepSpeed's API)
     deepspeed_build: bool = False
     fio_batch: bool = False                       # fio runs all repetitions in one process
+    disk: bool = True                             # False: GPU figures only (no file sweep, no peers)
     gpu: bool = True                              # host<->GPU and NVMe<->GPU when a GPU is present
     gpu_bytes: int = 1 * GiB
     keep_file: bool = False
@@ -240,6 +242,8 @@ ProgressFn = Callable[[int, int, str], None]
 def _configs(s: IoBenchSettings) -> list[IoConfig]:
     """Every configuration of the sweep, writes and reads paired (write first)."""
     out: list[IoConfig] = []
+    if not s.disk:
+        return out
     for bs, qd, th, io in itertools.product(s.block_sizes, s.queue_depths, s.threads, s.io_sizes):
         if io > s.file_size:
             continue
@@ -392,6 +396,8 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
                     "noise (tools are interleaved repetition by repetition, so ratios stay fair)",
                     load0, os.cpu_count() or 1)
     ds: Optional[DeepSpeedRunner] = None
+    if not s.disk:
+        s = dataclasses.replace(s, peers=[], aio_handle=False, backends=["posix"])
     if "deepspeed" in s.peers:
         ds = DeepSpeedRunner(allow_build=s.deepspeed_build)
         ds.begin()  # its imports overlap the set-up below; measurements start after it is ready

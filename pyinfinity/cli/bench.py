@@ -75,6 +75,8 @@ def add_io_options(p: argparse.ArgumentParser, suppress: bool = False) -> None:
     p.add_argument("--small-queue-depths", type=_csv(int), default=d(None), metavar="LIST")
     p.add_argument("--no-odd", action="store_true", default=d(False), help="skip the odd-size tensors")
     p.add_argument("--no-gpu", action="store_true", default=d(False), help="skip host<->GPU and NVMe<->GPU")
+    p.add_argument("--gpu-only", action="store_true", default=d(False),
+                   help="only host<->GPU and NVMe<->GPU (no file sweep, no peers)")
     p.add_argument("--gpu-bytes", type=_size, default=d(None), help="bytes per GPU transfer (default 1G)")
     p.add_argument("--deepspeed-build", action="store_true", default=d(False),
                    help="let DeepSpeed JIT-compile its async_io op if it is not built (minutes)")
@@ -154,6 +156,9 @@ def settings_from_args(args: argparse.Namespace, directory: str) -> "Any":
             s.small_count, s.small_size = int(n), parse_size(size)
     s.odd_sizes = not args.no_odd
     s.gpu = not args.no_gpu
+    s.disk = not args.gpu_only
+    if args.gpu_only and args.no_gpu:
+        raise SystemExit("--gpu-only and --no-gpu exclude each other")
     s.deepspeed_build = args.deepspeed_build
     s.keep_file = args.keep_file
     if s.reps < 1:
