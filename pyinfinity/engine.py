@@ -299,8 +299,8 @@ class Engine:
     def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """The optimizer's new fp32 values of a shard, written home in the compute dtype."""
         src = master
-        if shard.dtype != torch.float32:
-            src = aligned_empty(shard.numel, shard.dtype)
+        if shard.dtype != torch.float32 and shard.home.tier == Tier.NVME:
+            src = aligned_empty(shard.numel, shard.dtype)  # kept alive by the request until written
             src.copy_(master)
         if shard.persistent and shard.buffer is not None and shard.buffer is not shard.home.tensor:
             shard.buffer.copy_(src)  # resident copy updated in place (no re-read from its home)
