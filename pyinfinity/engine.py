@@ -400,6 +400,7 @@ class Engine:
                 moved[f"{cls}.{k}"] = v
         st = self.coordinator.stats
         moved["device.h2d"] = st.fetched_bytes
+        moved["device.d2h"] = st.grad_bytes
         io = {name: e.stats() for name, e in self._swap_engines.items()}
         return {"moved": moved, "fetch": st.snapshot(), "io": io}
 

@@ -51,7 +51,8 @@ class FetchStats:
     divergences: int = 0  # iterations whose module order left the trace
     releases: int = 0
     fetch_wait_seconds: float = 0.0  # host time blocked waiting for a shard to arrive
-    fetched_bytes: int = 0
+    fetched_bytes: int = 0  # shard bytes copied to the device (host -> device)
+    grad_bytes: int = 0  # gradient bytes handed off the device (device -> host)
 
     def snapshot(self) -> "FetchStats":
         return FetchStats(**self.__dict__)
@@ -566,6 +567,7 @@ class ParameterCoordinator:
     def grad_to_host(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
         """Moves a device gradient to host memory and hands it to ``on_grad``; on a GPU the copy is
         asynchronous on the swap stream and finished copies are handed over at later hooks."""
+        self.stats.grad_bytes += grad.numel() * grad.element_size()
         if not self._cuda or grad.device.type != "cuda":
             self.on_grad(shard, sl, grad)
             return

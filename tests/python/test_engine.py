@@ -55,7 +55,11 @@ def test_parity_with_torch_adamw(tier, persistent, tiny_lm, lm_batches, engine_c
         assert losses[-1] < losses[0]
         if tier == "nvme":
             moved = {k for r in eng.history for k in r.bytes_moved}
-            assert {"params.nvme.read", "optimizer.nvme.read", "optimizer.nvme.write"} <= moved
+            assert {"params.nvme.read", "optimizer.nvme.read", "optimizer.nvme.write", "device.h2d",
+                    "device.d2h"} <= moved
+            # every step moves all gradients off the device once per micro-batch
+            n = sum(p.numel() for p in ref.parameters())
+            assert all(r.bytes_moved["device.d2h"] == gas * n * 4 for r in eng.history)
         trained = {}
         for sh in eng.partition.shards:
             vals = eng._trained_values(sh)
