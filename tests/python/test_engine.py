@@ -285,3 +285,28 @@ print(len(eng.param_swapper.files()))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
     assert not list(swap.glob("*.swp"))
+
+
+def test_frozen_parameters_stay_and_the_rest_matches_torch(tiny_lm, lm_batches, engine_config, tmp_path):
+    model = tiny_lm(tie=False)
+    for p in list(model.embed.parameters()) + list(model.blocks[0].parameters()):
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    with pyinfinity.initialize(model, engine_config("nvme")) as eng:
+        assert sum(1 for s in eng.partition.shards if not s.trainable) == 4  # embed + 3 in block 0
+        for x, y in lm_batches(4):
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            rl = ref(x, y)
+            rl.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, rl, rtol=1e-5, atol=0)
+        files = eng.export(str(tmp_path / "out"))
+    from safetensors.torch import load_file
+
+    sd = load_file(files[0])
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(sd[name], p.detach(), rtol=1e-5, atol=1e-7, msg=name)
