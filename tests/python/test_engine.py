@@ -310,3 +310,37 @@ def test_frozen_parameters_stay_and_the_rest_matches_torch(tiny_lm, lm_batches, 
     sd = load_file(files[0])
     for name, p in ref.named_parameters():
         torch.testing.assert_close(sd[name], p.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_ctrl_c_removes_swap_files(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    swap = tmp_path / "swap"
+    code = f"""
+import sys, torch, pyinfinity
+m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+cfg = {{"zero_optimization": {{"stage": 3, "offload_param": {{"device": "nvme", "nvme_path": {str(swap)!r}}},
+        "offload_optimizer": {{"device": "nvme", "nvme_path": {str(swap)!r}}}}}, "pyinfinity": {{"device": "cpu"}}}}
+eng = pyinfinity.initialize(m, cfg)
+x = torch.randn(4, 64)
+i = 0
+while True:
+    eng.backward(eng(x).square().mean())
+    eng.step()
+    i += 1
+    if i == 2:
+        print("ready", flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert len(list(swap.glob("*.swp"))) == 2
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "KeyboardInterrupt" in err
+    assert not list(swap.glob("*.swp"))
