@@ -14,8 +14,10 @@ endif
 CMAKE = $(shell test -x $(VENV)/bin/cmake && echo $(VENV)/bin/cmake || echo cmake)
 CMAKE_TEST_FLAGS = -DPYINFINITY_PYTHON=OFF -DPYINFINITY_TESTS=ON -DPYINFINITY_WERROR=$(WERROR)
 GEN = $(shell (test -x $(VENV)/bin/ninja || command -v ninja) >/dev/null 2>&1 && echo "-G Ninja")
-# Small enough for a CPU in a few minutes; parameters and optimizer states on NVMe (a temp dir).
-TRAIN_ARGS ?= --offload nvme --steps 30
+# Small enough for a CPU in a few minutes; parameters and optimizer states on NVMe (SWAP_DIR,
+# a git-ignored folder here; point it at a real NVMe mount to measure one).
+SWAP_DIR ?= .swap
+TRAIN_ARGS ?= --model-size small --offload nvme --nvme $(SWAP_DIR) --steps 60
 
 .PHONY: train test venv build test-cpp test-asan test-tsan test-python clean
 
@@ -30,6 +32,7 @@ build: venv
 	  PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 train: build
+	mkdir -p $(SWAP_DIR)
 	$(PY) -m pyinfinity train $(TRAIN_ARGS)
 
 test: build test-cpp test-asan test-tsan test-python
