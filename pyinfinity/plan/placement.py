@@ -18,8 +18,7 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     compute; gradients leave the device and are accumulated in fp32 on the host.
     With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
     without prefetch: the sum.
-  * optimizer (after the last backward, not overlapped with it): gradient norm and zeroing
-    (memory bound), fused Adam over every parameter at the measured rate; the RAM part first,
+  * optimizer (after the last backward, not overlapped with it): the gradient norm (memory bound), fused Adam over every parameter at the measured rate; the RAM part first,
     then the disk part pipelined (read k+1 || step k || write k-1) with the parameter write-back.
 """
 from __future__ import annotations
@@ -348,7 +347,11 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     disk_read = passes * fetch_disk_s
     grads_off = _div(train_numel * isz, rates.d2h) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
-    accumulate = _div(train_numel * (isz + 8), 2 * rates.memcpy)  # read grad, read+write fp32 accumulator
+    # the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
+    # bytes touched), later ones add to it (isz + 8)
+    g = train.grad_accum
+    touched = ((isz + 4) + (g - 1) * (isz + 8)) / g
+    accumulate = _div(train_numel * touched, 2 * rates.memcpy)
     overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
     latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
     if cuda:
@@ -365,7 +368,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         micro = (max(cpu_side, disk_read) if overlap else cpu_side + disk_read) + latency
         h2d_busy = ram_copy + accumulate
     # -- the optimizer step: norm + zeroing, RAM part, then the disk part pipelined
-    host = _div(2 * GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy)  # norm (read) + zero (write)
+    host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy)  # the gradient norm reads them once
 
     def cpu_time(seg: dict) -> float:
         return (_div(seg["adam"], rates.adam) + _div(seg["cast"] * (4 + isz), 2 * rates.memcpy)
@@ -381,7 +384,6 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         opt_phase = host + a + max(b, backlog + disk_b)
     else:
         opt_phase = host + a + disk_a + b + disk_b
-    g = train.grad_accum
     total = g * micro + opt_phase
     disk_busy = g * disk_read + disk_a + disk_b
     busy = {"compute": g * compute, "host<->device": g * h2d_busy, "disk": disk_busy, "optimizer": host + a + b}
@@ -525,7 +527,12 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
             d += max(0, p.swap_bytes - budgets.swap_free) if paths else p.swap_bytes
         return d
 
-    best = min(evaluated, key=deficit) if evaluated else None
+    # explain the tightest constraint first: if some candidates fit the device and RAM, only swap
+    # is short (report the least swap needed); else if some fit the device, RAM is short
+    fit_dev = [p for p in evaluated if p.device_bytes <= budgets.device_memory]
+    fit_host = [p for p in fit_dev if p.host_bytes <= budgets.host_memory]
+    pool = fit_host or fit_dev or evaluated
+    best = min(pool, key=(lambda p: p.swap_bytes) if fit_host else deficit) if pool else None
     msgs = list(best.violations) if best else ["no candidate placement"]
     hints = []
     for v in msgs:

@@ -1,0 +1,258 @@
+"""The planner without timing: sizes as the engine partitions, budgets (cgroup, shared
+filesystems), placements that move with the budgets and respect every one of them over a grid,
+infeasible problems as errors with numbers, the engine realising a fractional plan, rates files."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import pyinfinity
+from pyinfinity.config import load_config
+from pyinfinity.plan import (Budgets, PlanError, Rates, SwapDir, TrainShape, placement_of, plan_engine_config,
+                             resolve_auto, solve)
+from pyinfinity.plan.budgets import cgroup_memory_left, swap_dirs
+from pyinfinity.plan.rates import load_rates_file
+from pyinfinity.plan.sizes import llama_sizes, sizes_from_config, sizes_from_module
+
+GB = 10**9
+LLAMA_1B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+            "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+            "max_position_embeddings": 2048}
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64}
+# an H200-like machine: the planner's choices below do not depend on this machine's speed
+GPU_RATES = Rates(h2d=50e9, d2h=50e9, disk_read=1.5e9, disk_write=1.2e9, adam=3.4e9, matmul=600e12,
+                  memcpy=20e9, disk_latency=1e-4, device="cuda")
+
+
+def _budgets(dm: float, hm: float, free: float = 4e12, path: str = "/mnt/nvme0") -> Budgets:
+    return Budgets(device_memory=int(dm), host_memory=int(hm), swap=[SwapDir(path, int(free), 1)])
+
+
+# ----------------------------------------------------------------------------------- sizes
+
+
+def test_sizes_match_the_engines_partition(tiny_lm, engine_config):
+    """Shards as the engine cuts them (tied head counted once), also for an init_empty model."""
+    model = tiny_lm(layers=3, tie=True)
+    sizes = sizes_from_module(model)
+    with pyinfinity.init_empty():
+        empty = tiny_lm(layers=3, tie=True)
+    assert sizes_from_module(empty).shard_numels == sizes.shard_numels
+    with pyinfinity.initialize(model, engine_config("cpu")) as eng:
+        assert sizes.shard_numels == [sh.numel for sh in eng.partition.shards]
+    assert sizes.numel == sum(p.numel() for p in tiny_lm(layers=3, tie=True).parameters())
+    assert sizes.itemsize == 4 and sizes_from_module(tiny_lm(), "bf16").itemsize == 2
+
+
+def test_sizes_from_a_transformers_config_match_the_real_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    meta = sizes_from_config(str(path), "fp32")
+    real = sizes_from_module(LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
+                                                              if k != "model_type"})))
+    assert meta.shard_numels == real.shard_numels
+    assert llama_sizes(TINY_LLAMA, "fp32").numel == real.numel  # the analytic fallback agrees
+    big = sizes_from_config(LLAMA_1B, "bf16")
+    assert big.numel == llama_sizes(LLAMA_1B).numel and 1.09e9 < big.numel < 1.11e9
+    assert big.param_bytes == 2 * big.numel and big.hidden == 2048 and big.layers == 22
+    with pytest.raises(ValueError, match="cannot read"):
+        sizes_from_config(str(tmp_path / "missing.json"))
+
+
+# ----------------------------------------------------------------------------------- budgets
+
+
+def test_cgroup_limits_and_shared_filesystems(tmp_path):
+    root = tmp_path / "cg"
+    root.mkdir()
+    assert cgroup_memory_left(str(root)) is None  # no limit files
+    (root / "memory.max").write_text("max\n")
+    assert cgroup_memory_left(str(root)) is None  # v2 unlimited
+    (root / "memory.max").write_text(str(8 << 30))
+    (root / "memory.current").write_text(str(3 << 30))
+    assert cgroup_memory_left(str(root)) == 5 << 30
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(4 << 30))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(1 << 30))
+    assert cgroup_memory_left(str(v1)) == 3 << 30
+    a, b = swap_dirs([str(tmp_path / "a"), str(tmp_path / "b")])  # two directories, one filesystem
+    st = os.statvfs(tmp_path)
+    assert abs(a.free - st.f_bavail * st.f_frsize) < 64 << 20 and a.fs_id == b.fs_id
+    assert Budgets(1, 1, [a, b]).swap_free in (a.free, b.free)  # counted once, not a.free + b.free
+
+
+# ----------------------------------------------------------------------------------- placement
+
+
+def test_more_ram_means_less_on_disk_and_a_smaller_device_less_resident():
+    sizes = llama_sizes(LLAMA_1B, "bf16")  # 2.2 GB bf16 weights, 13.2 GB optimizer state
+    train = TrainShape(micro_batch=4, seq_len=1024, checkpointing=True)
+    on_disk, times = [], []
+    for host in (10, 12, 14, 18, 22, 30, 60):
+        p = solve(sizes, train, _budgets(8 * 2**30, host * GB), GPU_RATES)
+        on_disk.append(p.params.disk + p.optimizer.disk)
+        times.append(p.predicted.total)
+    assert on_disk == sorted(on_disk, reverse=True) and on_disk[0] > 0 and on_disk[-1] == 0, on_disk
+    assert times == sorted(times, reverse=True), times
+    resident, prefetch = [], []
+    for dm in (64, 16, 8, 4, 3, 2.5, 2.2):
+        p = solve(sizes, train, _budgets(dm * 2**30, 100 * GB), GPU_RATES)
+        resident.append(p.params.device)
+        prefetch.append(p.knobs.prefetch_bytes)
+        assert p.device_bytes <= dm * 2**30
+    assert resident[0] == sizes.param_bytes and resident[-1] == 0, resident  # all resident, then streamed
+    assert resident == sorted(resident, reverse=True), resident
+    streamed = [pf for r, pf in zip(resident, prefetch) if r == 0]  # less device: less prefetch
+    assert len(streamed) >= 2 and streamed == sorted(streamed, reverse=True) and streamed[0] > streamed[-1], prefetch
+
+
+@pytest.mark.parametrize("free_gb", [5, 20, 4000])
+def test_every_plan_respects_every_budget(free_gb):
+    """Property over a grid of budgets: a plan is returned only if it fits all of them; otherwise
+    the error names what is short."""
+    sizes = llama_sizes(LLAMA_1B, "bf16")
+    train = TrainShape(micro_batch=2, seq_len=1024, checkpointing=True)
+    solved = failed = 0
+    for dm in (1, 2, 4, 8, 24):
+        for host in (6, 9, 12, 16, 24, 48):
+            b = _budgets(dm * 2**30, host * GB, free_gb * GB)
+            try:
+                p = solve(sizes, train, b, GPU_RATES)
+            except PlanError as exc:
+                failed += 1
+                assert "needs" in str(exc) and ("budget" in str(exc) or "free at" in str(exc)), str(exc)
+                continue
+            solved += 1
+            assert p.feasible and p.device_bytes <= b.device_memory and p.host_bytes <= b.host_memory
+            assert sum(p.swap_per_dir.values()) <= b.swap_free
+            assert p.params.total == sizes.param_bytes and p.optimizer.total == 12 * sizes.trainable_numel
+            assert p.predicted.total > 0 and p.predicted.bottleneck in ("compute", "host<->device", "disk", "optimizer")
+    assert solved and failed  # the grid crosses the feasibility boundary
+
+
+def test_infeasible_plans_name_the_numbers_and_the_path():
+    sizes = llama_sizes(LLAMA_1B, "bf16")
+    train = TrainShape(micro_batch=4, seq_len=1024, checkpointing=True)
+    with pytest.raises(PlanError) as exc:  # about 10 GB of state beyond RAM, 2 GB of disk
+        solve(sizes, train, _budgets(8 * 2**30, 10 * GB, 2 * GB, "/mnt/nvme0"), GPU_RATES)
+    msg = str(exc.value)
+    assert "of swap" in msg and "free at /mnt/nvme0" in msg and "add " in msg and "second path" in msg, msg
+    assert "2 GB free" in msg
+    with pytest.raises(PlanError, match=r"device memory: needs .* budget 268 MB.*raise the device budget"):
+        solve(sizes, train, _budgets(256 * 2**20, 100 * GB), GPU_RATES)
+    with pytest.raises(PlanError, match="give a swap directory"):
+        solve(sizes, train, Budgets(device_memory=8 << 30, host_memory=10 * GB), GPU_RATES)
+    with pytest.raises(PlanError, match=r"host RAM: needs .*fp32 gradients 4.4 GB.*budget 6 GB"):
+        solve(sizes, train, _budgets(8 * 2**30, 6 * GB), GPU_RATES)
+
+
+def test_resolved_config_loads_and_the_engine_realises_a_fractional_plan(tiny_lm, lm_batches, tmp_path):
+    """A host budget that holds part of the optimizer state: the resolved config loads, every
+    "auto" is gone, and the engine puts exactly the planned bytes in RAM and on disk."""
+    swap = str(tmp_path / "swap")
+    model = tiny_lm(vocab=64, d=64, layers=6, tie=False)
+    n = sum(p.numel() for p in model.parameters())
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "auto", "nvme_path": swap},
+                                 "offload_optimizer": {"device": "auto", "nvme_path": swap},
+                                 "stage3_prefetch_bucket_size": "auto", "stage3_max_live_parameters": "auto",
+                                 "stage3_param_persistence_threshold": "auto"},
+           "pyinfinity": {"device": "cpu", "device_memory": "4MiB"}}
+    rates = Rates(h2d=4e9, d2h=4e9, disk_read=1e9, disk_write=1e9, adam=3e8, matmul=5e10, memcpy=4e9)
+    budgets = Budgets(device_memory=4 << 20, host_memory=4 * n + 6 * n + (1 << 20), swap=swap_dirs([swap]),
+                      device_is_host=True)
+    resolved, plan = resolve_auto(cfg, model, budgets, rates, seq_len=8)
+    assert '"auto"' not in json.dumps(resolved)
+    c = load_config(resolved)
+    assert plan.optimizer.ram > 0 and plan.optimizer.disk > 0, plan.table()  # fractional
+    assert c.zero_optimization.offload_optimizer.device == "nvme" and 0 < c.zero_optimization.offload_optimizer.ratio < 1
+    again = placement_of(resolved, model, budgets, rates, seq_len=8)  # the resolved config is the plan
+    assert (again.params, again.optimizer) == (plan.params, plan.optimizer)
+    with pyinfinity.initialize(model, resolved) as eng:
+        for x, y in lm_batches(2, vocab=64):
+            eng.backward(eng(x, y))
+            eng.step()
+        rep = eng.memory_report()
+    assert rep.optimizer.get("cpu", 0) == plan.optimizer.ram and rep.optimizer.get("nvme", 0) == plan.optimizer.disk
+    assert rep.params.get("nvme", 0) == plan.params.disk
+    assert rep.params.get("cpu", 0) + rep.params.get("gpu", 0) == plan.params.ram + plan.params.device
+
+
+def test_explicit_values_are_kept_and_the_engine_hook(tmp_path, tiny_lm):
+    swap = str(tmp_path / "swap")
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap},
+                                 "offload_optimizer": {"device": "auto", "nvme_path": swap},
+                                 "stage3_prefetch_bucket_size": 12345},
+           "pyinfinity": {"device": "cpu", "device_memory": "8MiB"}}
+    rates = Rates(h2d=4e9, d2h=4e9, disk_read=1e9, disk_write=1e9, adam=3e8, matmul=5e10, memcpy=4e9)
+    b = Budgets(device_memory=8 << 20, host_memory=1 << 30, swap=swap_dirs([swap]), device_is_host=True)
+    out, plan = resolve_auto(cfg, tiny_lm(), b, rates, seq_len=8)
+    z = out["zero_optimization"]
+    assert z["offload_param"]["device"] == "nvme" and z["stage3_prefetch_bucket_size"] == 12345
+    assert z["offload_optimizer"]["device"] == "cpu"  # 1 GB of RAM holds it: RAM first
+    assert plan.knobs.param_device == "nvme" and plan.knobs.prefetch_bytes == 12345
+    # the engine's entry point: a parsed Config in, a Config with no "auto" out
+    parsed = load_config(cfg)
+    c, decisions, p = plan_engine_config(parsed, tiny_lm(), "cpu", rates=rates, budgets=b)
+    keys = {d.key for d in decisions}
+    assert p is not None and {"zero_optimization.offload_optimizer.device",
+                              "zero_optimization.offload_optimizer.ratio"} <= keys
+    assert "zero_optimization.offload_param.max_in_cpu" not in keys  # its device is explicit: default kept
+    assert '"auto"' not in json.dumps(c.to_dict()["zero_optimization"])
+    plain = load_config({"pyinfinity": {"device": "cpu"}})  # nothing to place: no rates needed
+    c2, d2, p2 = plan_engine_config(plain, tiny_lm(), "cpu", budgets=b)
+    assert p2 is None and isinstance(c2.pyinfinity.device_memory, int)
+
+
+# ----------------------------------------------------------------------------------- rates and CLI
+
+
+def test_rates_files(tmp_path):
+    GPU_RATES.save(str(tmp_path / "rates.json"))
+    got, aio = load_rates_file(str(tmp_path / "rates.json"))
+    assert got["disk_read"] == 1.5e9 and got["disk_latency"] == 1e-4 and not aio
+    bench = {"schema": "pyinfinity.bench.io/1", "results": [
+        {"tool": "pyinfinity", "workload": "file", "op": "read", "gbps_median": 2.5},
+        {"tool": "pyinfinity", "workload": "file", "op": "read", "gbps_median": 3.0},
+        {"tool": "fio", "workload": "file", "op": "read", "gbps_median": 9.0},
+        {"tool": "pyinfinity", "workload": "file", "op": "write", "gbps_median": 1.0, "verified": False},
+        {"tool": "pyinfinity", "workload": "file", "op": "write", "gbps_median": 1.5}]}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    got, _ = load_rates_file(str(tmp_path / "bench.json"))
+    assert got == {"disk_read": 3.0e9, "disk_write": 1.5e9}
+    (tmp_path / "tune.json").write_text(json.dumps({"aio": {"block_size": 262144, "queue_depth": 8}}))
+    got, aio = load_rates_file(str(tmp_path / "tune.json"))
+    assert got == {} and aio["block_size"] == 262144
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(ValueError, match="no rates"):
+        load_rates_file(str(tmp_path / "junk.json"))
+
+
+def test_cli_writes_a_config_the_loader_accepts(tmp_path, capsys):
+    from pyinfinity.cli import main
+
+    (tmp_path / "model.json").write_text(json.dumps(LLAMA_1B))
+    GPU_RATES.save(str(tmp_path / "rates.json"))
+    out = tmp_path / "resolved.json"
+    rc = main(["plan", "--model", str(tmp_path / "model.json"), "--gpu-memory", "8GiB", "--cpu-memory", "12GB",
+               "--nvme", str(tmp_path / "nvme"), "--device", "cpu", "--micro-batch", "4", "--seq-len", "1024",
+               "--checkpointing", "--rates", str(tmp_path / "rates.json"), "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "optimizer states" in printed.out and "predicted:" in printed.out and "bound by" in printed.out
+    text = out.read_text()
+    assert '"auto"' not in text
+    c = load_config(str(out))
+    assert c.bf16.enabled and c.train_micro_batch_size_per_gpu == 4
+    assert c.zero_optimization.offload_optimizer.device == "nvme"  # 12 GB cannot hold 13 GB of Adam state
+    rc = main(["plan", "--model", str(tmp_path / "model.json"), "--gpu-memory", "8GiB", "--cpu-memory", "8GB",
+               "--device", "cpu", "--rates", str(tmp_path / "rates.json"), "--out", str(tmp_path / "x.json")])
+    assert rc == 1 and "give a swap directory" in capsys.readouterr().err
