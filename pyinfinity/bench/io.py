@@ -370,7 +370,8 @@ def _measure(cfg: IoConfig, rs: list[Runner], path: str, reps: int, cache: str, 
                 # unaligned heads/tails go through the page cache even with O_DIRECT: drop it
                 # before reads of odd sizes too, so they come from the disk
                 if op == "read" and (cache == CACHE_DROPPED or (drop_odd and not cfg.aligned)):
-                    mach.drop_page_cache(path)
+                    if not mach.drop_page_cache(path):
+                        res.cache = CACHE_CACHED  # the drop was refused (a container, say)
                 try:
                     smp = r.run(cfg.with_op(op), path, verify=(rep == 0))
                 except Exception as exc:  # a tool failing is a result, not a crash

@@ -255,3 +255,15 @@ def test_a_failing_tool_is_a_result_and_its_read_is_skipped(tmp_path):
     res = bio._measure(cfg, [Broken()], str(tmp_path / "f"), 3, "direct", False, lambda d: None)
     assert Broken.calls == ["write"]              # no read of unwritten bytes, no retry per rep
     assert all(not r.seconds and "disk on fire" in r.note for r in res if r.op == "write")
+
+
+def test_a_refused_cache_drop_labels_the_read_cached(monkeypatch, tmp_path):
+    monkeypatch.setattr(bio.mach, "drop_page_cache", lambda p=None: False)
+    cfg = small_odd_config("write", 8, 64 * KiB, 1 * MiB, 4, 1)
+    bio.prepare_file(str(tmp_path / "f"), cfg.nbytes)
+    r = bio.PyinfinityRunner("posix", fsync_writes=False)
+    try:
+        res = bio._measure(cfg, [r], str(tmp_path / "f"), 1, "direct", True, lambda d: None)
+    finally:
+        r.close()
+    assert {x.op: x.cache for x in res} == {"write": "direct", "read": "cached"}
