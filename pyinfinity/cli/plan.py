@@ -39,6 +39,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--save-rates", metavar="JSON", help="write the rates used here")
     p.add_argument("--out", "-o", metavar="JSON", help="write the resolved config here (default: print it)")
     p.add_argument("--json", metavar="FILE", help="write the placement (and prediction) as JSON")
+    p.add_argument("--measure", type=int, default=0, metavar="STEPS",
+                   help="then train the model (random init, random tokens) for STEPS optimizer steps with the "
+                        "resolved config and print predicted vs measured step time (the first 2 are warm-up)")
     p.set_defaults(func=run)
 
 
@@ -126,7 +129,62 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    result: dict[str, Any] = {"placement": placement.to_json(), "rates": rates.to_json(), "config": resolved}
+    if args.measure:
+        result["measured"] = measure(resolved, args, placement.predicted.total, args.measure)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"placement": placement.to_json(), "rates": rates.to_json(), "config": resolved}, f, indent=1)
+            json.dump(result, f, indent=1)
     return 0
+
+
+def measure(resolved: dict, args: argparse.Namespace, predicted: float, steps: int) -> dict[str, Any]:
+    """Trains the model with the resolved config and prints predicted vs measured s/step."""
+    import statistics
+    import time
+
+    import torch
+    import transformers
+
+    import pyinfinity
+    from pyinfinity.plan.sizes import _load_config_dict
+
+    d = _load_config_dict(args.model)
+    hf = transformers.AutoConfig.for_model(d.get("model_type", "llama"),
+                                           **{k: v for k, v in d.items() if k != "model_type"})
+    hf.use_cache = False
+    with pyinfinity.init_empty(resolved):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable()
+    mb = int(resolved.get("train_micro_batch_size_per_gpu", 1))
+    gas = int(resolved.get("gradient_accumulation_steps", 1))
+    times: list[float] = []
+    gen = torch.Generator().manual_seed(0)
+    with pyinfinity.initialize(model, resolved) as eng:
+        eng.train()
+        cuda = eng.device.type == "cuda"
+        for i in range(steps):
+            xs = [torch.randint(0, hf.vocab_size, (mb, args.seq_len), generator=gen).to(eng.device) for _ in range(gas)]
+            if cuda:
+                torch.cuda.synchronize(eng.device)
+            t0 = time.perf_counter()
+            for x in xs:
+                out = eng(input_ids=x, labels=x)
+                eng.backward(out.loss)
+                eng.step()
+            if cuda:
+                torch.cuda.synchronize(eng.device)
+            times.append(time.perf_counter() - t0)
+            print(f"step {i}: {times[-1]:.3f} s, loss {float(out.loss):.4f}", file=sys.stderr)
+        rep = eng.memory_report()
+    steady = times[2:] if len(times) > 2 else times
+    med = statistics.median(steady)
+    res = {"step_s": times, "steady_median_s": med, "predicted_s": predicted, "ratio": predicted / med,
+           "tokens_per_s": mb * gas * args.seq_len / med, "device_peak": rep.device_peak,
+           "device_allocated_peak": rep.device_allocated_peak, "params": rep.params, "optimizer": rep.optimizer}
+    print(f"predicted {predicted:.3f} s/step, measured {med:.3f} s/step (median of {len(steady)}; "
+          f"predicted/measured {predicted / med:.2f}), {res['tokens_per_s']:,.0f} tokens/s, "
+          f"params {rep.params}, optimizer {rep.optimizer}")
+    print("RESULT " + json.dumps(res), flush=True)
+    return res
