@@ -201,7 +201,7 @@ class EngineConfig:
     device_memory: Optional[SizeOrAuto] = AUTO
     host_memory: SizeOrAuto = AUTO
     prefetch: bool = True
-    optimizer_step_device: str = "cpu"  # cpu (the GPU-streamed step is not implemented yet)
+    optimizer_step_device: str = "cpu"  # cpu | device (states streamed to the compute device)
     swap_dir_cleanup: bool = True
     log_every: int = 1
 
@@ -473,9 +473,7 @@ def _parse_engine(d: dict) -> EngineConfig:
     if "optimizer_step_device" in d:
         e.optimizer_step_device = _choice(d["optimizer_step_device"], "pyinfinity.optimizer_step_device",
                                           ("cpu", "device"))
-        if e.optimizer_step_device == "device":
-            raise ConfigError("pyinfinity.optimizer_step_device: \"device\" (streaming optimizer states to the "
-                              "GPU for the step) is not implemented yet; use \"cpu\"")
+
     if "swap_dir_cleanup" in d:
         e.swap_dir_cleanup = _bool(d["swap_dir_cleanup"], "pyinfinity.swap_dir_cleanup")
     if "log_every" in d:

@@ -226,7 +226,9 @@ class Engine:
                                           nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
                                           buffer_count=oo.buffer_count,
                                           pipeline=oo.pipeline_read or oo.pipeline_write,
-                                          write_param=self._write_param)
+                                          write_param=self._write_param,
+                                          step_device=self.device if cfg.pyinfinity.optimizer_step_device
+                                          == "device" else None)
         self.optimizer._total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
                                                                if p.requires_grad}.values())
         self._cpu_params_left = int(op.max_in_cpu) if op.device == "nvme" else 0

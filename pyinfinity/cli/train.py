@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optimizer-state tier if different from --offload")
     p.add_argument("--optimizer-nvme-ratio", type=float, default=1.0, metavar="R",
                    help="with the optimizer on nvme: the fraction of its state on disk (the rest in RAM)")
+    p.add_argument("--optimizer-step", default="cpu", choices=["cpu", "device"],
+                   help="run the Adam step on the CPU, or stream the states to the device and step there")
     p.add_argument("--nvme", action="append", metavar="DIR",
                    help="swap directory (repeat to stripe over several drives)")
     p.add_argument("--device", default="auto", help="compute device: cpu, cuda, cuda:N or auto")
@@ -161,7 +163,8 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
             "stage3_prefetch_bucket_size": "auto",
             "stage3_param_persistence_threshold": "auto",
         },
-        "pyinfinity": {"device": device, "device_memory": args.device_memory, "prefetch": not args.no_prefetch},
+        "pyinfinity": {"device": device, "device_memory": args.device_memory, "prefetch": not args.no_prefetch,
+                       "optimizer_step_device": args.optimizer_step},
     }
     if nvme:
         cfg["zero_optimization"]["offload_param"]["nvme_path"] = nvme
@@ -229,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
             "peak_device_bytes": max((r.peak_device_bytes for r in records), default=0),
             "peak_device_allocated": max((r.peak_device_allocated or 0 for r in records), default=0) or None,
             "overlap_fraction": _mean([r.overlap_fraction for r in steady]),
+            "optimizer_seconds": _mean([r.optimizer_seconds for r in steady]),
+            "step_seconds": _mean([r.seconds for r in steady]),
             "prefetch_hits": sum(r.prefetch_hits for r in records),
             "on_demand_fetches": sum(r.on_demand_fetches for r in records),
             "auto": {d.key: d.value for d in engine.auto_decisions},

@@ -97,8 +97,13 @@ class OffloadOptimizer:
 
     def __init__(self, cfg: OptimizerConfig, swapper: TensorSwapper, *, nvme_ratio: float = 0.0,
                  buffer_count: int = 4, pipeline: bool = True,
-                 write_param: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None) -> None:
+                 write_param: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None,
+                 step_device: Optional[torch.device] = None) -> None:
         self.cfg = cfg
+        # where the Adam arithmetic runs: None = on the CPU, in place on the host state; a device
+        # = each shard's state is streamed there, stepped by the device's fused kernel and back
+        self.step_device = torch.device(step_device) if step_device is not None else None
+        self._dev_bufs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.swapper = swapper
         self.nvme_ratio = nvme_ratio
         self.buffer_count = max(3, buffer_count)
@@ -257,24 +262,36 @@ class OffloadOptimizer:
             coef = clip / (raw_norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
-        inv_factor = torch.tensor(1.0 / factor) if factor != 1.0 else None
+        dev = self.step_device
+        inv_factor = torch.tensor(1.0 / factor, device=dev) if factor != 1.0 else None
         g = self.param_groups[0]
         beta1, beta2 = g["betas"]
         kernel = torch._fused_adamw_ if self.cfg.adam_w_mode else torch._fused_adam_
         gen = self.iter_states(write_back=True)
         extra: Optional[list] = None
+        k = 0  # shards stepped on the device (alternates its two buffer sets)
         try:
             item = gen.send(None)
             while True:
                 st, flat = item
                 n = st.numel
-                master, m, v = flat[:n], flat[n:2 * n], flat[2 * n:]
                 st.step += 1
-                step_t = torch.tensor(float(st.step))
+                work, grad = flat, st.grad
+                if dev is not None:  # stream the state to the device, step there, bring it back
+                    dflat, dgrad = self._device_buffers(k % 2)
+                    k += 1
+                    work, grad = dflat[:3 * n], dgrad[:n]
+                    work.copy_(flat, non_blocking=True)
+                    grad.copy_(st.grad, non_blocking=True)
+                master, m, v = work[:n], work[n:2 * n], work[2 * n:]
+                step_t = torch.tensor(float(st.step), device=dev)
                 # unscaling/clipping happens inside the kernel (it divides by grad_scale): no extra pass
-                kernel([master], [st.grad], [m], [v], [], [step_t], lr=float(g["lr"]), beta1=beta1,
+                kernel([master], [grad], [m], [v], [], [step_t], lr=float(g["lr"]), beta1=beta1,
                        beta2=beta2, weight_decay=float(g["weight_decay"]), eps=float(g["eps"]),
                        amsgrad=False, maximize=False, grad_scale=inv_factor)
+                if dev is not None:
+                    flat.copy_(work)  # device -> host; waits for the kernel (the write-back needs it)
+                    master = flat[:n]
                 extra = []
                 if self.write_param is not None:
                     req = self.write_param(st.shard, master)
@@ -284,6 +301,16 @@ class OffloadOptimizer:
         except StopIteration:
             pass
         return StepResult(grad_norm=raw_norm, skipped=False, seconds=time.perf_counter() - t0)
+
+    def _device_buffers(self, which: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two sets of device buffers ([master|m|v] and grad) for the streamed step, sized for the
+        largest shard, allocated on first use and kept."""
+        if not self._dev_bufs:
+            biggest = max((st.numel for st in self.states), default=0)
+            self._dev_bufs = [(torch.empty(3 * biggest, dtype=torch.float32, device=self.step_device),
+                               torch.empty(biggest, dtype=torch.float32, device=self.step_device))
+                              for _ in range(2)]
+        return self._dev_bufs[which]
 
     # ------------------------------------------------------------------------- state
     def load_shard_state(self, shard: FlatShard, flat: torch.Tensor, step: int) -> None:
@@ -305,5 +332,6 @@ class OffloadOptimizer:
 
     def close(self) -> None:
         self._staging.clear()
+        self._dev_bufs.clear()
         for st in self.states:
             st.grad = None

@@ -18,8 +18,9 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.parametrize("tier, persistent", [("cpu", 0), ("nvme", 0), ("nvme", 100)])
-def test_parity_with_torch_adamw(tier, persistent, tiny_lm, lm_batches, engine_config):
+@pytest.mark.parametrize("tier, persistent, step_device", [("cpu", 0, "cpu"), ("nvme", 0, "cpu"),
+                                                           ("nvme", 100, "cpu"), ("nvme", 0, "device")])
+def test_parity_with_torch_adamw(tier, persistent, step_device, tiny_lm, lm_batches, engine_config):
     """Same model, init and data: losses and final parameters match torch AdamW, with gradient
     accumulation, clipping and a WarmupDecayLR schedule (and with small shards kept resident)."""
     steps, gas = 10, 2
@@ -30,6 +31,7 @@ def test_parity_with_torch_adamw(tier, persistent, tiny_lm, lm_batches, engine_c
                                                  "warmup_type": "linear"}}
     cfg = engine_config(tier, gradient_accumulation_steps=gas, gradient_clipping=0.3, scheduler=sched)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistent
+    cfg["pyinfinity"]["optimizer_step_device"] = step_device  # "device": streamed through device buffers
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     ref_sched = WarmupDecayLR(ref_opt, **sched["params"])
     batches = lm_batches(steps * gas)

@@ -27,14 +27,16 @@ def _cfg(tier, tmp_path, **over):
 
 
 @cuda
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_gpu_parity_with_torch_adamw(tier, tiny_lm, lm_batches, tmp_path):
+@pytest.mark.parametrize("tier, step_device", [("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "device")])
+def test_gpu_parity_with_torch_adamw(tier, step_device, tiny_lm, lm_batches, tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny_lm(layers=3)
     ref = copy.deepcopy(model).cuda()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     losses, ref_losses = [], []
-    with pyinfinity.initialize(model, _cfg(tier, tmp_path)) as eng:
+    cfg = _cfg(tier, tmp_path)
+    cfg["pyinfinity"]["optimizer_step_device"] = step_device
+    with pyinfinity.initialize(model, cfg) as eng:
         assert eng.device.type == "cuda"
         for i, (x, y) in enumerate(lm_batches(12)):
             x, y = x.cuda(), y.cuda()
