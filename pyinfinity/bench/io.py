@@ -424,7 +424,7 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
         steps = sum(len(rs) for _, rs in plan) * s.reps
         moved = s.reps * sum(cfg.nbytes * 2 * sum(1 for r in rs if not r.supports(cfg))
                              for cfg, rs in plan)
-        log.info("%d configurations x %d repetitions: about %.0f GB to move (%.0f min at 2 GB/s)",
+        log.info("%d configurations x %d repetitions: about %.0f GB to move (%.1f min at 2 GB/s)",
                  len(plan), s.reps, moved / 1e9, moved / 2e9 / 60)
         done = 0
 
