@@ -66,6 +66,7 @@ class TrainShape:
     seq_len: int = 1024
     grad_accum: int = 1
     checkpointing: bool = False
+    activation_bytes: Optional[int] = None  # known figure (None: estimated from the model's shape)
 
     @property
     def tokens(self) -> int:
@@ -87,6 +88,7 @@ class Knobs:
     param_buffer_size: int = 0  # bytes (largest shard)     [offload_param.buffer_size]
     optimizer_buffer_count: int = 4  # staging buffers       [offload_optimizer.buffer_count]
     prefetch: bool = True  #                                [pyinfinity.prefetch]
+    optimizer_step_device: str = "cpu"  # cpu | device      [pyinfinity.optimizer_step_device]
     pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
 
 
@@ -166,6 +168,7 @@ class Placement:
             "zero_optimization.stage3_prefetch_bucket_size": int(k.prefetch_bytes),
             "zero_optimization.stage3_max_live_parameters": int(k.max_live),
             "zero_optimization.stage3_param_persistence_threshold": int(k.persistence_threshold),
+            "pyinfinity.optimizer_step_device": k.optimizer_step_device,
             "pyinfinity.device_memory": int(self.device_memory),
             "pyinfinity.host_memory": int(self.host_memory),
         }
@@ -202,6 +205,21 @@ class Placement:
 
 
 # --------------------------------------------------------------------------------- evaluation
+
+
+def _working_set(sizes: ModelSizes, train: TrainShape) -> int:
+    """Parameter bytes on the device besides persistent shards and prefetch: the shard in use and
+    the next one; with checkpointing a block's recompute keeps its whole set referenced until its
+    backward is done."""
+    if train.checkpointing:
+        return sizes.block_bytes + sizes.largest_shard_bytes
+    return 2 * sizes.largest_shard_bytes
+
+
+def _activations(sizes: ModelSizes, train: TrainShape) -> int:
+    if train.activation_bytes is not None:
+        return train.activation_bytes
+    return sizes.activation_bytes(train.micro_batch, train.seq_len, train.checkpointing)
 
 
 def _is_cuda(rates: Rates, budgets: Budgets) -> bool:
@@ -274,12 +292,14 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
             seg["param_disk_s"] += rates.write_time(n * isz)
     grads = Share(ram=GRAD_BYTES_PER_PARAM * total_train)
     # -- device: persistent shards + one block's working set + the next shard + prefetch + activations
-    acts = sizes.activation_bytes(train.micro_batch, train.seq_len, train.checkpointing)
+    acts = _activations(sizes, train)
     if k.param_device == "none":
         shard_peak = params.device
     else:
-        shard_peak = persistent + sizes.block_bytes + sizes.largest_shard_bytes + (k.prefetch_bytes if k.prefetch else 0)
+        shard_peak = persistent + _working_set(sizes, train) + (k.prefetch_bytes if k.prefetch else 0)
     device_bytes = shard_peak + acts
+    if k.optimizer_step_device == "device":  # two sets of [master|m|v] + grad buffers, after release_all
+        device_bytes = max(device_bytes, persistent + 2 * 16 * sizes.largest_shard_numel)
     # -- host: homes in RAM, gradients, staging, write-back temporaries (+ the device pool on the CPU)
     staging = 0
     if optim.disk:
@@ -326,6 +346,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
                      host_bytes=host_bytes, pinned_bytes=pinned, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
+                     optimizer_step_device=k.optimizer_step_device,
                      host_memory=budgets.host_memory, violations=violations)
 
 
@@ -370,8 +391,14 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     # -- the optimizer step: norm + zeroing, RAM part, then the disk part pipelined
     host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy)  # the gradient norm reads them once
 
+    def adam_time(numel: int) -> float:
+        if knobs.optimizer_step_device == "device" and cuda:
+            # streamed: state + grad to the device, state back, one shard at a time (the copy back waits)
+            return _div(16 * numel, rates.h2d) + _div(12 * numel, rates.d2h)
+        return _div(numel, rates.adam)
+
     def cpu_time(seg: dict) -> float:
-        return (_div(seg["adam"], rates.adam) + _div(seg["cast"] * (4 + isz), 2 * rates.memcpy)
+        return (adam_time(seg["adam"]) + _div(seg["cast"] * (4 + isz), 2 * rates.memcpy)
                 + _div(seg["param_ram"], rates.memcpy) + _div(seg["param_dev"], rates.h2d))
 
     a = cpu_time(seg_a)
@@ -410,6 +437,7 @@ class Fixed:
     param_buffer_size: Optional[int] = None
     optimizer_buffer_count: Optional[int] = None
     prefetch: Optional[bool] = None
+    optimizer_step_device: Optional[str] = None
 
 
 def _optimizer_split(sizes: ModelSizes, ram_bytes: int) -> float:
@@ -426,20 +454,20 @@ def _optimizer_split(sizes: ModelSizes, ram_bytes: int) -> float:
 def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs, fixed: Fixed) -> Knobs:
     """Sizes the buffers of ``k`` from the device budget (those the user did not fix)."""
     isz = sizes.itemsize
-    acts = sizes.activation_bytes(train.micro_batch, train.seq_len, train.checkpointing)
+    acts = _activations(sizes, train)
     if fixed.persistence_threshold is None:
         small = sizes.small_shard_bytes(SMALL_SHARD_NUMEL)
         k.persistence_threshold = SMALL_SHARD_NUMEL if small <= PERSISTENT_SHARE * budgets.device_memory else 0
     persistent = sizes.small_shard_bytes(k.persistence_threshold) if k.persistence_threshold else 0
-    room = int(budgets.device_memory * (1 - DEVICE_HEADROOM)) - persistent - sizes.block_bytes \
-        - sizes.largest_shard_bytes - acts
+    working = _working_set(sizes, train)
+    room = int(budgets.device_memory * (1 - DEVICE_HEADROOM)) - persistent - working - acts
     cap = (2 if budgets.device_is_host else 4) * max(sizes.block_bytes, sizes.largest_shard_bytes)
     if fixed.prefetch_bytes is None:
         k.prefetch_bytes = max(0, min(room, cap))
     if fixed.prefetch is None:
         k.prefetch = True
     if fixed.max_live is None:
-        k.max_live = max(1, (persistent + sizes.block_bytes + sizes.largest_shard_bytes + k.prefetch_bytes) // isz)
+        k.max_live = max(1, (persistent + working + k.prefetch_bytes) // isz)
     if fixed.param_buffer_size is None:
         k.param_buffer_size = max(1, sizes.largest_shard_bytes)
     if fixed.param_buffer_count is None:
@@ -455,12 +483,24 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
     in RAM by whole shards on a grid of ``steps``, the optimizer state given the RAM that is left)."""
     base = _fill(sizes, train, budgets, rates, Knobs(), fixed)
     for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
-                 "param_buffer_size", "optimizer_buffer_count", "prefetch"):
+                 "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device"):
         v = getattr(fixed, name)
         if v is not None:
             setattr(base, name, v)
     pdevs = [fixed.param_device] if fixed.param_device else (["none", "cpu", "nvme"] if have_disk else ["none", "cpu"])
     odevs = [fixed.optimizer_device] if fixed.optimizer_device else (["cpu", "nvme"] if have_disk else ["cpu"])
+    numel = sizes.numel
+    if fixed.optimizer_step_device:
+        steps_on = [fixed.optimizer_step_device]
+    else:
+        steps_on = ["cpu", "device"] if _is_cuda(rates, budgets) else ["cpu"]
+    for step_on in steps_on:
+        yield from _tier_candidates(replace(base, optimizer_step_device=step_on), sizes, train, budgets, rates,
+                                    fixed, pdevs, odevs, steps)
+
+
+def _tier_candidates(base: Knobs, sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates,
+                     fixed: Fixed, pdevs: list, odevs: list, steps: int) -> Iterable[Knobs]:
     numel = sizes.numel
     for pd in pdevs:
         if pd == "nvme" and fixed.max_in_cpu is None:
@@ -514,7 +554,10 @@ def _notes(p: Placement, sizes: ModelSizes, budgets: Budgets, n_eval: int, n_ok:
         out.append(f"optimizer state split: {fmt(p.optimizer.ram)} in RAM, the overflow {fmt(p.optimizer.disk)} on disk")
     if p.params.disk and p.params.ram:
         out.append(f"parameters split: {fmt(p.params.ram)} in RAM, {fmt(p.params.disk)} on disk")
-    out.append("the optimizer steps on the CPU (fused AdamW); a GPU-streamed step is not implemented in the engine")
+    if p.knobs.optimizer_step_device == "device":
+        out.append("the optimizer steps on the device: states streamed through two device buffers")
+    else:
+        out.append("the optimizer steps on the CPU (fused AdamW)")
     return out
 
 

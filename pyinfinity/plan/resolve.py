@@ -37,6 +37,7 @@ KEYS = {
     "max_live": "zero_optimization.stage3_max_live_parameters",
     "persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
     "prefetch": "pyinfinity.prefetch",
+    "optimizer_step_device": "pyinfinity.optimizer_step_device",
 }
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
 
@@ -111,6 +112,7 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
         "optimizer_buffer_count": z.offload_optimizer.buffer_count,
         "prefetch_bytes": z.stage3_prefetch_bucket_size, "max_live": z.stage3_max_live_parameters,
         "persistence_threshold": z.stage3_param_persistence_threshold, "prefetch": cfg.pyinfinity.prefetch,
+        "optimizer_step_device": cfg.pyinfinity.optimizer_step_device,
     }
     owned = {name for name, v in values.items() if v == AUTO}
     for split, dev in SPLIT_OF.items():
@@ -217,7 +219,9 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
                        seq_len: Optional[int] = None, rates: Optional[Rates] = None,
                        budgets: Optional[Budgets] = None) -> tuple[Any, list[Decision], Optional[Placement]]:
     """For ``Engine.__init__``: (Config with every "auto" decided, the decisions, the Placement or
-    None when only budgets were "auto"). Rates are probed once per process (cached)."""
+    None when only budgets were "auto"). Rates are probed once per process (cached). Without
+    ``seq_len`` the activations are not charged to the device budget (unknown before the first
+    batch); the plan's prefetch still leaves DEVICE_HEADROOM of the device free."""
     dev = torch.device(device)
     c = copy.deepcopy(cfg)
     if c.pyinfinity.device == AUTO:
@@ -241,7 +245,15 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=_aio_dict(c),
                               matmul_shape=(1024, m, m), dtype=_compute_dtype(c) or torch.float32, cache=True)
     fixed, owned = _fixed_from(c, None)
-    out, decisions, placement = plan_config(c, sizes, budgets, rates, _train_shape(c, seq_len, False), owned, fixed)
+    train = _train_shape(c, seq_len, False)
+    if seq_len is None:
+        # the engine does not know the sequence length before the first batch: activations are not
+        # charged to the device budget (compute is predicted at DEFAULT_SEQ_LEN)
+        train.activation_bytes = 0
+    out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
+    if seq_len is None:
+        placement.notes.append(f"sequence length unknown at initialize: activations not charged, compute "
+                               f"predicted at {DEFAULT_SEQ_LEN} tokens per sequence")
     log.info("plan:\n%s", placement.table())
     return out, decisions, placement
 
