@@ -195,6 +195,9 @@ class EngineConfig:
     engine keeps resident parameters, buffers and prefetch within ("auto" = heuristic, None = no
     cap). host_memory: RAM the engine may use for offloaded state ("auto" = 80% of available).
     prefetch: trace-driven prefetch on/off. swap_dir_cleanup: remove swap files on close.
+    checksums: a CRC-32C of every 64 KiB written to the swap files (computed in the I/O thread),
+    verified on every read: a changed byte raises OSError(EBADMSG) naming file, offset and slot
+    instead of being trained on (cost: RELIABILITY.md).
     """
 
     device: str = AUTO
@@ -204,6 +207,7 @@ class EngineConfig:
     optimizer_step_device: str = "cpu"  # cpu | device (states streamed to the compute device)
     swap_dir_cleanup: bool = True
     log_every: int = 1
+    checksums: bool = False
 
 
 @dataclass
@@ -478,6 +482,8 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.swap_dir_cleanup = _bool(d["swap_dir_cleanup"], "pyinfinity.swap_dir_cleanup")
     if "log_every" in d:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
+    if "checksums" in d:
+        e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
     return e
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from pyinfinity.config import (AUTO, Budgets, Config, ConfigError, ModelSizes, format_size, load_config,
                                measure_budgets, resolve_auto)
+from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.lr_schedules import build_scheduler
@@ -216,12 +217,16 @@ class Engine:
         op, oo = z.offload_param, z.offload_optimizer
         param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * 4)
         optim_ram = sizes.numel * 12 * (1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
+        # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
+        self._ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
         self.param_swapper = TensorSwapper("params", self.device, op.nvme_path,
                                            self._swap_engine("params") if op.device == "nvme" else None,
-                                           pin=op.pin_memory, pinned_capacity=param_ram + (1 << 20))
+                                           pin=op.pin_memory, pinned_capacity=param_ram + (1 << 20),
+                                           checksums=cfg.pyinfinity.checksums, ownership=self._ownership)
         self.optim_swapper = TensorSwapper("optimizer", self.device, oo.nvme_path,
                                            self._swap_engine("optimizer") if oo.device == "nvme" else None,
-                                           pin=oo.pin_memory, pinned_capacity=int(optim_ram) + (1 << 20))
+                                           pin=oo.pin_memory, pinned_capacity=int(optim_ram) + (1 << 20),
+                                           checksums=cfg.pyinfinity.checksums, ownership=self._ownership)
         self.optimizer = OffloadOptimizer(cfg.optimizer, self.optim_swapper,
                                           nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
                                           buffer_count=oo.buffer_count,
@@ -243,7 +248,7 @@ class Engine:
                     buf_bytes += b.numel() * b.element_size()
         self._closed = False
         self._finalizer = weakref.finalize(self, Engine._cleanup, self.param_swapper, self.optim_swapper,
-                                           self._swap_engines)
+                                           self._swap_engines, self._ownership)
         atexit.register(self._finalizer)
         try:
             t0 = time.perf_counter()
@@ -251,6 +256,7 @@ class Engine:
                                              persistence_threshold=int(z.stage3_param_persistence_threshold),
                                              on_shard=self._place_shard, device=self.device)
             log.info("placed %d shards in %.2fs", len(self.partition.shards), time.perf_counter() - t0)
+            self._ownership.flush()  # the manifest lists every slot
             if self._param_tier == Tier.GPU:
                 for sh in self.partition.shards:
                     sh.persistent = True
@@ -351,6 +357,7 @@ class Engine:
         if not boundary:
             return None
         self.coordinator.release_all()
+        self._ownership.verify()  # a truncated swap file is an error here, not data
         fp16 = self.config.fp16.enabled
         res = self.optimizer.step(grad_scale=self.scaler.scale if fp16 else 1.0,
                                   clip=self.config.gradient_clipping, check_overflow=fp16)
@@ -659,7 +666,8 @@ class Engine:
             raise RuntimeError("Engine: used after close()")
 
     @staticmethod
-    def _cleanup(param_swapper: TensorSwapper, optim_swapper: TensorSwapper, engines: dict) -> None:
+    def _cleanup(param_swapper: TensorSwapper, optim_swapper: TensorSwapper, engines: dict,
+                 ownership: Any = None) -> None:
         for sw in (param_swapper, optim_swapper):
             try:
                 sw.close()
@@ -670,6 +678,8 @@ class Engine:
                 e.close()
             except Exception as exc:  # noqa: BLE001
                 log.warning("closing swap engine: %s", exc)
+        if ownership is not None:
+            ownership.release()  # manifest and lock (after the swap files)
 
     def close(self) -> None:
         """Removes the hooks, frees device/pinned memory and removes the swap files. Idempotent."""

@@ -9,6 +9,7 @@ here.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import threading
@@ -112,11 +113,15 @@ class TensorSwapper:
     nvme_dirs: swap directories (striped when several); a SwapSpace named ``name`` (files
     ``<dir>/<name>.swp``, locked while open) is opened in them on the first NVMe allocation. engine: a shared SwapEngine (one per training engine).
     pin: allocate cpu-tier homes page-locked when a GPU exists.
+    checksums: SwapSpace's CRC-32C of every block written, verified on read.
+    ownership: the engine's ``swap.ownership.SwapOwnership`` (manifest records of every slot).
     """
 
     def __init__(self, name: str, device: torch.device, nvme_dirs: Optional[Sequence[str]] = None,
-                 engine: Any = None, pin: bool = True, pinned_capacity: int = 0) -> None:
+                 engine: Any = None, pin: bool = True, pinned_capacity: int = 0,
+                 checksums: bool = False, ownership: Any = None) -> None:
         self.name = name
+        self.checksums, self._ownership = checksums, ownership
         self.device = torch.device(device)
         self.nvme_dirs = list(nvme_dirs or [])
         self._engine = engine
@@ -146,7 +151,10 @@ class TensorSwapper:
                 self._engine = SwapEngine()
             for d in self.nvme_dirs:
                 os.makedirs(d, exist_ok=True)
-            self._space = SwapSpace(self.nvme_dirs, engine=self._engine, name=self.name)
+            make = functools.partial(SwapSpace, self.nvme_dirs, engine=self._engine, name=self.name,
+                                     checksums=self.checksums)
+            own = self._ownership
+            self._space = own.open_space(self.name, self.nvme_dirs, make) if own is not None else make()
         return self._space
 
     def allocate(self, key: str, numel: int, dtype: torch.dtype, tier: Union[Tier, str]) -> SwapRecord:
@@ -155,7 +163,9 @@ class TensorSwapper:
         tier = Tier(tier)
         rec = SwapRecord(key, tier, numel, dtype)
         if tier == Tier.NVME:
-            rec.slot = self.space.allocate(rec.nbytes)
+            rec.slot = self.space.allocate(rec.nbytes, tag=key)
+            if self._ownership is not None:
+                self._ownership.record(self.name, key, dtype, (numel,), rec.slot)
         elif tier == Tier.CPU:
             if self._arena is not None:
                 try:

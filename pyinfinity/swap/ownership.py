@@ -1,0 +1,550 @@
+"""Swap directory ownership: what a training engine claims before it writes, and gives back at close.
+
+* A lock per swap directory (``<dir>/pyinfinity.lock``, ``flock``, holding the owner's pid, host
+  and start time): a second run pointed at the same directory fails at start with an error naming
+  the directory and the owner. The kernel drops the lock when its process dies, so a crash never
+  leaves a directory locked.
+* A start check that the state fits, with the numbers: free space per swap filesystem (the
+  preallocated swap files included), and the RAM and device budgets (``CapacityError``).
+* A manifest per directory (``<dir>/pyinfinity-manifest.json``, written atomically: temporary
+  name, fsync, rename) listing the swap files, their sizes and a dtype/shape/key record per slot,
+  with a format version and the owner. With it a stale directory of a crashed run (lock free,
+  manifest present, owner gone) is cleaned with a warning at the next start; a swap file no
+  manifest claims (foreign) is refused, never overwritten nor read; a swap file truncated under a
+  running engine is reported (``verify``), never read as data.
+* ``release()`` removes the swap files, the manifest and the lock (``close()`` and interpreter
+  exit). Swap files are never reused across runs: training state comes back from a checkpoint.
+
+The swap layer below (``SwapSpace``) knows nothing of this; ``TensorSwapper`` calls ``open_space``
+and ``record``; the engine calls ``claim_swap_dirs``, ``flush``, ``verify`` and ``release``.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "pyinfinity.lock"
+MANIFEST_NAME = "pyinfinity-manifest.json"
+MANIFEST_FORMAT = "pyinfinity-swap-manifest"
+MANIFEST_VERSION = 1
+ALIGN = 4096
+GROW_MAX = 256 << 20  # SwapSpace's default preallocation step; smaller when the need is smaller
+STRIPE_MIN = 4 << 20  # SwapSpace's default: slots below this go to one file, round-robin
+
+
+class CapacityError(ValueError):
+    """The training state cannot fit the budgets given; the message says how much is missing and
+    where (which tier, which config key)."""
+
+
+class SwapDirBusyError(OSError):
+    """The swap directory is locked by another engine (errno EBUSY, filename = the directory)."""
+
+
+class SwapFileError(OSError):
+    """A swap file that cannot be trusted: foreign (EEXIST), stale and unclaimable, or truncated
+    under a running engine (EIO); filename = the file."""
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+# ----------------------------------------------------------------------------------- owner
+
+
+def _proc_stat(pid: int) -> Optional[tuple[str, int]]:
+    """(state, start time in clock ticks since boot) of a process, None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        return rest[0], int(rest[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass
+class Owner:
+    """Who holds (or held) a swap directory."""
+
+    pid: int
+    host: str
+    started: float  # epoch seconds when the engine took the directory
+    proc_start: Optional[int] = None  # /proc/<pid>/stat start time, tells a reused pid apart
+    boot_id: str = ""  # a pid from before a reboot is gone
+    argv: list[str] = field(default_factory=list)
+
+    @classmethod
+    def current(cls) -> "Owner":
+        st = _proc_stat(os.getpid())
+        return cls(pid=os.getpid(), host=socket.gethostname(), started=time.time(),
+                   proc_start=st[1] if st else None, boot_id=_boot_id(), argv=list(sys.argv[:4]))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Optional["Owner"]:
+        try:
+            return cls(pid=int(d["pid"]), host=str(d["host"]), started=float(d["started"]),
+                       proc_start=d.get("proc_start"), boot_id=str(d.get("boot_id", "")),
+                       argv=[str(a) for a in d.get("argv", [])])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def alive(self) -> Optional[bool]:
+        """Whether the owner process still runs; None when that cannot be told (another host)."""
+        if self.host != socket.gethostname():
+            return None
+        if self.boot_id and self.boot_id != _boot_id():
+            return False
+        st = _proc_stat(self.pid)
+        if st is None or st[0] in ("Z", "X"):
+            return False
+        return self.proc_start is None or st[1] == self.proc_start
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
+        cmd = f", {' '.join(self.argv)!r}" if self.argv else ""
+        return f"pid {self.pid} on host {self.host} (started {when}{cmd})"
+
+
+# ----------------------------------------------------------------------------------- manifest
+
+
+@dataclass
+class _FileEntry:
+    name: str  # file name inside the directory (<space>.swp)
+    space: str
+    part: int  # index of this directory among the space's directories
+    parts: int
+    dev: Optional[int] = None
+    ino: Optional[int] = None
+    nbytes: int = 0  # the file must hold at least this many bytes (end of its last extent)
+    slots: list[dict] = field(default_factory=list)
+
+
+def read_manifest(directory: str) -> Optional[dict]:
+    """The manifest of a swap directory, None when there is none; SwapFileError when it is not
+    one pyinfinity can read."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise SwapFileError(errno.EBADMSG, f"swap manifest cannot be read ({exc}); nothing in that directory was "
+                            "removed or used: remove its swap files and the manifest yourself, or use another "
+                            "nvme_path", path) from exc
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), list):
+        raise SwapFileError(errno.EBADMSG, "not a pyinfinity swap manifest; nothing in that directory was removed "
+                            "or used: use another nvme_path", path)
+    if not isinstance(m.get("version"), int) or m["version"] > MANIFEST_VERSION:
+        raise SwapFileError(errno.EBADMSG, f"swap manifest version {m.get('version')!r} is newer than this "
+                            f"pyinfinity's ({MANIFEST_VERSION}); its files were left alone: use another nvme_path",
+                            path)
+    return m
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    d = os.path.dirname(path)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+# ----------------------------------------------------------------------------------- ownership
+
+
+@dataclass
+class SpacePlan:
+    """What one swap space (a state class) will need: its directories and bytes."""
+
+    name: str
+    dirs: list[str]
+    nbytes: int  # payload bytes the engine will put there
+    slots: int  # how many slots (per-slot alignment slack)
+
+    def per_dir(self) -> int:
+        """Upper bound of the bytes one of its files reaches (alignment and striping slack)."""
+        n = len(self.dirs)
+        return -(-(self.nbytes + self.slots * ALIGN) // n) + (STRIPE_MIN if n > 1 else 0)
+
+    def grow_bytes(self) -> int:
+        return min(GROW_MAX, max(1 << 20, _round_up(self.per_dir(), 1 << 20)))
+
+    def file_bytes(self) -> int:
+        """What the file is preallocated to (SwapSpace grows files in ``grow_bytes`` steps)."""
+        return _round_up(max(1, self.per_dir()), self.grow_bytes()) if self.nbytes else 0
+
+
+class SwapOwnership:
+    """One engine's claim on its swap directories (see the module docstring). Make one with
+    ``acquire`` (or ``claim_swap_dirs`` from an engine config); it is released by ``release()``,
+    by garbage collection or at interpreter exit, whichever comes first."""
+
+    def __init__(self, dirs: Sequence[str] = (), plans: Sequence[SpacePlan] = ()) -> None:
+        self.dirs = list(dict.fromkeys(os.path.abspath(os.fspath(d)) for d in dirs))
+        self.plans = {p.name: p for p in plans}
+        self.owner = Owner.current()
+        self._lock = threading.Lock()
+        self._lock_fds: dict[str, int] = {}
+        self._files: dict[str, list[_FileEntry]] = {d: [] for d in self.dirs}  # dir -> entries
+        self._dirty = False
+        self._warned: set[str] = set()
+        self.cleaned: list[str] = []  # stale files removed at start (for callers and tests)
+        self._state = {"fds": self._lock_fds, "files": self._files, "dirs": self.dirs, "released": False}
+        self._finalizer = weakref.finalize(self, SwapOwnership._release, self._state)
+
+    # -- start ---------------------------------------------------------------------------------
+    @classmethod
+    def acquire(cls, dirs: Sequence[str], plans: Sequence[SpacePlan] = ()) -> "SwapOwnership":
+        """Locks every directory, cleans what a crashed run of ours left there, refuses what is
+        not ours, and checks the free space ``plans`` need; releases everything on failure."""
+        own = cls(dirs, plans)
+        try:
+            for d in own.dirs:
+                own._lock_dir(d)
+            for d in own.dirs:
+                own._clean_stale(d)
+                own._refuse_foreign(d)
+            own.check_free_space()
+            for d in own.dirs:
+                own._write_manifest(d)
+        except BaseException:
+            own.release()
+            raise
+        return own
+
+    def _lock_dir(self, d: str) -> None:
+        if not os.path.isdir(d):
+            raise NotADirectoryError(errno.ENOTDIR, "swap path is not a directory", d)
+        path = os.path.join(d, LOCK_NAME)
+        for _ in range(20):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    raw = os.pread(fd, 4096, 0)
+                finally:
+                    os.close(fd)
+                raise self._busy(d, raw) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # the file may have been removed by its previous owner between our open and flock
+            st = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                break
+            os.close(fd)
+        else:
+            raise SwapDirBusyError(errno.EBUSY, "swap directory lock keeps changing hands; another run is "
+                                   "starting there", d)
+        self._lock_fds[d] = fd
+        data = json.dumps(asdict(self.owner)).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+
+    def _busy(self, d: str, raw: bytes) -> SwapDirBusyError:
+        try:
+            owner = Owner.from_dict(json.loads(raw.decode() or "null"))
+        except ValueError:
+            owner = None
+        if owner is None:
+            who = "another process (it has not written its pid yet)"
+        else:
+            who = owner.describe()
+            if owner.alive() is False:
+                who += (", which has exited: the lock is still held by a process it started (e.g. a "
+                        "DataLoader worker); end that process")
+        return SwapDirBusyError(errno.EBUSY, f"swap directory is in use by {who}; two runs cannot share a swap "
+                                "directory: stop the other run or point nvme_path at another directory", d)
+
+    def _clean_stale(self, d: str) -> None:
+        """We hold the lock, so the manifest's owner is not running an engine here any more."""
+        for name in os.listdir(d):
+            if name.startswith(f".{MANIFEST_NAME}.tmp-"):
+                os.unlink(os.path.join(d, name))  # a manifest write cut short by a crash
+        m = read_manifest(d)
+        if m is None:
+            return
+        path = os.path.join(d, MANIFEST_NAME)
+        owner = Owner.from_dict(m.get("owner"))
+        alive = owner.alive() if owner is not None else None
+        if owner is None or alive is None:
+            who = owner.describe() if owner is not None else "an unknown owner"
+            raise SwapFileError(errno.EBUSY, f"swap files of {who} are here and this host cannot tell whether that "
+                                "run still uses them (its lock is free here); they were left alone: remove them "
+                                "and the manifest if that run is over, or use another nvme_path", path)
+        removed = []
+        for e in m["files"]:
+            name = e.get("name") if isinstance(e, dict) else None
+            if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".swp"):
+                raise SwapFileError(errno.EBADMSG, f"swap manifest lists an invalid file name {name!r}; nothing was "
+                                    "removed: use another nvme_path", path)
+            fp = os.path.join(d, name)
+            try:
+                size = os.stat(fp).st_size
+            except FileNotFoundError:
+                continue
+            want = int(e.get("nbytes", 0) or 0)
+            note = f"{_fmt(size)}" + (f", truncated: {_fmt(want)} listed" if size < want else "")
+            os.unlink(fp)
+            removed.append(f"{name} ({note})")
+            self.cleaned.append(fp)
+        os.unlink(path)
+        state = "has exited" if not alive else "no longer holds the lock"
+        log.warning("swap directory %s: removed the swap files of a run that ended without cleaning up "
+                    "(%s, which %s): %s", d, owner.describe(), state, ", ".join(removed) or "none left")
+
+    def _refuse_foreign(self, d: str) -> None:
+        for plan in self.plans.values():
+            if d in plan.dirs:
+                self._check_no_file(os.path.join(d, f"{plan.name}.swp"))
+
+    @staticmethod
+    def _check_no_file(path: str) -> None:
+        if os.path.lexists(path):
+            raise SwapFileError(errno.EEXIST, "a swap file is already there and no pyinfinity manifest claims it "
+                                "(another program's file, or left by a pyinfinity without manifests); it is "
+                                "neither used as data nor overwritten: remove it or use another nvme_path", path)
+
+    def check_free_space(self) -> None:
+        """ENOSPC naming the directory and the numbers when the swap files cannot fit, per
+        filesystem (directories on one filesystem add up), before anything is written."""
+        need: dict[int, list] = {}
+        for plan in self.plans.values():
+            if not plan.nbytes:
+                continue
+            for d in plan.dirs:
+                st = os.statvfs(d)
+                dev = os.stat(d).st_dev
+                entry = need.setdefault(dev, [d, st.f_bavail * st.f_frsize, 0, []])
+                entry[2] += plan.file_bytes()
+                entry[3].append(f"{plan.name} {_fmt(plan.file_bytes())} in {d}")
+        for d, free, n, parts in need.values():
+            if n > free:
+                raise OSError(errno.ENOSPC, f"not enough free space for the swap files: they need {_fmt(n)} "
+                              f"({', '.join(parts)}), the filesystem has {_fmt(free)} free: {_fmt(n - free)} "
+                              "missing; free space there, add another nvme_path, or keep more state in RAM "
+                              "(offload_param.max_in_cpu, offload_optimizer.ratio)", d)
+
+    # -- spaces and slots ------------------------------------------------------------------------
+    def open_space(self, name: str, dirs: Sequence[str], make: Callable[..., Any]) -> Any:
+        """Lists ``<dir>/<name>.swp`` in the manifests (before the files exist, so a crash leaves
+        them claimed), then ``make(grow_bytes=...)`` opens the SwapSpace; records the files' ids."""
+        dirs = [os.path.abspath(os.fspath(d)) for d in dirs]
+        missing = [d for d in dirs if d not in self._files]
+        if missing:
+            raise ValueError(f"dirs: {missing} are not swap directories owned by this engine ({self.dirs})")
+        with self._lock:
+            self._check_open()
+            entries = []
+            for i, d in enumerate(dirs):
+                self._check_no_file(os.path.join(d, f"{name}.swp"))
+                e = _FileEntry(name=f"{name}.swp", space=name, part=i, parts=len(dirs))
+                self._files[d].append(e)
+                entries.append((d, e))
+            for d in dirs:
+                self._write_manifest(d)
+        plan = self.plans.get(name)
+        space = make(grow_bytes=plan.grow_bytes()) if plan is not None and plan.nbytes else make()
+        with self._lock:
+            for d, e in entries:
+                st = os.stat(os.path.join(d, e.name))
+                e.dev, e.ino = st.st_dev, st.st_ino
+            for d in dirs:
+                self._write_manifest(d)
+        return space
+
+    def record(self, space: str, key: str, dtype: Any, shape: Sequence[int], slot: Any) -> None:
+        """Notes what a slot of ``space`` holds (written to the manifests at the next ``flush``)."""
+        with self._lock:
+            entries = [e for d in self.dirs for e in self._files[d] if e.space == space]
+            by_part = {e.part: e for e in entries}
+            for x in slot.extents:
+                e = by_part.get(x.file)
+                if e is None:
+                    continue
+                e.nbytes = max(e.nbytes, x.offset + x.nbytes)
+                e.slots.append({"key": key, "dtype": str(dtype).replace("torch.", ""), "shape": list(shape),
+                                "offset": x.offset, "nbytes": x.nbytes, "part": x.file})
+            self._dirty = True
+
+    def flush(self) -> None:
+        """Writes the manifests if slots were recorded since the last write."""
+        with self._lock:
+            if self._dirty and not self._state["released"]:
+                for d in self.dirs:
+                    self._write_manifest(d)
+                self._dirty = False
+
+    def _write_manifest(self, d: str) -> None:
+        m = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "owner": asdict(self.owner), "directory": d,
+             "updated": time.time(), "files": [asdict(e) for e in self._files[d]]}
+        _write_atomic(os.path.join(d, MANIFEST_NAME), json.dumps(m, separators=(",", ":")).encode())
+
+    def verify(self) -> None:
+        """Checks the swap files against the manifest: a truncated one raises SwapFileError (its
+        data is gone); a removed or replaced one is warned about once (the engine keeps reading
+        its open file, so nothing is lost). Also flushes pending manifest records."""
+        self.flush()
+        for d in self.dirs:
+            for e in self._files[d]:
+                if e.ino is None:
+                    continue
+                path = os.path.join(d, e.name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    st = None
+                if st is None or (st.st_dev, st.st_ino) != (e.dev, e.ino):
+                    if path not in self._warned:
+                        self._warned.add(path)
+                        log.warning("swap file %s was %s under the running engine; the engine keeps using its "
+                                    "open file (nothing is lost), but this run's swap files are no longer in %s",
+                                    path, "removed" if st is None else "replaced by another file", d)
+                    continue
+                if st.st_size < e.nbytes:
+                    raise SwapFileError(errno.EIO, f"swap file was truncated under the running engine: it has "
+                                        f"{st.st_size} bytes, its {len(e.slots)} slots need {e.nbytes}; the "
+                                        "training state in it is lost: resume from the last checkpoint", path)
+
+    # -- end -------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._state["released"]:
+            raise ValueError("SwapOwnership: used after release()")
+
+    @property
+    def released(self) -> bool:
+        return bool(self._state["released"])
+
+    def release(self) -> None:
+        """Removes the swap files listed, the manifests and the locks. Idempotent."""
+        with self._lock:
+            self._finalizer()
+
+    @staticmethod
+    def _release(state: dict) -> None:
+        if state["released"]:
+            return
+        state["released"] = True
+        for d in state["dirs"]:
+            if d not in state["fds"]:
+                continue  # never locked: nothing here is ours
+            for e in state["files"].get(d, []):
+                _unlink_quiet(os.path.join(d, e.name))
+            _unlink_quiet(os.path.join(d, MANIFEST_NAME))
+            _unlink_quiet(os.path.join(d, LOCK_NAME))  # safe: a waiter re-checks the inode after flock
+        for fd in state["fds"].values():
+            try:
+                os.close(fd)  # drops the flock
+            except OSError:
+                pass
+        state["fds"].clear()
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a read-only or vanished directory at exit: say so, do not raise
+        log.warning("could not remove %s: %s", path, exc)
+
+
+# ----------------------------------------------------------------------------------- engine helper
+
+
+def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
+    """The engine's start checks and claim, from its resolved ``pyinfinity.config.Config`` and the
+    model's ``ModelSizes``: the device and RAM budgets (``CapacityError`` saying how much is
+    missing and where), then the swap directories of every state class placed on NVMe (locked,
+    cleaned of a crashed run's files, checked for free space). An ownership with no directories
+    when nothing goes to NVMe."""
+    z = cfg.zero_optimization
+    op, oo = z.offload_param, z.offload_optimizer
+    itemsize = max(1, sizes.param_bytes // max(1, sizes.numel))
+    # the NVMe part of each state class (upper bounds: the RAM/NVMe split is per shard)
+    param_ram = {"none": 0, "cpu": sizes.param_bytes, "nvme": min(sizes.param_bytes, int(op.max_in_cpu) * itemsize)}[
+        op.device]
+    param_nvme = sizes.param_bytes - param_ram if op.device == "nvme" else 0
+    ratio = oo.ratio if oo.device == "nvme" else 0.0
+    optim_nvme = min(sizes.numel * 12, int(sizes.numel * 12 * ratio) + 6 * sizes.largest_shard_bytes) if ratio else 0
+    optim_ram = sizes.numel * 12 - int(sizes.numel * 12 * ratio)
+    grads = sizes.numel * 4
+    missing = []
+    host = cfg.pyinfinity.host_memory
+    ram_need = param_ram + optim_ram + grads
+    if isinstance(host, int) and ram_need > host:
+        missing.append(f"host RAM: {_fmt(ram_need)} (parameters {_fmt(param_ram)}, optimizer states "
+                       f"{_fmt(optim_ram)}, fp32 gradients {_fmt(grads)}) but pyinfinity.host_memory is "
+                       f"{_fmt(host)}: {_fmt(ram_need - host)} missing; put more on NVMe "
+                       "(offload_param/offload_optimizer device \"nvme\", offload_optimizer.ratio) or raise "
+                       "pyinfinity.host_memory")
+    dev = cfg.pyinfinity.device_memory
+    dev_need = sizes.param_bytes if op.device == "none" else max(sizes.largest_module_bytes, 1) + (
+        sizes.persistent_bytes if int(z.stage3_param_persistence_threshold) else 0)
+    if isinstance(dev, int) and dev_need > dev:
+        what = ("all parameters (offload_param.device \"none\")" if op.device == "none" else
+                f"the largest module's parameters {_fmt(sizes.largest_module_bytes)} + persistent shards "
+                f"{_fmt(sizes.persistent_bytes if int(z.stage3_param_persistence_threshold) else 0)}")
+        missing.append(f"device: at least {_fmt(dev_need)} ({what}) but pyinfinity.device_memory is {_fmt(dev)}: "
+                       f"{_fmt(dev_need - dev)} missing; raise pyinfinity.device_memory"
+                       + ("" if op.device != "none" else " or offload the parameters"))
+    if missing:
+        raise CapacityError("the model's training state does not fit: " + "; ".join(missing))
+    plans = []
+    if op.device == "nvme":
+        plans.append(SpacePlan("params", list(op.nvme_path), param_nvme, n_tensors))
+    if oo.device == "nvme":
+        plans.append(SpacePlan("optimizer", list(oo.nvme_path), optim_nvme, n_tensors))
+    dirs = [d for p in plans for d in p.dirs]
+    return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
+
+
+__all__ = ["SwapOwnership", "SpacePlan", "Owner", "CapacityError", "SwapDirBusyError", "SwapFileError",
+           "claim_swap_dirs", "read_manifest", "LOCK_NAME", "MANIFEST_NAME", "MANIFEST_VERSION"]
