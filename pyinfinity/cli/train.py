@@ -164,6 +164,7 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
             "stage3_param_persistence_threshold": "auto",
         },
         "pyinfinity": {"device": device, "device_memory": args.device_memory, "prefetch": not args.no_prefetch,
+                       "log_every": max(1, args.steps // 10),
                        "optimizer_step_device": args.optimizer_step},
     }
     if nvme:
@@ -201,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
     data = ByteBatches(stdlib_corpus(parse_size(args.corpus_bytes, "--corpus-bytes")), args.seq, args.batch,
                        args.seed)
     records = []
-    with pyinfinity.initialize(model, cfg) as engine:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with pyinfinity.initialize(model, cfg) as engine, logging_redirect_tqdm():
         engine.train()
         log.info("engine built in %.1fs", time.perf_counter() - t0)
         bar = tqdm(total=args.steps, unit="step", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
