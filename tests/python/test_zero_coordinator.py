@@ -143,13 +143,29 @@ def test_device_budget_holds_for_a_model_several_times_larger(tiny_lm, lm_batche
         assert eng.memory_report().device_peak == peak
 
 
-def test_too_small_budget_is_a_clear_error(tiny_lm, lm_batches, engine_config):
-    model = tiny_lm(layers=2, d=32)
-    cfg = engine_config("cpu", pyinfinity={"device": "cpu", "device_memory": 1024})
-    with pyinfinity.initialize(model, cfg) as eng:
-        (x, y), = lm_batches(1)
+class Nested(nn.Module):
+    """A module with its own parameter around a child with parameters: both resident at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(256))
+        self.inner = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return (self.inner(x).sum() * self.scale).sum()
+
+
+def test_too_small_budget_is_a_clear_error(tiny_lm, engine_config):
+    # smaller than the largest module: refused at start
+    with pytest.raises(ValueError, match="device_memory"):
+        pyinfinity.initialize(tiny_lm(layers=2, d=32), engine_config("cpu", pyinfinity={"device": "cpu",
+                                                                                       "device_memory": 1024}))
+    # each module fits, but a parent and its child together do not: the coordinator says so
+    budget = 256 * 4 + 100
+    with pyinfinity.initialize(Nested(), engine_config("cpu", pyinfinity={"device": "cpu",
+                                                                          "device_memory": budget})) as eng:
         with pytest.raises(DeviceBudgetError, match="device_memory"):
-            eng(x, y)
+            eng(torch.randn(2, 16))
 
 
 class TwiceAndExternal(nn.Module):
