@@ -88,16 +88,27 @@ class Rates:
                 f"matmul {self.matmul / 1e12:.3f} TFLOP/s, memcpy {self.memcpy / g:.2f} GB/s")
 
 
-def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Callable[[], None] = lambda: None) -> float:
+def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Callable[[], None] = lambda: None,
+                 min_seconds: float = 0.0) -> float:
+    """Median seconds of one ``fn()``; with ``min_seconds``, each repetition loops ``fn`` often enough
+    to last that long (a few-millisecond kernel timed alone is mostly scheduling noise)."""
     for _ in range(warmup):
         fn()
     sync()
-    times = []
-    for _ in range(reps):
+    inner = 1
+    if min_seconds > 0:
         t0 = time.perf_counter()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        one = max(time.perf_counter() - t0, 1e-7)
+        inner = max(1, min(1000, int(min_seconds / one) + 1))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
 
 
@@ -114,7 +125,7 @@ def measure_adam(numel: int = 2_000_000, reps: int = 5) -> float:
         torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999,
                             weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
 
-    return numel / _median_time(run, reps)
+    return numel / _median_time(run, reps, min_seconds=0.05)
 
 
 def measure_memcpy(nbytes: int = 64 << 20, reps: int = 5) -> float:
@@ -125,7 +136,7 @@ def measure_memcpy(nbytes: int = 64 << 20, reps: int = 5) -> float:
     a, b = aligned_empty(n, torch.float32), aligned_empty(n, torch.float32)
     a.fill_(1.0)
     b.fill_(0.0)
-    return nbytes / _median_time(lambda: b.copy_(a), reps)
+    return nbytes / _median_time(lambda: b.copy_(a), reps, min_seconds=0.05)
 
 
 def measure_matmul(device: Union[str, torch.device] = "cpu", m: int = 1024, k: int = 1024, n: int = 1024,
@@ -135,13 +146,7 @@ def measure_matmul(device: Union[str, torch.device] = "cpu", m: int = 1024, k: i
     a = torch.randn(m, k, device=dev).to(dtype)
     b = torch.randn(k, n, device=dev).to(dtype)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    inner = 10 if dev.type == "cuda" else 1
-
-    def run() -> None:
-        for _ in range(inner):
-            a @ b
-
-    return 2.0 * m * k * n * inner / _median_time(run, reps, warmup=2, sync=sync)
+    return 2.0 * m * k * n / _median_time(lambda: a @ b, reps, warmup=2, sync=sync, min_seconds=0.05)
 
 
 def measure_copies(device: Union[str, torch.device], nbytes: int = 256 << 20, reps: int = 5) -> tuple[float, float]:
