@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 
 O_DIRECT_ALIGNMENT = 512  # DeepSpeed's constant, for get_alignment()
 
+# Locked buffers are process-wide, as in DeepSpeed (one pin manager per process): a tensor from
+# any handle's new_cpu_locked_tensor is is_pinned() on every handle and can be freed through any.
+# base address -> (arena, slab, nbytes)
+_LOCKED: dict = {}
+_LOCKED_LOCK = threading.Lock()
+
 
 @dataclass
 class _Pending:
@@ -66,7 +72,6 @@ class AioHandle:
                                   queue_depth=self._queue_depth, threads=self._threads)
         self._lock = threading.Lock()
         self._pending: List[_Pending] = []
-        self._locked: dict = {}  # data_ptr -> (arena, slab) of new_cpu_locked_tensor
 
     # -- getters (DeepSpeed names) -----------------------------------------------------------
     def get_block_size(self) -> int:
@@ -225,28 +230,27 @@ class AioHandle:
         arena = PinnedArena(nbytes)
         slab = arena.allocate(nbytes)
         t = slab.tensor(dtype, (num_elem,))
-        with self._lock:
-            self._locked[t.data_ptr()] = (arena, slab, nbytes)
+        with _LOCKED_LOCK:
+            _LOCKED[t.data_ptr()] = (arena, slab, nbytes)
         return t
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
-        """Frees a tensor from new_cpu_locked_tensor; ValueError for any other tensor (or twice)."""
-        with self._lock:
-            entry = self._locked.pop(tensor.data_ptr(), None)
+        """Frees a tensor from any handle's new_cpu_locked_tensor; ValueError for any other
+        tensor (or a second free)."""
+        with _LOCKED_LOCK:
+            entry = _LOCKED.pop(tensor.data_ptr(), None)
         if entry is None:
-            raise ValueError("tensor: not allocated by this handle's new_cpu_locked_tensor (or freed twice)")
+            raise ValueError("tensor: not allocated by new_cpu_locked_tensor (or freed twice)")
         entry[1].free()
         return True
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
-        """True for torch-pinned tensors and tensors inside this handle's locked buffers."""
+        """True for torch-pinned tensors and tensors lying wholly inside a locked buffer."""
         if buffer.device.type != "cpu":
             return False
         if buffer.is_pinned():
             return True
-        ptr = buffer.data_ptr()
-        with self._lock:
-            for base, (_, _, n) in self._locked.items():
-                if base <= ptr < base + n:
-                    return True
-        return False
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        with _LOCKED_LOCK:
+            return any(base <= start and end <= base + n for base, (_, _, n) in _LOCKED.items())

@@ -123,17 +123,9 @@ def _record(write: bool, buffer: torch.Tensor, target: Any) -> None:
 
 
 # -- the handle DeepSpeed gets ---------------------------------------------------------------------
-# DeepSpeed 0.19 keeps locked buffers in one process-wide manager: a buffer from one handle's
-# new_cpu_locked_tensor is is_pinned() on every handle (the parameter swapper allocates with its
-# read handle and checks with its write handle). AioHandle tracks them per handle, so this
-# registry gives DeepSpeed its semantics: base address -> (nbytes, owning handle).
-_locked: Dict[int, Tuple[int, "DeepSpeedAioHandle"]] = {}
-_locked_lock = threading.Lock()
-
-
 class DeepSpeedAioHandle(AioHandle):
-    """``AioHandle`` as DeepSpeed's swappers use it: counts every read and write (see
-    :func:`stats`) and treats locked buffers as process-wide, as DeepSpeed's handle does."""
+    """``AioHandle`` as DeepSpeed's swappers use it, counting every read and write (see
+    :func:`stats`). Locked buffers are process-wide in AioHandle itself, as in DeepSpeed."""
 
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128, single_submit: bool = False,
                  overlap_events: bool = False, intra_op_parallelism: int = 1) -> None:
@@ -182,29 +174,6 @@ class DeepSpeedAioHandle(AioHandle):
         r = super().write(buffer, filename, validate, file_offset)
         _record(True, buffer, filename)
         return r
-
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
-        t = super().new_cpu_locked_tensor(num_elem, example_tensor)
-        with _locked_lock:
-            _locked[t.data_ptr()] = (t.numel() * t.element_size(), self)
-        return t
-
-    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
-        """Frees a locked tensor from any DeepSpeedAioHandle (DeepSpeed's manager is shared)."""
-        with _locked_lock:
-            entry = _locked.pop(tensor.data_ptr(), None)
-        owner = entry[1] if entry is not None else self
-        return AioHandle.free_cpu_locked_tensor(owner, tensor)
-
-    def is_pinned(self, buffer: torch.Tensor) -> bool:
-        if super().is_pinned(buffer):
-            return True
-        if buffer.device.type != "cpu":
-            return False
-        start = buffer.data_ptr()
-        end = start + buffer.numel() * buffer.element_size()
-        with _locked_lock:
-            return any(base <= start and end <= base + n for base, (n, _) in _locked.items())
 
 
 def _aio_read(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,

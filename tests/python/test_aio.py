@@ -53,8 +53,10 @@ def test_return_conventions(tmp_path):
     assert torch.equal(t, u)
     assert h.sync_pwrite(t, str(tmp_path / "c")) == 1
     assert h.pwrite(t, str(tmp_path / "d"), False, True) == 0
-    assert h.pread(u, str(tmp_path / "d"), False, True) == 0
+    assert h.pwrite(t, str(tmp_path / "d2"), False, True) == 0
     assert h.wait() == 2
+    assert h.pread(u, str(tmp_path / "d"), False, True) == 0  # (a read may not race its file's write)
+    assert h.wait() == 1
     assert h.pread(u, str(tmp_path / "d"), True, False) == 1  # validate
     assert h.read(u, str(tmp_path / "d"), True) == 0
     assert h.write(t, str(tmp_path / "e"), True) == 0
@@ -157,3 +159,16 @@ def test_cuda_tensors_are_staged(tmp_path):
     assert h.async_pread(u, str(tmp_path / "g")) == 0
     assert h.wait() == 1
     assert torch.equal(t, u)
+
+
+def test_locked_tensors_are_process_wide():
+    # DeepSpeed keeps one pin manager per process; its swappers allocate with one handle and
+    # check or free with another.
+    a, b = AioHandle(), AioHandle()
+    t = a.new_cpu_locked_tensor(1024, torch.empty(0))
+    assert b.is_pinned(t) and b.is_pinned(t[10:20])
+    whole = torch.empty(0).set_(t.untyped_storage(), 0, (1024,))
+    assert b.is_pinned(whole)
+    assert b.free_cpu_locked_tensor(t) is True
+    with pytest.raises(ValueError):
+        a.free_cpu_locked_tensor(t)

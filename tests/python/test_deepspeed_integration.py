@@ -505,7 +505,7 @@ def test_locked_buffers_are_process_wide_like_deepspeeds() -> None:
     t = a.new_cpu_locked_tensor(4096, torch.empty(0, dtype=torch.bfloat16))
     assert a.is_pinned(t) and b.is_pinned(t) and b.is_pinned(t[100:200])
     plain = AioHandle()
-    assert not plain.is_pinned(t)  # AioHandle alone: per handle (see the module docstring)
+    assert plain.is_pinned(t)  # process-wide in AioHandle itself, as in DeepSpeed
     assert not b.is_pinned(torch.empty(10))
     assert b.free_cpu_locked_tensor(t) is True  # freed through the other handle
     assert not a.is_pinned(t)
