@@ -10,6 +10,7 @@ are produced, and steps Adam/AdamW on fp32 master weights kept in RAM or on NVMe
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import logging
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_VERSION = 1
 ALIGN = 4096
 EXPORT_FILE_BYTES = 4 << 30  # safetensors file size cap of export (HF-style sharding above it)
+HISTORY_STEPS = 10_000  # telemetry records kept (a run of days must not grow without bound)
 
 
 # ----------------------------------------------------------------------------------- records
@@ -204,7 +206,7 @@ class Engine:
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
-        self.history: list[StepRecord] = []
+        self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
         if self.device.type == "cuda" and self.device_memory:
@@ -332,6 +334,9 @@ class Engine:
         """Backward of one micro-batch's loss (scaled for accumulation and fp16); gradients leave
         the device as they are produced."""
         self._check_open()
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise TypeError(f"loss: expected a tensor that requires grad (the output of engine(...) in train mode), "
+                            f"got {type(loss).__name__ if not isinstance(loss, torch.Tensor) else 'one without grad'}")
         self._losses.append(loss.detach())
         scaled = loss
         if self.config.fp16.enabled:
@@ -353,6 +358,9 @@ class Engine:
         schedule, zeroes the gradients and returns the step's telemetry."""
         self._check_open()
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and not self._losses:
+            raise RuntimeError("step(): no backward() since the last optimizer step; call engine.backward(loss) "
+                               "first (a step on zero gradients would still apply weight decay and momentum)")
         self.micro_steps += 1
         if not boundary:
             return None
@@ -494,7 +502,7 @@ class Engine:
             buf.copy_(flat)
             pending.append((io.write(buf, data_path, offset), buf))
             entries.append({"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step,
-                            "offset": offset, "nbytes": n})
+                            "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
             offset += -(-n // ALIGN) * ALIGN
         for sh in self.partition.shards:
             if self.optimizer.state_of(sh) is None:  # frozen: its values are the state
@@ -502,7 +510,7 @@ class Engine:
                 n = buf.numel() * buf.element_size()
                 pending.append((io.write(buf, data_path, offset), buf))
                 entries.append({"shard": sh.index, "kind": "param", "numel": sh.numel, "dtype": str(sh.dtype),
-                                "offset": offset, "nbytes": n})
+                                "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
                 offset += -(-n // ALIGN) * ALIGN
         for req, _ in pending:
             req.wait()
@@ -571,6 +579,10 @@ class Engine:
         need = max((e["offset"] + e["nbytes"] for e in meta["entries"]), default=0)
         if have < need:
             raise ValueError(f"checkpoint {path!r}: state.bin has {have} bytes, {need} expected (torn)")
+        try:  # read before anything is changed, so a torn file leaves the engine as it was
+            rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unpickling error means a torn file
+            raise ValueError(f"checkpoint {path!r}: rng.pt missing or torn ({exc})") from exc
         self.coordinator.release_all()
         io = self._io()
         shards = self.partition.shards
@@ -579,11 +591,13 @@ class Engine:
             if e["kind"] == "optim":
                 buf = aligned_empty(3 * sh.numel, torch.float32)
                 io.read(buf, data_path, e["offset"]).wait()
+                _check_entry(path, e, buf)
                 self.optimizer.load_shard_state(sh, buf, e["step"])
                 self._write_param(sh, buf[:sh.numel]).wait()
             else:
                 buf = aligned_empty(sh.numel, sh.dtype)
                 io.read(buf, data_path, e["offset"]).wait()
+                _check_entry(path, e, buf)
                 self.param_swapper.write(sh.home, buf).wait()
         self.global_steps, self.micro_steps = meta["global_steps"], meta["micro_steps"]
         self.scaler.load_state_dict(meta["scaler"])
@@ -591,7 +605,6 @@ class Engine:
             g["lr"] = lr
         if self.lr_scheduler is not None and meta["scheduler"] is not None:
             self.lr_scheduler.load_state_dict(meta["scheduler"])
-        rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
@@ -700,6 +713,21 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _crc32c(t: torch.Tensor) -> int:
+    from pyinfinity import _C
+
+    return int(_C.crc32c(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _check_entry(path: str, entry: dict, buf: torch.Tensor) -> None:
+    """A checkpoint entry read back must have the CRC-32C it was saved with (older ones have none)."""
+    want = entry.get("crc32c")
+    if want is not None and _crc32c(buf) != want:
+        raise ValueError(f"checkpoint {path!r}: state.bin bytes [{entry['offset']}, {entry['offset'] + entry['nbytes']})"
+                         f" (shard {entry['shard']}, {entry['kind']}) fail their checksum (torn or changed on disk); "
+                         "the engine's state is now partly loaded: load another checkpoint before training")
 
 
 def _fsync_path(path: str) -> None:
