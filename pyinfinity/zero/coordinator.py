@@ -34,6 +34,8 @@ from pyinfinity.zero.partition import FlatShard, ParamSlice, Partition, ShardSta
 log = logging.getLogger(__name__)
 
 LOOKAHEAD_ENTRIES = 512  # trace entries scanned per prefetch decision (bounds the cost per use)
+MAX_TRACE = 1 << 20  # uses recorded per iteration (a loop that never re-enters the root stops recording)
+MAX_EVENT_PAIRS = 8192  # CUDA event pairs kept between overlap() calls (eval loops never call it)
 
 
 class DeviceBudgetError(RuntimeError):
@@ -360,7 +362,8 @@ class ParameterCoordinator:
             return
         if sh.users > 0 or sh.backward_held:
             return
-        self._current.append(sh.index)
+        if len(self._current) < MAX_TRACE:
+            self._current.append(sh.index)
         if self._trace is not None and not self._diverged:
             if self._pos < len(self._trace) and self._trace[self._pos] == sh.index:
                 self._pos += 1
@@ -473,6 +476,8 @@ class ParameterCoordinator:
             sh.buffer.copy_(src, non_blocking=True)
             tr.end.record()
         self._transfer_events.append((tr.start, tr.end))
+        if len(self._transfer_events) > MAX_EVENT_PAIRS:
+            del self._transfer_events[:MAX_EVENT_PAIRS // 2]
         tr.copied = True
 
     def _advance_transfers(self) -> None:
@@ -505,6 +510,8 @@ class ParameterCoordinator:
             cur.wait_event(tr.end)
             b.record(cur)
             self._stall_events.append((a, b))
+            if len(self._stall_events) > MAX_EVENT_PAIRS:
+                del self._stall_events[:MAX_EVENT_PAIRS // 2]
             sh.buffer.record_stream(cur)
             if tr.staging is not None:  # keep the pinned staging alive until the copy ran
                 self._kept = [(e, t) for e, t in self._kept if not e.query()]
