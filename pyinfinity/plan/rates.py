@@ -207,7 +207,8 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
 def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
     """Figures found in a saved JSON: a rates file (all of them), ``bench io --json`` results (disk
     read/write: the best pyinfinity file figure; h2d/d2h when measured), or a ``tune`` output
-    (no rates, only the ``aio`` settings, returned second)."""
+    (today only the ``aio`` settings, returned second; a ``"rates"`` object beside them, in bytes/s,
+    is read too)."""
     try:
         with open(path) as f:
             d = json.load(f)
@@ -233,6 +234,10 @@ def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
                 continue
             best[key] = max(best.get(key, 0.0), gbps * 1e9)
         out = best
+    if isinstance(d.get("rates"), dict):  # a tune/bench output that carries its figures beside the config
+        out.update({k: float(v) for k, v in d["rates"].items()
+                    if k in ("h2d", "d2h", "disk_read", "disk_write", "disk_latency", "adam", "matmul", "memcpy")
+                    and isinstance(v, (int, float))})
     if not out and not aio:
         raise ValueError(f"rates file {path!r}: no rates and no aio section in it (expected a file from "
                          "`pyinfinity bench io --json`, `pyinfinity tune -o` or `pyinfinity plan --save-rates`)")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from pyinfinity.plan.budgets import Budgets, measure_budgets
-from pyinfinity.plan.placement import Fixed, Placement, TrainShape, evaluate, fmt, solve
+from pyinfinity.plan.placement import Fixed, Placement, TrainShape, evaluate, solve
 from pyinfinity.plan.rates import Rates, measure_rates
 from pyinfinity.plan.sizes import ModelSizes, model_sizes
 

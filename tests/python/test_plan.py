@@ -231,6 +231,8 @@ def test_rates_files(tmp_path):
     (tmp_path / "tune.json").write_text(json.dumps({"aio": {"block_size": 262144, "queue_depth": 8}}))
     got, aio = load_rates_file(str(tmp_path / "tune.json"))
     assert got == {} and aio["block_size"] == 262144
+    (tmp_path / "tune2.json").write_text(json.dumps({"aio": {"block_size": 1 << 20}, "rates": {"disk_read": 2e9}}))
+    assert load_rates_file(str(tmp_path / "tune2.json"))[0] == {"disk_read": 2e9}
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(ValueError, match="no rates"):
         load_rates_file(str(tmp_path / "junk.json"))

@@ -6,11 +6,9 @@ within 25% of the measured one. Numbers are printed (pytest -s) and kept in the 
 """
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
-import pytest
 import torch
 from torch import nn
 
