@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_VERSION = 1
 ALIGN = 4096
 EXPORT_FILE_BYTES = 4 << 30  # safetensors file size cap of export (HF-style sharding above it)
+CHECKPOINT_INFLIGHT = 1 << 30  # bytes of checkpoint copies in flight to the disk at most
 HISTORY_STEPS = 10_000  # telemetry records kept (a run of days must not grow without bound)
 
 
@@ -495,12 +496,20 @@ class Engine:
         os.makedirs(tmp)
         data_path = os.path.join(tmp, "state.bin")
         io = self._io()
-        entries, offset, pending = [], 0, []
+        entries, offset = [], 0
+        pending: collections.deque = collections.deque()  # (request, buffer), oldest first
+
+        def submit(buf: torch.Tensor, at: int) -> None:
+            # bounded: at most CHECKPOINT_INFLIGHT bytes of copies wait for the disk at once
+            pending.append((io.write(buf, data_path, at), buf))
+            while sum(b.numel() * b.element_size() for _, b in pending) > CHECKPOINT_INFLIGHT:
+                pending.popleft()[0].wait()
+
         for st, flat in self.optimizer.iter_states(write_back=False):
             n = flat.numel() * 4
             buf = aligned_empty(flat.numel(), torch.float32)
             buf.copy_(flat)
-            pending.append((io.write(buf, data_path, offset), buf))
+            submit(buf, offset)
             entries.append({"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step,
                             "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
             offset += -(-n // ALIGN) * ALIGN
@@ -508,7 +517,7 @@ class Engine:
             if self.optimizer.state_of(sh) is None:  # frozen: its values are the state
                 buf = self._shard_param_values(sh)
                 n = buf.numel() * buf.element_size()
-                pending.append((io.write(buf, data_path, offset), buf))
+                submit(buf, offset)
                 entries.append({"shard": sh.index, "kind": "param", "numel": sh.numel, "dtype": str(sh.dtype),
                                 "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
                 offset += -(-n // ALIGN) * ALIGN
