@@ -391,15 +391,17 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     # -- the optimizer step: norm + zeroing, RAM part, then the disk part pipelined
     host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy)  # the gradient norm reads them once
 
+    pageable = rates.h2d_pageable or rates.h2d  # gradients and write-back sources are pageable
+
     def adam_time(numel: int) -> float:
         if knobs.optimizer_step_device == "device" and cuda:
             # streamed: state + grad to the device, state back, one shard at a time (the copy back waits)
-            return _div(16 * numel, rates.h2d) + _div(12 * numel, rates.d2h)
+            return _div(12 * numel, rates.h2d) + _div(4 * numel, pageable) + _div(12 * numel, rates.d2h)
         return _div(numel, rates.adam)
 
     def cpu_time(seg: dict) -> float:
         return (adam_time(seg["adam"]) + _div(seg["cast"] * (4 + isz), 2 * rates.memcpy)
-                + _div(seg["param_ram"], rates.memcpy) + _div(seg["param_dev"], rates.h2d))
+                + _div(seg["param_ram"], rates.memcpy) + _div(seg["param_dev"], pageable))
 
     a = cpu_time(seg_a)
     b = cpu_time(seg_b)

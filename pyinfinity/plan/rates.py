@@ -48,6 +48,7 @@ class Rates:
     memcpy: float
     disk_latency: float = 0.0  # seconds per I/O piece, on top of bytes / rate
     block_size: int = 1 << 20  # the aio block size the disk figures were measured with
+    h2d_pageable: float = 0.0  # from pageable host memory (0: same as h2d); write-back to device homes
     device: str = "cpu"
     source: dict[str, str] = field(default_factory=dict)
 
@@ -63,7 +64,7 @@ class Rates:
     @classmethod
     def from_json(cls, d: dict) -> "Rates":
         keys = {k: d[k] for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
-                                  "disk_latency", "block_size", "device", "source") if k in d}
+                                  "disk_latency", "block_size", "h2d_pageable", "device", "source") if k in d}
         return cls(**keys)
 
     def pieces(self, nbytes: int) -> int:
@@ -149,18 +150,23 @@ def measure_matmul(device: Union[str, torch.device] = "cpu", m: int = 1024, k: i
     return 2.0 * m * k * n / _median_time(lambda: a @ b, reps, warmup=2, sync=sync, min_seconds=0.05)
 
 
-def measure_copies(device: Union[str, torch.device], nbytes: int = 256 << 20, reps: int = 5) -> tuple[float, float]:
-    """(h2d, d2h) bytes/s between pinned host memory and ``device``; memcpy on the CPU device."""
+def measure_copies(device: Union[str, torch.device], nbytes: int = 256 << 20,
+                   reps: int = 5) -> tuple[float, float, float]:
+    """(h2d, d2h, h2d from pageable memory) bytes/s between pinned host memory and ``device``;
+    memcpy on the CPU device."""
     dev = torch.device(device)
     if dev.type != "cuda":
         r = measure_memcpy(min(nbytes, 64 << 20), reps)
-        return r, r
+        return r, r, r
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
     h2d = nbytes / _median_time(lambda: gpu.copy_(host, non_blocking=True), reps, sync=sync)
     d2h = nbytes / _median_time(lambda: host.copy_(gpu, non_blocking=True), reps, sync=sync)
-    return h2d, d2h
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pageable.fill_(1)
+    h2d_pg = nbytes / _median_time(lambda: gpu.copy_(pageable), reps, sync=sync)
+    return h2d, d2h, h2d_pg
 
 
 def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
@@ -220,7 +226,7 @@ def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
     aio = dict(d.get("aio") or {})
     if d.get("schema") == SCHEMA:
         out = {k: float(d[k]) for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
-                                        "disk_latency")
+                                        "disk_latency", "h2d_pageable")
                if isinstance(d.get(k), (int, float))}
     elif isinstance(d.get("results"), list):
         best: dict[str, float] = {}
@@ -274,11 +280,12 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
         vals["memcpy"] = measure_memcpy((32 << 20) if quick else (256 << 20), reps)
     if "h2d" not in vals or "d2h" not in vals:
         if dev.type == "cuda":
-            h, d = measure_copies(dev, (64 << 20) if quick else (512 << 20), reps)
+            h, d, pg = measure_copies(dev, (64 << 20) if quick else (512 << 20), reps)
         else:
-            h = d = vals["memcpy"]
+            h = d = pg = vals["memcpy"]
         vals.setdefault("h2d", h)
         vals.setdefault("d2h", d)
+        vals.setdefault("h2d_pageable", pg)
     if "matmul" not in vals:
         m, k, n = matmul_shape
         vals["matmul"] = measure_matmul(dev, m, k, n, dtype, reps)
@@ -294,7 +301,7 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
         source.setdefault(k, "probe")
     rates = Rates(h2d=vals["h2d"], d2h=vals["d2h"], disk_read=vals["disk_read"], disk_write=vals["disk_write"],
                   adam=vals["adam"], matmul=vals["matmul"], memcpy=vals["memcpy"],
-                  disk_latency=vals.get("disk_latency", 0.0),
+                  disk_latency=vals.get("disk_latency", 0.0), h2d_pageable=vals.get("h2d_pageable", 0.0),
                   block_size=int(aio.get("block_size") or (1 << 20)), device=str(dev), source=source)
     log.info("rates: %s", rates.describe())
     if cache:
