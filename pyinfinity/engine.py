@@ -14,18 +14,17 @@ import collections
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
-from pyinfinity.config import (AUTO, Budgets, Config, ConfigError, ModelSizes, format_size, load_config,
+from pyinfinity.config import (AUTO, Config, ConfigError, ModelSizes, format_size, load_config,
                                measure_budgets, resolve_auto)
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from pyinfinity.config import FP16Config, OptimizerConfig
-from pyinfinity.swap.tensor_swapper import Done, SwapRecord, Tier, TensorSwapper, aligned_empty
+from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.partition import FlatShard, ParamSlice
 
 log = logging.getLogger(__name__)
