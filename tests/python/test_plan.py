@@ -154,9 +154,12 @@ def test_infeasible_plans_name_the_numbers_and_the_path():
         solve(sizes, train, _budgets(8 * 2**30, 6 * GB), GPU_RATES)
 
 
-def test_resolved_config_loads_and_the_engine_realises_a_fractional_plan(tiny_lm, lm_batches, tmp_path):
-    """A host budget that holds part of the optimizer state: the resolved config loads, every
-    "auto" is gone, and the engine puts exactly the planned bytes in RAM and on disk."""
+@pytest.mark.parametrize("device_memory, ram_per_param, params_split", [(4 << 20, 6, False), (400 << 10, 2, True)])
+def test_resolved_config_loads_and_the_engine_realises_a_fractional_plan(device_memory, ram_per_param, params_split,
+                                                                         tiny_lm, lm_batches, tmp_path):
+    """A host budget that holds part of the optimizer state (and, with a small device, part of the
+    parameters): the resolved config loads, every "auto" is gone, and the engine puts exactly the
+    planned bytes in RAM and on disk."""
     swap = str(tmp_path / "swap")
     model = tiny_lm(vocab=64, d=64, layers=6, tie=False)
     n = sum(p.numel() for p in model.parameters())
@@ -165,14 +168,15 @@ def test_resolved_config_loads_and_the_engine_realises_a_fractional_plan(tiny_lm
                                  "offload_optimizer": {"device": "auto", "nvme_path": swap},
                                  "stage3_prefetch_bucket_size": "auto", "stage3_max_live_parameters": "auto",
                                  "stage3_param_persistence_threshold": "auto"},
-           "pyinfinity": {"device": "cpu", "device_memory": "4MiB"}}
+           "pyinfinity": {"device": "cpu", "device_memory": device_memory}}
     rates = Rates(h2d=4e9, d2h=4e9, disk_read=1e9, disk_write=1e9, adam=3e8, matmul=5e10, memcpy=4e9)
-    budgets = Budgets(device_memory=4 << 20, host_memory=4 * n + 6 * n + (1 << 20), swap=swap_dirs([swap]),
-                      device_is_host=True)
+    budgets = Budgets(device_memory=device_memory, host_memory=4 * n + ram_per_param * n + (1 << 20),
+                      swap=swap_dirs([swap]), device_is_host=True)
     resolved, plan = resolve_auto(cfg, model, budgets, rates, seq_len=8)
     assert '"auto"' not in json.dumps(resolved)
     c = load_config(resolved)
     assert plan.optimizer.ram > 0 and plan.optimizer.disk > 0, plan.table()  # fractional
+    assert (plan.params.ram > 0 and plan.params.disk > 0) == params_split, plan.table()
     assert c.zero_optimization.offload_optimizer.device == "nvme" and 0 < c.zero_optimization.offload_optimizer.ratio < 1
     again = placement_of(resolved, model, budgets, rates, seq_len=8)  # the resolved config is the plan
     assert (again.params, again.optimizer) == (plan.params, plan.optimizer)
