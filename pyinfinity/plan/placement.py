@@ -203,6 +203,19 @@ class Placement:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def compare(self, step_seconds: Sequence[float], warmup: int = 2) -> str:
+        """Plan vs measured, for the end of a run: the median step after ``warmup`` steps against
+        the prediction, and the ratio."""
+        steady = list(step_seconds[warmup:]) or list(step_seconds)
+        if not steady:
+            return f"plan: predicted {self.predicted.total:.3f} s/step; no step measured"
+        steady.sort()
+        med = steady[len(steady) // 2] if len(steady) % 2 else 0.5 * (steady[len(steady) // 2 - 1]
+                                                                         + steady[len(steady) // 2])
+        return (f"plan: predicted {self.predicted.total:.3f} s/step (bound by {self.predicted.bottleneck}), "
+                f"measured {med:.3f} s/step (median of {len(steady)}), predicted/measured "
+                f"{self.predicted.total / med:.2f}")
+
 
 # --------------------------------------------------------------------------------- evaluation
 

@@ -177,6 +177,9 @@ def test_resolved_config_loads_and_the_engine_realises_a_fractional_plan(device_
     c = load_config(resolved)
     assert plan.optimizer.ram > 0 and plan.optimizer.disk > 0, plan.table()  # fractional
     assert (plan.params.ram > 0 and plan.params.disk > 0) == params_split, plan.table()
+    assert "predicted/measured" in plan.compare([9.0, 9.0, plan.predicted.total, plan.predicted.total * 3,
+                                                 plan.predicted.total]) and " 1.00" in plan.compare(
+        [9.0, 9.0, plan.predicted.total])
     assert c.zero_optimization.offload_optimizer.device == "nvme" and 0 < c.zero_optimization.offload_optimizer.ratio < 1
     again = placement_of(resolved, model, budgets, rates, seq_len=8)  # the resolved config is the plan
     assert (again.params, again.optimizer) == (plan.params, plan.optimizer)
