@@ -221,14 +221,20 @@ class Engine:
         optim_ram = sizes.numel * 12 * (1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
         self._ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
-        self.param_swapper = TensorSwapper("params", self.device, op.nvme_path,
-                                           self._swap_engine("params") if op.device == "nvme" else None,
-                                           pin=op.pin_memory, pinned_capacity=param_ram + (1 << 20),
-                                           checksums=cfg.pyinfinity.checksums, ownership=self._ownership)
-        self.optim_swapper = TensorSwapper("optimizer", self.device, oo.nvme_path,
-                                           self._swap_engine("optimizer") if oo.device == "nvme" else None,
-                                           pin=oo.pin_memory, pinned_capacity=int(optim_ram) + (1 << 20),
-                                           checksums=cfg.pyinfinity.checksums, ownership=self._ownership)
+        try:
+            self.param_swapper = TensorSwapper("params", self.device, op.nvme_path,
+                                               self._swap_engine("params") if op.device == "nvme" else None,
+                                               pin=op.pin_memory, pinned_capacity=param_ram + (1 << 20),
+                                               checksums=cfg.pyinfinity.checksums, ownership=self._ownership)
+            self.optim_swapper = TensorSwapper("optimizer", self.device, oo.nvme_path,
+                                               self._swap_engine("optimizer") if oo.device == "nvme" else None,
+                                               pin=oo.pin_memory, pinned_capacity=int(optim_ram) + (1 << 20),
+                                               checksums=cfg.pyinfinity.checksums, ownership=self._ownership)
+        except BaseException:  # e.g. pinned memory refused: give the swap directories back
+            for e in self._swap_engines.values():
+                e.close()
+            self._ownership.release()
+            raise
         self.optimizer = OffloadOptimizer(cfg.optimizer, self.optim_swapper,
                                           nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
                                           buffer_count=oo.buffer_count,
