@@ -94,6 +94,9 @@ class Lane {
     std::size_t done = 0;
     bool direct = false;
     char* bounce = nullptr;
+    // A read of an unaligned head/tail served by one O_DIRECT read of the aligned block that
+    // holds it (into the bounce buffer): no cold page-cache reads for odd-sized tensors.
+    bool widened = false;
   };
 
   struct Slot {
@@ -118,6 +121,7 @@ class Lane {
       p.done = 0;
       p.direct = s.direct;
       p.bounce = nullptr;
+      p.widened = !s.direct && !op->write && op->file->direct() && op->align <= bounce_bytes();
       op->cursor += s.len;
       op->inflight += 1;
       if (op->cursor == op->nbytes) {
@@ -129,9 +133,22 @@ class Lane {
     return false;
   }
 
+  std::size_t bounce_bytes() const { return std::max<std::size_t>(opts_.block_size, 65536); }
+
   IoRequest to_request(const Slot& s, std::uint64_t tag) const {
     const Piece& p = s.piece;
     IoRequest r;
+    if (p.widened) {
+      const std::size_t a = p.op->align;
+      const auto base = static_cast<std::int64_t>(static_cast<std::uint64_t>(p.off) & ~(a - 1));
+      r.fd = p.op->file->direct_fd();
+      r.buf = p.bounce;
+      r.nbytes = a;
+      r.offset = base;
+      r.write = false;
+      r.tag = tag;
+      return r;
+    }
     r.fd = p.direct ? p.op->file->direct_fd() : p.op->file->buffered_fd();
     r.buf = (p.bounce ? p.bounce : p.user) + p.done;
     r.nbytes = p.len - p.done;
@@ -194,7 +211,7 @@ class Lane {
     std::string s = std::string(p.op->write ? "write" : "read") + " of " +
                     std::to_string(p.len - p.done) + " bytes at offset " +
                     std::to_string(p.off + static_cast<std::int64_t>(p.done)) + " (" + backend_ +
-                    (p.direct ? ", O_DIRECT" : ", buffered") + ")";
+                    (p.direct || p.widened ? ", O_DIRECT" : ", buffered") + ")";
     if (res >= 0) s += ": transferred " + std::to_string(res) + " bytes";
     return s;
   }
@@ -240,11 +257,12 @@ class Lane {
         Slot& s = slots[idx];
         Piece& p = s.piece;
         const bool fresh = p.done == 0 && p.bounce == nullptr;
-        if (fresh && p.direct &&
-            (reinterpret_cast<std::uintptr_t>(p.user) & (p.op->file->memory_align() - 1)) != 0) {
+        const bool misaligned = p.direct && (reinterpret_cast<std::uintptr_t>(p.user) &
+                                             (p.op->file->memory_align() - 1)) != 0;
+        if (fresh && (misaligned || p.widened)) {
           if (!s.bounce_mem) {
             void* m = nullptr;
-            if (posix_memalign(&m, 4096, std::max<std::size_t>(opts_.block_size, 4096)) != 0) {
+            if (posix_memalign(&m, 4096, bounce_bytes()) != 0) {
               synthetic.push_back({idx, -ENOMEM});
               continue;
             }
@@ -263,15 +281,17 @@ class Lane {
           std::this_thread::sleep_for(std::chrono::milliseconds(f.value));
         } else if (f.action == FaultSpec::Action::short_io && r.nbytes > 1) {
           std::size_t half = r.nbytes / 2;
-          if (p.direct) half &= ~(p.op->align - 1);
+          if (p.direct || p.widened) half &= ~(p.op->align - 1);
           if (half == 0) {  // too small to halve aligned: go buffered for this piece
+            if (p.widened) p.bounce = nullptr;  // its bounce held the whole block; read exactly now
             p.direct = false;
+            p.widened = false;
             r = to_request(s, idx);
             half = r.nbytes / 2;
           }
           r.nbytes = half;
         }
-        engine_->count_piece(p.bounce != nullptr && p.done == 0, !p.direct, false, false);
+        engine_->count_piece(p.bounce != nullptr && p.done == 0, !p.direct && !p.widened, false, false);
         reqs.push_back(r);
       }
       staged.clear();
@@ -310,6 +330,23 @@ class Lane {
         if (res == -EAGAIN || res == -EINTR) {
           engine_->count_piece(false, false, true, false);
           staged.push_back(idx);
+          continue;
+        }
+        if (p.widened && res >= 0) {
+          const auto base = static_cast<std::uint64_t>(p.off) & ~(p.op->align - 1);
+          const std::size_t skip = static_cast<std::size_t>(static_cast<std::uint64_t>(p.off) - base);
+          if (static_cast<std::size_t>(res) >= skip + p.len) {
+            last_progress_ns_.store(now_ns());
+            std::memcpy(p.user, p.bounce + skip, p.len);
+            p.op->bytes_done.fetch_add(p.len);
+            finish_piece(s, 0, "");
+            free_slots.push_back(idx);
+          } else {  // came back short: read exactly the bytes asked for, buffered
+            p.widened = false;
+            p.bounce = nullptr;
+            engine_->count_piece(false, false, false, true);
+            staged.push_back(idx);
+          }
           continue;
         }
         if (res < 0) {

@@ -30,6 +30,6 @@ def test_soak_10k(tmp_path, backend):
     assert not r.errors, r.errors[:5]
     assert r.faults_injected == ops // 250
     assert r.failed_requests == r.faults_injected  # each fault surfaced, as exactly one failed request
-    assert r.fd_after == r.fd_before
+    assert r.fd_after <= r.fd_before  # no descriptor leaked
     assert r.rss_after_mib - r.rss_warm_mib < 48, (r.rss_warm_mib, r.rss_after_mib)
     assert r.bytes_verified > 100 * 2**20
