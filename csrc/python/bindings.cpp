@@ -134,17 +134,17 @@ PYBIND11_MODULE(_C, m) {
           "submit",
           [](SwapEngine& e, std::shared_ptr<FileHandle> file, std::uintptr_t ptr, std::size_t nbytes,
              std::int64_t offset, bool write, py::object keepalive, bool checksum,
-             std::vector<std::uint32_t> expected) {
+             std::vector<std::uint32_t> expected, bool pad_tail) {
             Request r = [&] {
               py::gil_scoped_release nogil;  // "auto" may probe the directory
               return e.submit(std::move(file), reinterpret_cast<void*>(ptr), nbytes, offset, write,
-                              checksum, std::move(expected));
+                              checksum, std::move(expected), pad_tail);
             }();
             return std::make_unique<PyRequest>(std::move(r), std::move(keepalive));
           },
           py::arg("file"), py::arg("ptr"), py::arg("nbytes"), py::arg("offset"), py::arg("write"),
           py::arg("keepalive") = py::none(), py::arg("checksum") = false,
-          py::arg("expected_checksums") = std::vector<std::uint32_t>{})
+          py::arg("expected_checksums") = std::vector<std::uint32_t>{}, py::arg("pad_tail") = false)
       .def("backend_for", &SwapEngine::backend_for, py::call_guard<py::gil_scoped_release>())
       .def("close", &SwapEngine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &SwapEngine::closed)

@@ -37,6 +37,9 @@ struct OpState {
   SwapEngine* engine = nullptr;
   // Integrity: a write computes one CRC-32C per kChecksumBlock; a read given `expected` checks.
   bool checksum = false;
+  // The caller owns the bytes up to the next alignment boundary after the transfer (a swap
+  // slot's reservation): an unaligned tail is written as one O_DIRECT block, zero-padded.
+  bool pad_tail = false;
   std::vector<std::uint32_t> expected;
   std::vector<std::uint32_t> checksums;
 
@@ -121,7 +124,10 @@ class Lane {
       p.done = 0;
       p.direct = s.direct;
       p.bounce = nullptr;
-      p.widened = !s.direct && !op->write && op->file->direct() && op->align <= bounce_bytes();
+      const bool aligned_start =
+          (static_cast<std::uint64_t>(p.off) & (op->align - 1)) == 0;
+      p.widened = !s.direct && op->file->direct() && op->align <= bounce_bytes() &&
+                  (!op->write || (op->pad_tail && aligned_start));
       op->cursor += s.len;
       op->inflight += 1;
       if (op->cursor == op->nbytes) {
@@ -145,7 +151,7 @@ class Lane {
       r.buf = p.bounce;
       r.nbytes = a;
       r.offset = base;
-      r.write = false;
+      r.write = p.op->write;
       r.tag = tag;
       return r;
     }
@@ -269,6 +275,7 @@ class Lane {
             s.bounce_mem = static_cast<char*>(m);
           }
           p.bounce = s.bounce_mem;
+          if (p.op->write && p.widened) std::memset(p.bounce + p.len, 0, p.op->align - p.len);
           if (p.op->write) std::memcpy(p.bounce, p.user, p.len);
         }
         FaultDecision f = faults.on_submit(p.op->write);
@@ -337,11 +344,11 @@ class Lane {
           const std::size_t skip = static_cast<std::size_t>(static_cast<std::uint64_t>(p.off) - base);
           if (static_cast<std::size_t>(res) >= skip + p.len) {
             last_progress_ns_.store(now_ns());
-            std::memcpy(p.user, p.bounce + skip, p.len);
+            if (!p.op->write) std::memcpy(p.user, p.bounce + skip, p.len);
             p.op->bytes_done.fetch_add(p.len);
             finish_piece(s, 0, "");
             free_slots.push_back(idx);
-          } else {  // came back short: read exactly the bytes asked for, buffered
+          } else {  // came back short: move exactly the bytes asked for, buffered
             p.widened = false;
             p.bounce = nullptr;
             engine_->count_piece(false, false, false, true);
@@ -494,7 +501,7 @@ std::string SwapEngine::backend_for(const FileHandle& file) {
 
 Request SwapEngine::submit(std::shared_ptr<FileHandle> file, void* buf, std::size_t nbytes,
                            std::int64_t offset, bool write, bool checksum,
-                           std::vector<std::uint32_t> expected) {
+                           std::vector<std::uint32_t> expected, bool pad_tail) {
   PYINF_EXPECT(!closed_.load(), "engine: used after close()");
   PYINF_EXPECT(file != nullptr, "file: must not be None");
   PYINF_EXPECT(!file->closed(), "file: used after close(): " + file->path());
@@ -525,6 +532,7 @@ Request SwapEngine::submit(std::shared_ptr<FileHandle> file, void* buf, std::siz
   op->offset = offset;
   op->write = write;
   op->checksum = checksum;
+  op->pad_tail = pad_tail;
   op->expected = std::move(expected);
   op->align = std::max<std::size_t>({op->file->offset_align(), static_cast<std::size_t>(::getpagesize())});
   op->lane = &ln;

@@ -76,12 +76,15 @@ class SwapEngine:
 
     def submit(self, tensor: torch.Tensor, file: FileLike, offset: int, write: bool,
                nbytes_: Optional[int] = None, byte_offset: int = 0, checksum: bool = False,
-               expected_checksums: Optional[Sequence[int]] = None) -> Request:
+               expected_checksums: Optional[Sequence[int]] = None, pad_tail: bool = False) -> Request:
         """Transfers `nbytes_` bytes (default: all) of `tensor`, starting `byte_offset` bytes in.
 
         checksum: compute a CRC-32C per 64 KiB (``Request.checksums()`` after ``wait()``), in the
         I/O thread. expected_checksums (reads): what a checksummed write returned; a mismatch
         fails the request with ``OSError(EBADMSG)`` naming the bytes and the file.
+        pad_tail (writes): the file bytes up to the next 4 KiB boundary after the transfer are the
+        caller's to overwrite (a swap slot's reservation), so an unaligned tail goes out as one
+        zero-padded O_DIRECT block rather than a buffered read-modify-write.
         """
         check_tensor(tensor)
         check_offset(offset)
@@ -91,7 +94,7 @@ class SwapEngine:
             raise ValueError(f"nbytes: range [{byte_offset}, {byte_offset + n}) outside the tensor's {total} bytes")
         fh = self._file(file, write)
         return self._core.submit(fh, tensor.data_ptr() + byte_offset, n, offset, write, tensor, checksum,
-                                 list(expected_checksums) if expected_checksums is not None else [])
+                                 list(expected_checksums) if expected_checksums is not None else [], pad_tail)
 
     def write(self, tensor: torch.Tensor, file: FileLike, offset: int = 0, checksum: bool = False) -> Request:
         """Writes all bytes of a contiguous CPU tensor to `file` at `offset` (creating the file)."""

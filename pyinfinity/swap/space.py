@@ -295,7 +295,8 @@ class SwapSpace:
         for i, e in enumerate(slot.extents):
             reqs.append(self.engine.submit(tensor, self._files[e.file], e.offset, write, e.nbytes, pos,
                                            checksum=self.checksums and write,
-                                           expected_checksums=expected[i] if expected else None))
+                                           expected_checksums=expected[i] if expected else None,
+                                           pad_tail=write))  # extents own their page-rounded reservation
             pos += e.nbytes
         on_done = None
         if self.checksums and write:

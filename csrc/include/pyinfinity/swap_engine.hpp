@@ -78,11 +78,13 @@ class SwapEngine {
 
   /// Starts a transfer of nbytes between buf and file at offset. buf must stay valid until the
   /// request is done. Bad arguments throw ArgumentError here; I/O failures surface at wait().
-  /// checksum: compute CRC-32Cs of the data (Request::checksums()). expected (reads): the
+  /// pad_tail (writes): the caller owns the file bytes up to the next alignment boundary, so an
+  /// unaligned tail may be written as one zero-padded O_DIRECT block instead of a buffered
+  /// read-modify-write. checksum: compute CRC-32Cs of the data (Request::checksums()). expected (reads): the
   /// checksums a write returned; a mismatch fails the request with EBADMSG naming the bytes.
   Request submit(std::shared_ptr<FileHandle> file, void* buf, std::size_t nbytes,
                  std::int64_t offset, bool write, bool checksum = false,
-                 std::vector<std::uint32_t> expected = {});
+                 std::vector<std::uint32_t> expected = {}, bool pad_tail = false);
   /// The backend this engine uses for file (resolving "auto" by probing its directory).
   std::string backend_for(const FileHandle& file);
   const EngineOptions& options() const noexcept { return opts_; }
