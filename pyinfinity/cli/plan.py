@@ -37,6 +37,9 @@ def add_parser(subparsers: Any) -> None:
                    help="measured rates: `pyinfinity bench io --json`, `pyinfinity tune -o` (aio settings "
                         "for the probe) or a file from --save-rates")
     p.add_argument("--save-rates", metavar="JSON", help="write the rates used here")
+    p.add_argument("--calibrate", choices=["auto", "on", "off"], default="auto",
+                   help="time the model built with 1 and 2 layers on the device (resident) to predict compute "
+                        "and activations instead of FLOPs / matmul rate (auto: on a GPU)")
     p.add_argument("--out", "-o", metavar="JSON", help="write the resolved config here (default: print it)")
     p.add_argument("--json", metavar="FILE", help="write the placement (and prediction) as JSON")
     p.add_argument("--measure", type=int, default=0, metavar="STEPS",
@@ -107,10 +110,25 @@ def run(args: argparse.Namespace) -> int:
         rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
                               aio=_aio_dict(cfg), matmul_shape=(min(tokens, 8192), m, m),
                               dtype=_compute_dtype(cfg) or __import__("torch").float32)
+        if not rates.shard_overhead:
+            rates.shard_overhead, rates.shard_step_overhead = measure_engine_overhead(dev)
+            rates.source["shard_overhead"] = rates.source["shard_step_overhead"] = "probe"
         if args.save_rates:
             rates.save(args.save_rates)
+        compute_s = acts = None
+        if args.calibrate == "on" or (args.calibrate == "auto" and dev.type == "cuda"):
+            from pyinfinity.plan.rates import measure_decoder_compute
+            from pyinfinity.plan.sizes import _load_config_dict, parse_dtype
+
+            compute_s, acts = measure_decoder_compute(
+                _load_config_dict(args.model), dev, cfg.train_micro_batch_size_per_gpu, args.seq_len,
+                parse_dtype(args.dtype), args.checkpointing)
+            acts = acts or None
+            print(f"calibrated: forward+backward {compute_s:.3f} s per micro-batch"
+                  + (f", activations {acts / 1e9:.2f} GB" if acts else ""), file=sys.stderr)
         resolved, placement = resolve_auto(cfg_dict, sizes, rates=rates, seq_len=args.seq_len,
-                                           checkpointing=args.checkpointing, fill_absent=True)
+                                           checkpointing=args.checkpointing, fill_absent=True,
+                                           compute_seconds=compute_s, activation_bytes=acts)
     except (ConfigError, PlanError, ValueError) as exc:
         print(f"pyinfinity plan: {exc}", file=sys.stderr)
         return 1
@@ -136,6 +154,40 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def measure_engine_overhead(device: Any, shards: int = 24, steps: int = 5) -> tuple[float, float]:
+    """(seconds per shard per forward+backward, per shard per optimizer step) of the engine's own
+    bookkeeping on ``device``: a chain of tiny linear layers (negligible compute), cpu tier."""
+    import statistics
+    import time
+
+    import torch
+
+    import pyinfinity
+
+    dev = torch.device(device)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(shards)])
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+                                 "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1 << 20},
+           "pyinfinity": {"device": str(dev), "device_memory": 64 << 20, "log_every": 1 << 30}}
+    x = torch.randn(4, 8, device=dev)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    fb, st = [], []
+    with pyinfinity.initialize(model, cfg) as eng:
+        for i in range(2 + steps):
+            sync()
+            t0 = time.perf_counter()
+            eng.backward(eng(x).square().mean())
+            sync()
+            t1 = time.perf_counter()
+            eng.step()
+            sync()
+            if i >= 2:
+                fb.append(t1 - t0)
+                st.append(time.perf_counter() - t1)
+    return statistics.median(fb) / shards, statistics.median(st) / shards
 
 
 def measure(resolved: dict, args: argparse.Namespace, predicted: float, steps: int) -> dict[str, Any]:

@@ -67,6 +67,7 @@ class TrainShape:
     grad_accum: int = 1
     checkpointing: bool = False
     activation_bytes: Optional[int] = None  # known figure (None: estimated from the model's shape)
+    compute_seconds: Optional[float] = None  # measured forward+backward of one micro-batch (None: FLOPs / matmul rate)
 
     @property
     def tokens(self) -> int:
@@ -375,7 +376,10 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     isz = sizes.itemsize
     train_numel = sizes.trainable_numel
     # -- one micro-batch
-    compute = sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
+    if train.compute_seconds is not None:
+        compute = train.compute_seconds
+    else:
+        compute = sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
     passes = FETCH_PASSES
     ram_copy = _div(passes * fetch_ram, rates.h2d)
     disk_read = passes * fetch_disk_s
@@ -385,7 +389,8 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     # bytes touched), later ones add to it (isz + 8)
     g = train.grad_accum
     touched = ((isz + 4) + (g - 1) * (isz + 8)) / g
-    accumulate = _div(train_numel * touched, 2 * rates.memcpy)
+    # host-thread work per micro-batch: accumulating gradients, and the engine's per-shard bookkeeping
+    accumulate = _div(train_numel * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
     overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
     latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
     if cuda:
@@ -403,6 +408,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         h2d_busy = ram_copy + accumulate
     # -- the optimizer step: norm + zeroing, RAM part, then the disk part pipelined
     host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy)  # the gradient norm reads them once
+    host += sum(sizes.shard_trainable) * rates.shard_step_overhead
 
     pageable = rates.h2d_pageable or rates.h2d  # gradients and write-back sources are pageable
 

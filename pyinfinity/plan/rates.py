@@ -49,6 +49,8 @@ class Rates:
     disk_latency: float = 0.0  # seconds per I/O piece, on top of bytes / rate
     block_size: int = 1 << 20  # the aio block size the disk figures were measured with
     h2d_pageable: float = 0.0  # from pageable host memory (0: same as h2d); write-back to device homes
+    shard_overhead: float = 0.0  # host seconds per shard per forward+backward (hooks, bookkeeping)
+    shard_step_overhead: float = 0.0  # host seconds per shard in the optimizer step
     device: str = "cpu"
     source: dict[str, str] = field(default_factory=dict)
 
@@ -64,7 +66,8 @@ class Rates:
     @classmethod
     def from_json(cls, d: dict) -> "Rates":
         keys = {k: d[k] for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
-                                  "disk_latency", "block_size", "h2d_pageable", "device", "source") if k in d}
+                                  "disk_latency", "block_size", "h2d_pageable", "shard_overhead",
+                                  "shard_step_overhead", "device", "source") if k in d}
         return cls(**keys)
 
     def pieces(self, nbytes: int) -> int:
@@ -207,6 +210,52 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
     return nbytes / (r - n * lat), nbytes / (w - n * lat), lat
 
 
+def measure_decoder_compute(model_config: dict, device: Union[str, torch.device], micro_batch: int, seq_len: int,
+                            dtype: torch.dtype = torch.bfloat16, checkpointing: bool = False,
+                            reps: int = 5) -> tuple[float, int]:
+    """Seconds of one micro-batch's forward + backward of a transformers decoder, and its activation
+    bytes, extrapolated from the same model built with 1 and 2 layers on ``device`` (resident, no
+    offload): t = t1 + (layers - 1) * (t2 - t1). Non-matmul work (norms, attention kernels, the
+    loss over the vocabulary) is in the figure, which FLOPs / matmul rate misses."""
+    import transformers
+
+    dev = torch.device(device)
+    layers = int(model_config["num_hidden_layers"])
+    cuda = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    out: list[tuple[float, int]] = []
+    for n in (1, 2):
+        d = {k: v for k, v in model_config.items() if k != "model_type"}
+        d["num_hidden_layers"] = n
+        cfg = transformers.AutoConfig.for_model(model_config.get("model_type", "llama"), **d)
+        cfg.use_cache = False
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(device=dev, dtype=dtype)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        x = torch.randint(0, int(cfg.vocab_size), (micro_batch, seq_len), device=dev)
+
+        def step() -> None:
+            model(input_ids=x, labels=x).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        t = _median_time(step, reps, warmup=2, sync=sync)
+        pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # above the weights: their gradients, then activations and temporaries
+        acts = max(0, torch.cuda.max_memory_allocated(dev) - base - pbytes) if cuda else 0
+        out.append((t, acts))
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    (t1, p1), (t2, p2) = out
+    per_layer = max(0.0, t2 - t1)
+    acts = max(0, p1 + (layers - 1) * max(0, p2 - p1)) if cuda else 0
+    return t1 + (layers - 1) * per_layer, acts
+
+
 # ----------------------------------------------------------------------------------- files
 
 
@@ -309,5 +358,5 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
     return rates
 
 
-__all__ = ["Rates", "measure_rates", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
+__all__ = ["Rates", "measure_rates", "measure_decoder_compute", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
            "measure_disk", "load_rates_file"]

@@ -167,7 +167,8 @@ def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, tra
 def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budgets] = None,
                  rates: Optional[Rates] = None, *, seq_len: Optional[int] = None, checkpointing: bool = False,
                  device: Optional[Union[str, torch.device]] = None, rates_file: Optional[str] = None,
-                 fill_absent: bool = False) -> tuple[dict, Placement]:
+                 fill_absent: bool = False, compute_seconds: Optional[float] = None,
+                 activation_bytes: Optional[int] = None) -> tuple[dict, Placement]:
     """Every ``"auto"`` of ``config_dict`` decided by the planner: returns (a new dict the config
     loader accepts, the Placement). ``model_or_sizes``: an nn.Module (possibly from
     ``init_empty``), a transformers config (dict or path) or ModelSizes. ``budgets``/``rates``
@@ -175,7 +176,9 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
     (the CLI's resolved config spells every knob out).
 
     The training shape comes from the config (micro-batch, accumulation, bf16/fp16) plus
-    ``seq_len`` (default 1024) and ``checkpointing``. Raises ConfigError for a bad config and
+    ``seq_len`` (default 1024) and ``checkpointing``; ``compute_seconds``/``activation_bytes`` are
+    measured figures of one micro-batch (``rates.measure_decoder_compute``) that replace the
+    estimates. Raises ConfigError for a bad config and
     PlanError (a ValueError) when no placement fits, with the numbers.
     """
     from pyinfinity.config import load_config
@@ -195,6 +198,7 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
                               dtype=_compute_dtype(cfg) or torch.float32, cache=True)
     fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
     train = _train_shape(cfg, seq_len, checkpointing)
+    train.compute_seconds, train.activation_bytes = compute_seconds, activation_bytes
     resolved_cfg, decisions, placement = plan_config(cfg, sizes, budgets, rates, train, owned, fixed)
     out = copy.deepcopy(config_dict)
     for d in decisions:

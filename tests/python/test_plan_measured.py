@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import pyinfinity
+from pyinfinity.cli.plan import measure_engine_overhead
 from pyinfinity.plan import Budgets, measure_rates, placement_of, resolve_auto
 from pyinfinity.plan.budgets import swap_dirs
 from pyinfinity.swap import fault_injection
@@ -112,6 +113,7 @@ def test_planner_beats_hand_configs_and_predicts_step_time(tmp_path):
     host = 4 * numel + 7 * numel + (16 << 20)
     with fault_injection(op="any", nth=1, action="stall", value=STALL_MS, count=0):
         rates = measure_rates("cpu", swap, aio=_base(swap)["aio"], matmul_shape=(TOKENS, D, D))
+    rates.shard_overhead, rates.shard_step_overhead = measure_engine_overhead("cpu")  # as `pyinfinity plan` does
     budgets = Budgets(device_memory=device_pool, host_memory=host, swap=swap_dirs([swap]), device_is_host=True)
     auto = _base(swap)
     z = auto["zero_optimization"]
