@@ -265,3 +265,18 @@ def test_cli_writes_a_config_the_loader_accepts(tmp_path, capsys):
     rc = main(["plan", "--model", str(tmp_path / "model.json"), "--gpu-memory", "8GiB", "--cpu-memory", "8GB",
                "--device", "cpu", "--rates", str(tmp_path / "rates.json"), "--out", str(tmp_path / "x.json")])
     assert rc == 1 and "give a swap directory" in capsys.readouterr().err
+
+
+def test_calibrated_compute_replaces_the_flops_estimate(tmp_path):
+    """The model built with 1 and 2 layers is timed; the plan's compute is that figure per micro-batch."""
+    from pyinfinity.plan.rates import measure_decoder_compute
+
+    seconds, acts = measure_decoder_compute(TINY_LLAMA, "cpu", micro_batch=1, seq_len=16, dtype=torch.float32, reps=2)
+    assert 0 < seconds < 10 and acts == 0  # activation bytes are only measured on a GPU
+    cfg = {"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 3, "offload_param": {"device": "auto"},
+                                                                    "offload_optimizer": {"device": "auto"}},
+           "pyinfinity": {"device": "cpu", "device_memory": "64MiB"}}
+    rates = Rates(h2d=4e9, d2h=4e9, disk_read=1e9, disk_write=1e9, adam=3e8, matmul=5e10, memcpy=4e9)
+    b = Budgets(device_memory=64 << 20, host_memory=1 << 30, device_is_host=True)
+    _, plan = resolve_auto(cfg, TINY_LLAMA, b, rates, seq_len=16, compute_seconds=seconds)
+    assert plan.predicted.compute == pytest.approx(3 * seconds)
