@@ -510,7 +510,6 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
             setattr(base, name, v)
     pdevs = [fixed.param_device] if fixed.param_device else (["none", "cpu", "nvme"] if have_disk else ["none", "cpu"])
     odevs = [fixed.optimizer_device] if fixed.optimizer_device else (["cpu", "nvme"] if have_disk else ["cpu"])
-    numel = sizes.numel
     if fixed.optimizer_step_device:
         steps_on = [fixed.optimizer_step_device]
     else:
@@ -522,6 +521,7 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
 
 def _tier_candidates(base: Knobs, sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates,
                      fixed: Fixed, pdevs: list, odevs: list, steps: int) -> Iterable[Knobs]:
+    """Parameter tier x parameter RAM share x optimizer tier (its RAM share: all the RAM left, or none)."""
     numel = sizes.numel
     for pd in pdevs:
         if pd == "nvme" and fixed.max_in_cpu is None:
