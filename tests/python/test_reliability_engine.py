@@ -126,6 +126,51 @@ def test_second_run_is_refused_then_a_crashed_runs_files_are_cleaned(tiny_lm, en
     assert _listing(swap) == []
 
 
+_FORKER = textwrap.dedent("""
+    import os, sys, time, torch, pyinfinity
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    swap = sys.argv[1]
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap}},
+           "pyinfinity": {"device": "cpu"}}
+    eng = pyinfinity.initialize(m, cfg)
+    child = os.fork()  # like a DataLoader worker: inherits the lock's open file
+    if child == 0:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)  # let the test's pipes close
+        os.dup2(null, 2)
+        time.sleep(120)
+        os._exit(0)
+    print(child, flush=True)
+    os._exit(0)  # the owner dies without cleaning up; its child lives on
+""")
+
+
+def test_a_lock_inherited_by_a_forked_child_is_explained(tiny_lm, engine_config, tmp_path):
+    swap = tmp_path / "swap"
+    out = subprocess.run([sys.executable, "-c", _FORKER, str(swap)], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    child = int(out.stdout.split()[0])
+    try:
+        owner = read_manifest(str(swap))["owner"]["pid"]
+        with pytest.raises(SwapDirBusyError) as ei:
+            pyinfinity.initialize(tiny_lm(), engine_config("nvme"))
+        msg = str(ei.value)
+        assert f"pid {owner}" in msg and "has exited" in msg and "DataLoader worker" in msg, msg
+    finally:
+        os.kill(child, signal.SIGKILL)
+    for _ in range(200):  # the child is reparented; wait until the kernel dropped its lock
+        try:
+            with pyinfinity.initialize(tiny_lm(), engine_config("nvme")):
+                break
+        except SwapDirBusyError:
+            import time
+            time.sleep(0.05)
+    else:
+        pytest.fail("the lock was not released after its last holder died")
+    assert _listing(swap) == []
+
+
 def test_a_foreign_swap_file_is_refused_and_left_intact(tiny_lm, engine_config, tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
