@@ -26,7 +26,7 @@ from torch import nn
 
 from pyinfinity.config import (AUTO, Config, ConfigError, ModelSizes, format_size, load_config,
                                measure_budgets, resolve_auto)
-from pyinfinity.swap.ownership import claim_swap_dirs
+from pyinfinity.swap.ownership import claim_swap_dirs, clean_checkpoint_leftovers
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.lr_schedules import build_scheduler
@@ -495,6 +495,7 @@ class Engine:
         self.coordinator.release_all()
         tag = tag or f"global_step{self.global_steps}"
         os.makedirs(save_dir, exist_ok=True)
+        clean_checkpoint_leftovers(save_dir)  # of a save a crash cut short
         final = os.path.join(save_dir, tag)
         tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -569,6 +570,7 @@ class Engine:
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
         """Restores a state written by ``save_checkpoint``; returns (path, client_state)."""
         self._check_open()
+        clean_checkpoint_leftovers(load_dir)  # puts back a tag a crash left renamed away
         if tag is None:
             try:
                 with open(os.path.join(load_dir, "latest")) as f:

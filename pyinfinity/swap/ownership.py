@@ -25,6 +25,8 @@ import fcntl
 import json
 import logging
 import os
+import re
+import shutil
 import socket
 import sys
 import threading
@@ -496,6 +498,47 @@ def _unlink_quiet(path: str) -> None:
         log.warning("could not remove %s: %s", path, exc)
 
 
+# ----------------------------------------------------------------------------------- checkpoints
+
+_TMP_RE = re.compile(r"^\.(?P<tag>.+)\.tmp-(?P<pid>\d+)$")
+_OLD_RE = re.compile(r"^(?P<tag>.+)\.old-(?P<pid>\d+)$")
+
+
+def _pid_running(pid: int) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def clean_checkpoint_leftovers(save_dir: str) -> list[str]:
+    """What a save cut short by a crash left in ``save_dir`` (by a process no longer running on
+    this host): ``.<tag>.tmp-<pid>`` (a half-written checkpoint, never named by ``latest``) is
+    removed; ``<tag>.old-<pid>`` (the previous copy of a tag being replaced) is put back when the
+    new one never got its name, removed otherwise. Returns what it did, each also logged."""
+    done = []
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return done
+    for name in names:
+        m = _TMP_RE.match(name) or _OLD_RE.match(name)
+        if m is None or int(m["pid"]) == os.getpid() or _pid_running(int(m["pid"])):
+            continue
+        path = os.path.join(save_dir, name)
+        final = os.path.join(save_dir, m["tag"])
+        if m.re is _OLD_RE and not os.path.exists(final):
+            os.rename(path, final)
+            done.append(f"restored {final} from {name}")
+        else:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _unlink_quiet(path)
+            done.append(f"removed {path}")
+    for what in done:
+        log.warning("checkpoint directory %s: a save of a process that is gone was cut short: %s", save_dir, what)
+    return done
+
+
 # ----------------------------------------------------------------------------------- engine helper
 
 
@@ -547,4 +590,4 @@ def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
 
 
 __all__ = ["SwapOwnership", "SpacePlan", "Owner", "CapacityError", "SwapDirBusyError", "SwapFileError",
-           "claim_swap_dirs", "read_manifest", "LOCK_NAME", "MANIFEST_NAME", "MANIFEST_VERSION"]
+           "claim_swap_dirs", "clean_checkpoint_leftovers", "read_manifest", "LOCK_NAME", "MANIFEST_NAME", "MANIFEST_VERSION"]

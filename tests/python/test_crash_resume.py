@@ -160,9 +160,46 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_checkpoint(referenc
     assert (ckpt / "latest").read_text() == "global_step2"  # never points at a half-written checkpoint
     half = [n for n in os.listdir(ckpt) if n.startswith(".global_step4.tmp-")]
     assert half and not (ckpt / "global_step4").exists()
-    lines, _ = _run(_cmd(swap, ckpt, resume=1))
+    lines, err = _run(_cmd(swap, ckpt, resume=1))
     assert lines[0] == "start 2"
     assert _losses(lines) == {i: reference[i] for i in range(3, STEPS + 1)}
+    assert not [n for n in os.listdir(ckpt) if ".tmp-" in n]  # the next save removed the torn one
+    assert f"removed {ckpt / half[0]}" in err, err
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_a_checkpoint_renamed_away_by_a_crash_is_put_back(tiny_lm, lm_batches, engine_config, tmp_path):
+    """A crash between save_checkpoint's two renames (old copy moved aside, new one not yet in
+    place) leaves the tag only as ``<tag>.old-<pid>``: the next load puts it back and loads it."""
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(4)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        for x, y in batches[:2]:
+            eng.backward(eng(x, y))
+            eng.step()
+        path = eng.save_checkpoint(str(ckpt), tag="mine")
+        want = []
+        for x, y in batches[2:]:
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            want.append(loss.item())
+    os.rename(path, f"{path}.old-{_dead_pid()}")
+    with pyinfinity.initialize(tiny_lm(seed=5), engine_config("nvme")) as eng:
+        eng.load_checkpoint(str(ckpt))
+        assert eng.global_steps == 2 and os.path.isdir(path)
+        got = []
+        for x, y in batches[2:]:
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            got.append(loss.item())
+    assert got == want
 
 
 # ----------------------------------------------------------------------------------- torn files
