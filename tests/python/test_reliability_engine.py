@@ -171,6 +171,29 @@ def test_a_lock_inherited_by_a_forked_child_is_explained(tiny_lm, engine_config,
     assert _listing(swap) == []
 
 
+def test_owner_liveness_tells_dead_zombie_reused_and_foreign_owners_apart():
+    from pyinfinity.swap.ownership import Owner
+
+    me = Owner.current()
+    assert me.alive() is True
+    init = Owner.from_dict({**me.__dict__, "pid": 1})
+    assert init.alive() is False  # pid 1 runs, but not since our start time: a reused pid
+    assert Owner.from_dict({**me.__dict__, "boot_id": "another-boot"}).alive() is False
+    assert Owner.from_dict({**me.__dict__, "host": "another-host"}).alive() is None  # cannot tell
+    zombie = subprocess.Popen(["true"])
+    try:
+        for _ in range(200):  # exited, not yet reaped
+            with open(f"/proc/{zombie.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            import time
+            time.sleep(0.01)
+        assert Owner.from_dict({**me.__dict__, "pid": zombie.pid, "proc_start": None}).alive() is False
+    finally:
+        zombie.wait()
+    assert Owner.from_dict({**me.__dict__, "pid": zombie.pid, "proc_start": None}).alive() is False
+
+
 def test_a_foreign_swap_file_is_refused_and_left_intact(tiny_lm, engine_config, tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -431,3 +454,16 @@ def test_interpreter_exit_without_close_leaves_the_directory_empty(how, tmp_path
     assert out.returncode == (0 if how == "normal" else 1), out.stderr
     assert out.stdout.split() == ["2"]
     assert _listing(swap) == []  # swap files, manifest and lock
+
+
+@pytest.mark.parametrize("section, value, key, hint", [
+    ("pyinfinity", {"device": "cpu", "checksum": True}, "pyinfinity.checksum", "'checksums'"),
+    ("pyinfinity", {"device": "cpu", "checksums": "yes"}, "pyinfinity.checksums", "true or false"),
+])
+def test_config_typos_fail_before_the_swap_directory_is_touched(section, value, key, hint, tiny_lm, engine_config,
+                                                                  tmp_path):
+    cfg = engine_config("nvme", **{section: value})
+    with pytest.raises(ConfigError) as ei:
+        pyinfinity.initialize(tiny_lm(), cfg)
+    assert key in str(ei.value) and hint in str(ei.value), str(ei.value)
+    assert not (tmp_path / "swap").exists() or _listing(tmp_path / "swap") == []
