@@ -467,3 +467,16 @@ def test_config_typos_fail_before_the_swap_directory_is_touched(section, value, 
         pyinfinity.initialize(tiny_lm(), cfg)
     assert key in str(ei.value) and hint in str(ei.value), str(ei.value)
     assert not (tmp_path / "swap").exists() or _listing(tmp_path / "swap") == []
+
+
+def test_checksums_change_nothing_but_the_verification(tiny_lm, lm_batches, engine_config):
+    batches = lm_batches(4)
+    losses = {}
+    for on in (False, True):
+        cfg = engine_config("nvme", gradient_accumulation_steps=2,
+                            pyinfinity={"device": "cpu", "device_memory": "64MiB", "checksums": on})
+        with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+            assert eng.param_swapper.space.checksums is on and eng.optim_swapper.space.checksums is on
+            _train(eng, batches)
+            losses[on] = [r.loss for r in eng.history]
+    assert len(losses[True]) == 2 and losses[True] == losses[False]
