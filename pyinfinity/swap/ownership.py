@@ -233,7 +233,8 @@ class SwapOwnership:
         self._dirty = False
         self._warned: set[str] = set()
         self.cleaned: list[str] = []  # stale files removed at start (for callers and tests)
-        self._state = {"fds": self._lock_fds, "files": self._files, "dirs": self.dirs, "released": False}
+        self._state = {"fds": self._lock_fds, "files": self._files, "dirs": self.dirs, "released": False,
+                       "manifests": set()}  # dirs whose manifest is ours (never remove another's)
         self._finalizer = weakref.finalize(self, SwapOwnership._release, self._state)
 
     # -- start ---------------------------------------------------------------------------------
@@ -428,6 +429,7 @@ class SwapOwnership:
         m = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "owner": asdict(self.owner), "directory": d,
              "updated": time.time(), "files": [asdict(e) for e in self._files[d]]}
         _write_atomic(os.path.join(d, MANIFEST_NAME), json.dumps(m, separators=(",", ":")).encode())
+        self._state["manifests"].add(d)
 
     def verify(self) -> None:
         """Checks the swap files against the manifest: a truncated one raises SwapFileError (its
@@ -479,7 +481,8 @@ class SwapOwnership:
                 continue  # never locked: nothing here is ours
             for e in state["files"].get(d, []):
                 _unlink_quiet(os.path.join(d, e.name))
-            _unlink_quiet(os.path.join(d, MANIFEST_NAME))
+            if d in state["manifests"]:
+                _unlink_quiet(os.path.join(d, MANIFEST_NAME))
             _unlink_quiet(os.path.join(d, LOCK_NAME))  # safe: a waiter re-checks the inode after flock
         for fd in state["fds"].values():
             try:

@@ -228,8 +228,9 @@ def test_a_manifest_that_is_not_ours_to_clean_is_reported(kind, tiny_lm, engine_
     want = {"other_host": "another-host", "newer_version": "newer", "torn": "cannot be read",
             "bad_name": "invalid file name"}[kind]
     assert want in str(ei.value)
-    assert (swap / "params.swp").read_bytes() == b"x" * 4096  # left alone
-    assert LOCK_NAME not in os.listdir(swap)
+    assert (swap / "params.swp").read_bytes() == b"x" * 4096  # left alone, and its manifest too
+    assert (swap / MANIFEST_NAME).read_text() == (text[:len(text) // 2] if kind == "torn" else text)
+    assert _listing(swap) == sorted(["params.swp", MANIFEST_NAME])  # lock given back
 
 
 def test_swap_file_truncated_or_changed_under_a_running_engine(tiny_lm, lm_batches, engine_config):
