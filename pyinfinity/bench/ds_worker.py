@@ -35,15 +35,37 @@ def _load_op(allow_build: bool) -> tuple[Any, str]:
         prebuilt = bool(installed_ops.get("async_io"))
     except ImportError:
         prebuilt = False
-    if not prebuilt:
-        cached = os.path.exists(_jit_library(builder.name))
-        if not cached:
+    if not prebuilt and not allow_build:
+        # Load the library torch's JIT builder left behind, as it is: builder.load() would
+        # recompile it (minutes) whenever the sources' paths differ, e.g. from another venv.
+        path = _jit_library(builder.name)
+        if not os.path.exists(path):
             if not builder.is_compatible(verbose=False):
                 raise RuntimeError("DeepSpeed's async_io op cannot be built here: libaio headers "
                                    "missing (apt-get install libaio-dev)")
-            if not allow_build:
-                raise RuntimeError("DeepSpeed's async_io op is not built; pass --deepspeed-build to "
-                                   "JIT-compile it (minutes), or install deepspeed with DS_BUILD_AIO=1")
+            raise RuntimeError("DeepSpeed's async_io op is not built; pass --deepspeed-build to "
+                               "JIT-compile it (minutes), or install deepspeed with DS_BUILD_AIO=1")
+        import importlib.util
+
+        import ctypes
+
+        import torch  # noqa: F401 - the op links against libtorch
+
+        # async_io resolves symbols of DeepSpeed's pin_memory op, which its builder loads first.
+        pin = _jit_library("pin_memory")
+        if os.path.exists(pin):
+            ctypes.CDLL(pin, mode=ctypes.RTLD_GLOBAL)
+        spec = importlib.util.spec_from_file_location(builder.name, path)
+        mod = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(mod)
+        except ImportError as exc:
+            raise RuntimeError(f"DeepSpeed's cached async_io op at {path} does not load ({exc}); "
+                               "pass --deepspeed-build to rebuild it") from None
+        return mod, version
+    if not prebuilt and not builder.is_compatible(verbose=False):
+        raise RuntimeError("DeepSpeed's async_io op cannot be built here: libaio headers "
+                           "missing (apt-get install libaio-dev)")
     return builder.load(verbose=False), version
 
 

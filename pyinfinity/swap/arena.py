@@ -71,8 +71,11 @@ class PinnedArena:
             # context exists; make sure it does before the memory is registered.
             torch.cuda.init()
         self._core = _C.PinnedArena(capacity, lock)
-        if self._core.lock_note:
-            log.info("PinnedArena(%d bytes): %s", capacity, self._core.lock_note)
+        note = self._core.lock_note.strip().rstrip(";")
+        if note:
+            # Falling back to mlock is the normal case without a GPU; unlocked memory is worth a word.
+            log.log(logging.WARNING if self.locked_by == "none" else logging.DEBUG,
+                    "PinnedArena(%d bytes) locked by %s: %s", capacity, self.locked_by, note)
 
     @property
     def locked_by(self) -> str:

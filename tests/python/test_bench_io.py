@@ -33,7 +33,7 @@ def quick_run(tmp_path_factory):
     js, png = out / "r.json", out / "r.png"
     proc = subprocess.run(
         [sys.executable, "-m", "pyinfinity", "bench", "--quick", str(d / "data"),
-         "--json", str(js), "--plot", str(png), "--no-progress"],
+         "--json", str(js), "--plot", str(png), "--no-progress", "--peers", "fio,dd"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, js, png, d / "data"
 
