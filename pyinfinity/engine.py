@@ -24,8 +24,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from pyinfinity.config import (AUTO, Config, ConfigError, ModelSizes, format_size, load_config,
-                               measure_budgets, resolve_auto)
+from pyinfinity.config import AUTO, Config, ConfigError, ModelSizes, format_size, load_config
 from pyinfinity.swap.ownership import claim_swap_dirs, clean_checkpoint_leftovers
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.coordinator import ParameterCoordinator
@@ -195,8 +194,10 @@ class Engine:
         z = cfg.zero_optimization
         fp16, bf16 = cfg.fp16.enabled, cfg.bf16.enabled
         sizes = _model_sizes(model, fp16, bf16, z.stage3_param_persistence_threshold)
-        budgets = measure_budgets(cfg, self.device)
-        cfg, decisions = resolve_auto(cfg, sizes, budgets)
+        # every "auto" decided by the planner (placement, sizes, budgets), logged below
+        from pyinfinity.plan import plan_engine_config
+
+        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device)
         for d in decisions:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
         self.config = cfg
@@ -715,6 +716,9 @@ class Engine:
         if self._closed and not hasattr(self, "_finalizer"):
             return
         self._closed = True
+        plan, history = self.__dict__.get("plan"), self.__dict__.get("history")
+        if plan is not None and history:
+            log.info("%s", plan.compare([r.seconds for r in history]))  # the plan against the run
         coord = self.__dict__.get("coordinator")
         if coord is not None:
             try:
