@@ -218,7 +218,7 @@ class Engine:
         # the swap layer: one engine per state class so I/O time can be told apart
         self._swap_engines: dict[str, Any] = {}
         op, oo = z.offload_param, z.offload_optimizer
-        param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * 4)
+        param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * max(1, sizes.param_bytes // max(1, sizes.numel)))
         optim_ram = sizes.numel * 12 * (1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
         self._ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
