@@ -324,7 +324,11 @@ class ParameterCoordinator:
             sh.prefetched = False
             if not sh.persistent and sh.state != ShardState.RELEASED:
                 if sh.state == ShardState.INFLIGHT:
-                    self._complete(sh)
+                    try:
+                        self._complete(sh)
+                    except (OSError, ValueError) as exc:  # its data is being dropped anyway
+                        log.warning("shard %d: dropping a failed fetch: %s", sh.index, exc)
+                        continue
                 self._evict(sh)
 
     def refresh_persistent(self) -> None:
@@ -497,10 +501,17 @@ class ParameterCoordinator:
             self._start_fetch(sh, demand=True)
         tr = self._transfers.pop(sh.index)
         t0 = time.perf_counter()
-        if tr.io is not None:
-            tr.io.wait()
-        if not tr.copied:
-            self._h2d(tr, sh, tr.staging)
+        try:
+            if tr.io is not None:
+                tr.io.wait()
+            if not tr.copied:
+                self._h2d(tr, sh, tr.staging)
+        except BaseException:
+            # the read failed: give the buffer back so the engine stays usable (e.g. to load a
+            # checkpoint), then let the caller see the error
+            sh.state = ShardState.RESIDENT
+            self._evict(sh, count=False)
+            raise
         self.stats.fetch_wait_seconds += time.perf_counter() - t0
         if self._cuda and tr.end is not None:
             cur = torch.cuda.current_stream(self.device)

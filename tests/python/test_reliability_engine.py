@@ -414,9 +414,6 @@ def test_every_training_entry_point_refuses_use_after_close(tiny_lm, lm_batches,
     assert _listing(tmp_path / "swap") == []
 
 
-@pytest.mark.xfail(strict=True, raises=(KeyError, OSError),
-                   reason="zero/coordinator.py: a failed read leaves its shard in flight with no transfer, so "
-                          "release_all() (load_checkpoint, close) raises KeyError; fix proposed in issue 7")
 def test_a_checkpoint_load_recovers_from_a_corrupted_swap_file(tiny_lm, lm_batches, engine_config, tmp_path):
     cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "checksums": True})
     (x, y), = lm_batches(1)
