@@ -194,7 +194,8 @@ class EngineConfig:
     device: compute device ("auto" = cuda when present, else cpu). device_memory: the budget the
     engine keeps resident parameters, buffers and prefetch within ("auto" = heuristic, None = no
     cap). host_memory: RAM the engine may use for offloaded state ("auto" = 80% of available).
-    prefetch: trace-driven prefetch on/off. swap_dir_cleanup: remove swap files on close.
+    prefetch: trace-driven prefetch on/off. Swap files are always removed on close (and a crashed
+    run's on the next start: swap/ownership.py).
     checksums: a CRC-32C of every 64 KiB written to the swap files (computed in the I/O thread),
     verified on every read: a changed byte raises OSError(EBADMSG) naming file, offset and slot
     instead of being trained on (cost: RELIABILITY.md).
@@ -205,7 +206,6 @@ class EngineConfig:
     host_memory: SizeOrAuto = AUTO
     prefetch: bool = True
     optimizer_step_device: str = "cpu"  # cpu | device (states streamed to the compute device)
-    swap_dir_cleanup: bool = True
     log_every: int = 1
     checksums: bool = False
 
@@ -478,8 +478,6 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.optimizer_step_device = _choice(d["optimizer_step_device"], "pyinfinity.optimizer_step_device",
                                           ("cpu", "device"))
 
-    if "swap_dir_cleanup" in d:
-        e.swap_dir_cleanup = _bool(d["swap_dir_cleanup"], "pyinfinity.swap_dir_cleanup")
     if "log_every" in d:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
