@@ -74,8 +74,9 @@ class ArenaImpl {
     }
     const int err = errno;
     rlimit rl{};
-    ::getrlimit(RLIMIT_MEMLOCK, &rl);
-    std::string limit = rl.rlim_cur == RLIM_INFINITY ? "unlimited" : human(rl.rlim_cur);
+    std::string limit = ::getrlimit(RLIMIT_MEMLOCK, &rl) != 0 ? "unknown"
+                        : rl.rlim_cur == RLIM_INFINITY        ? "unlimited"
+                                                              : human(rl.rlim_cur);
     std::string msg = "mlock of " + human(capacity_) + " failed: " + std::strerror(err) +
                       " (ulimit -l is " + limit + "; raise it, e.g. `ulimit -l unlimited`, or run as root)";
     if (lock == "mlock") throw SystemError(err, msg, "", __FILE__, __LINE__);

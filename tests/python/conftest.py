@@ -17,12 +17,14 @@ def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def mounted(fstype: str, options: str):
-    """Mounts a fresh filesystem of `fstype` on a temp dir; unmounts and removes it after."""
+def mounted(fstype: str, options: str, source: str = ""):
+    """Mounts a fresh filesystem of `fstype` (from `source`, default none) on a temp dir;
+    unmounts and removes it after."""
     if os.geteuid() != 0:
         pytest.skip("mounting needs root")
     d = tempfile.mkdtemp(prefix=f"pyinf-{fstype}-")
-    rc = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, d], capture_output=True, text=True)
+    rc = subprocess.run(["mount", "-t", fstype, "-o", options, source or fstype, d],
+                        capture_output=True, text=True)
     if rc.returncode != 0:
         os.rmdir(d)
         pytest.fail(f"mount -t {fstype} failed: {rc.stderr.strip()}")
@@ -65,16 +67,8 @@ def small_ext4_dir(tmp_path):
     rc = subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], capture_output=True, text=True)
     if rc.returncode != 0:
         pytest.fail(f"mkfs.ext4 failed: {rc.stderr.strip()}")
-    d = tempfile.mkdtemp(prefix="pyinf-ext4-")
-    rc = subprocess.run(["mount", "-o", "loop", str(img), d], capture_output=True, text=True)
-    if rc.returncode != 0:
-        os.rmdir(d)
-        pytest.fail(f"mount -o loop failed: {rc.stderr.strip()}")
-    try:
+    with mounted("ext4", "loop", str(img)) as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
-        os.rmdir(d)
 
 
 @pytest.fixture
