@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import random
 import re
 import signal
 import subprocess
@@ -233,6 +234,18 @@ def test_a_manifest_that_is_not_ours_to_clean_is_reported(kind, tiny_lm, engine_
     assert _listing(swap) == sorted(["params.swp", MANIFEST_NAME])  # lock given back
 
 
+def _overwrite_in_place(path, data):
+    """Corrupts a swap file without changing its size: prefetches of the last forward may still be
+    in flight, and a file shrunk under them (truncate to 0, then back) reads as a short transfer
+    (ENODATA) rather than as corruption, which made these tests flaky."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert os.pwrite(fd, data, 0) == len(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def test_swap_file_truncated_or_changed_under_a_running_engine(tiny_lm, lm_batches, engine_config):
     """Truncated: the next step raises naming the file and the bytes (no step on lost state).
     Zeroed behind the engine's back with pyinfinity.checksums: the read raises EBADMSG naming the
@@ -243,9 +256,8 @@ def test_swap_file_truncated_or_changed_under_a_running_engine(tiny_lm, lm_batch
         _train(eng, [(x, y)])
         path = eng.param_swapper.files()[0]
         size = os.path.getsize(path)
-        # the same bytes regrown as zeros: size checks pass, checksums do not
-        os.truncate(path, 0)
-        os.truncate(path, size)
+        # the same bytes as zeros: size checks pass, checksums do not
+        _overwrite_in_place(path, bytes(size))
         with pytest.raises(OSError) as ei:
             eng(x, y)
         assert ei.value.errno == errno.EBADMSG and ei.value.filename == path
@@ -422,9 +434,7 @@ def test_a_checkpoint_load_recovers_from_a_corrupted_swap_file(tiny_lm, lm_batch
         eng.save_checkpoint(str(tmp_path / "ckpt"))
         want = eng(x, y).item()
         path = eng.param_swapper.files()[0]
-        size = os.path.getsize(path)
-        os.truncate(path, 0)
-        os.truncate(path, size)
+        _overwrite_in_place(path, random.Random(0).randbytes(os.path.getsize(path)))
         with pytest.raises(OSError) as ei:
             eng(x, y)
         assert ei.value.errno == errno.EBADMSG
