@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest = [a for a in argv if a not in ("-v", "--verbose")]
+    if rest[:2] == ["bench", "train"]:  # its own parser: argparse's REMAINDER drops leading options
+        from pyinfinity.cli import bench_train
+
+        return int(bench_train.main(rest[2:] + (["-v"] if len(rest) < len(argv) else [])) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

@@ -1,8 +1,8 @@
-"""`pyinfinity bench io [DIR]` (plain `bench` means `bench io`) and `bench train` (another issue)."""
+"""`pyinfinity bench io [DIR]` (plain `bench` means `bench io`) and `bench train` (pyinfinity vs DeepSpeed
+ZeRO-3 vs PyTorch training steps; its options live in :mod:`pyinfinity.cli.bench_train`)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import shutil
@@ -110,21 +110,16 @@ def add_parser(subparsers: Any) -> None:
                     help="directory to measure (default: a temp dir under $PYINFINITY_SWAP_DIR or /tmp)")
     add_io_options(io, suppress=True)
     io.set_defaults(func=run_io)
-    train = sub.add_parser("train", help="training step comparison (not yet available)", add_help=False)
+    train = sub.add_parser("train", help="training throughput: pyinfinity vs DeepSpeed ZeRO-3 vs PyTorch, "
+                                              "with the analytic bound", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     train.set_defaults(func=run_train)
 
 
 def run_train(args: argparse.Namespace) -> int:
-    try:
-        mod = importlib.import_module("pyinfinity.cli.bench_train")
-    except ModuleNotFoundError as exc:
-        if exc.name != "pyinfinity.cli.bench_train":
-            raise
-        print("pyinfinity bench train: not yet implemented (it arrives with the GPU comparison issue); "
-              "use `pyinfinity bench io` for disk and PCIe figures.", file=sys.stderr)
-        return 2
-    return int(mod.main(args.rest) or 0)
+    from pyinfinity.cli import bench_train
+
+    return int(bench_train.main(args.rest) or 0)
 
 
 def settings_from_args(args: argparse.Namespace, directory: str) -> "Any":

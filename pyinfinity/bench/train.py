@@ -1,0 +1,639 @@
+"""`pyinfinity bench train`: pyinfinity against DeepSpeed ZeRO-3 (and plain PyTorch) training the
+same Llama-architecture models, on the same data, under the same device-memory cap.
+
+Each (size, system) pair runs in its own process (:mod:`pyinfinity.bench.train_worker`); results
+are appended to one JSON file, so a matrix too big for one session can be measured over several
+and reported together. For every run an analytic lower bound on the step time is computed from
+rates measured in the same invocation:
+
+    bound = max(compute, PCIe, disk, CPU Adam)
+      compute  = matmul FLOPs of the step / the device's measured matmul rate (model's shape, dtype)
+      PCIe     = max(2 x parameter bytes / H2D, gradient bytes / D2H)   (GPU only; full duplex)
+      disk     = bytes read / disk read rate + bytes written / disk write rate, where the bytes are
+                 what the run's tiers force: optimizer on disk = 12 B/param read and written
+                 (fp32 master, m, v); parameters on disk = read twice (forward, backward), written once
+      CPU Adam = parameters / the CPU's fused AdamW rate (offloaded optimizer only)
+
+and the run's measured step time over it is printed (1.0 = at the bound).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from pyinfinity.bench.train_worker import RESULT_PREFIX, SYSTEMS
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "pyinfinity.bench.train/1"
+
+_LLAMA = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# name -> LlamaConfig fields. "1.1b" is shared/device's DeepSpeed baseline model exactly.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(_LLAMA, vocab_size=1024, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4),
+    "125m": dict(_LLAMA, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12),
+    "1.1b": dict(_LLAMA, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4),
+    "3b": dict(_LLAMA, hidden_size=3200, intermediate_size=8640, num_hidden_layers=26, num_attention_heads=32,
+               num_key_value_heads=32),
+    "7b": dict(_LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32),
+    "10b": dict(_LLAMA, hidden_size=4608, intermediate_size=12288, num_hidden_layers=40, num_attention_heads=36,
+                num_key_value_heads=36),
+    "13b": dict(_LLAMA, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                num_key_value_heads=40),
+}
+DEFAULT_SIZES_GPU = ("1.1b", "3b", "7b", "10b")
+DEFAULT_SIZES_CPU = ("tiny",)
+DEFAULT_SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-auto", "deepspeed-cpu", "deepspeed-nvme", "torch")
+# (param tier, optimizer tier) each system forces; "auto" is read from the run's placement
+TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "pyinfinity-nvme-all": ("nvme", "nvme"),
+         "deepspeed-cpu": ("cpu", "cpu"), "deepspeed-nvme": ("cpu", "nvme"), "deepspeed-nvme-all": ("nvme", "nvme"),
+         "pyinfinity-auto": ("auto", "auto"), "torch": ("device", "device"), "torch-nocap": ("device", "device")}
+PEERS = {"pyinfinity-cpu": "deepspeed-cpu", "pyinfinity-nvme": "deepspeed-nvme",
+         "pyinfinity-nvme-all": "deepspeed-nvme-all"}
+
+# shared/device/ds_zero3_baseline.py's settings, the ones its published figures were measured with
+DEEPSPEED_DEFAULTS: dict[str, Any] = {
+    "prefetch_bucket_size": 5e7, "max_live_parameters": 1e8, "param_persistence_threshold": 1e5,
+    "buffer_count": 6, "buffer_size": 1.5e8, "max_in_cpu": 1e9, "pipeline": False, "optimizer_buffer_count": 4,
+    "aio": {"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": False,
+            "overlap_events": True},
+}
+
+
+class BenchTrainError(ValueError):
+    """Bad arguments or an unusable results file."""
+
+
+@dataclass
+class Settings:
+    sizes: list[str]
+    systems: list[str]
+    nvme_dir: str
+    device: str = "auto"
+    cap_bytes: Optional[int] = 8 << 30
+    batch: int = 4
+    seq: int = 1024
+    steps: int = 5
+    warmup: int = 2
+    dtype: str = "auto"
+    checkpointing: bool = True
+    lr: float = 1e-4
+    seed: int = 0
+    trace: bool = True
+    timeout: float = 1800.0
+    torch_sizes: str = "smallest"  # "smallest" | "all"
+    deepspeed: dict[str, Any] = field(default_factory=lambda: json.loads(json.dumps(DEEPSPEED_DEFAULTS)))
+    pyinfinity: dict[str, Any] = field(default_factory=dict)  # extra pyinfinity.* config keys
+    log_dir: Optional[str] = None
+    progress: bool = True
+
+
+# ----------------------------------------------------------------------------------- sizes
+
+
+def model_fields(size: str, seq: int) -> dict[str, Any]:
+    """LlamaConfig fields of a named size, or of a JSON config file (a transformers config.json)."""
+    if size in SIZES:
+        d = dict(SIZES[size])
+    elif size.endswith(".json") and os.path.isfile(size):
+        with open(size) as f:
+            raw = json.load(f)
+        keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+        d = {k: raw[k] for k in keep if k in raw}
+        missing = [k for k in keep[:5] if k not in d]
+        if missing:
+            raise BenchTrainError(f"--sizes: {size} lacks {', '.join(missing)} (expected a Llama config.json)")
+    else:
+        raise BenchTrainError(f"--sizes: unknown size {size!r}; choose from {', '.join(SIZES)} or give a "
+                              "Llama config.json path")
+    d["max_position_embeddings"] = max(int(d.get("max_position_embeddings", 2048)), seq)
+    return d
+
+
+def size_facts(fields: dict[str, Any], dtype: str, batch: int, seq: int, checkpointing: bool) -> dict[str, Any]:
+    from pyinfinity.plan.sizes import llama_sizes
+
+    sz = llama_sizes(dict(fields, model_type="llama"), dtype=dtype)
+    return {"params": sz.numel, "param_bytes": sz.param_bytes, "itemsize": sz.itemsize,
+            "flops_per_step": sz.flops_per_step(batch, seq, checkpointing)}
+
+
+# ----------------------------------------------------------------------------------- the bound
+
+
+def tier_fractions(system: str, placement: Optional[dict]) -> tuple[float, float]:
+    """(share of parameters on disk, share of optimizer state on disk) of a run."""
+    ptier, otier = TIERS[system]
+    if ptier != "auto":
+        return float(ptier == "nvme"), float(otier == "nvme")
+
+    def share(d: Optional[dict]) -> float:
+        d = {k: v for k, v in (d or {}).items() if k in ("cpu", "nvme", "device")}
+        total = sum(d.values())
+        return d.get("nvme", 0) / total if total else 0.0
+
+    placement = placement or {}
+    return share(placement.get("params")), share(placement.get("optimizer"))
+
+
+def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: bool,
+          placement: Optional[dict] = None) -> dict[str, Any]:
+    """The analytic lower bound of one step (see the module's docstring), term by term."""
+    n, pb = facts["params"], facts["param_bytes"]
+    terms: dict[str, float] = {"compute": facts["flops_per_step"] / rates["matmul"]}
+    offloaded = not system.startswith("torch")
+    if offloaded and cuda:
+        terms["pcie"] = max(2 * pb / rates["h2d"], pb / rates["d2h"])
+    f_par, f_opt = tier_fractions(system, placement) if offloaded else (0.0, 0.0)
+    read = 2 * pb * f_par + 12 * n * f_opt
+    write = pb * f_par + 12 * n * f_opt
+    if read or write:
+        if rates.get("disk_read", 0) <= 0 or rates.get("disk_write", 0) <= 0:
+            terms["disk"] = float("nan")
+        else:
+            terms["disk"] = read / rates["disk_read"] + write / rates["disk_write"]
+    if offloaded:
+        terms["cpu_adam"] = n / rates["adam"]
+    finite = {k: v for k, v in terms.items() if v == v}
+    name = max(finite, key=lambda k: finite[k])
+    return {"seconds": finite[name], "bound_by": name, "terms": {k: round(v, 5) for k, v in terms.items()},
+            "disk_bytes": {"read": int(read), "write": int(write)}, "disk_share": {"params": f_par, "optimizer": f_opt}}
+
+
+def measure_bound_rates(device: str, nvme_dir: str, dtype: str, progress: bool = True) -> dict[str, Any]:
+    """Host<->device copies, disk, CPU Adam (measured once per invocation); matmul per size later."""
+    from pyinfinity.plan.rates import measure_adam, measure_copies, measure_disk
+
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"adam": measure_adam(4_000_000, 5)}
+    h2d, d2h, _ = measure_copies(device, 256 << 20 if device.startswith("cuda") else 64 << 20, 5)
+    out.update(h2d=h2d, d2h=d2h)
+    try:
+        r, w, lat = measure_disk(nvme_dir, 256 << 20, 3)
+        out.update(disk_read=r, disk_write=w, disk_latency=lat)
+    except OSError as exc:
+        log.warning("disk rates at %s could not be measured (%s); disk bounds will be missing", nvme_dir, exc)
+        out.update(disk_read=0.0, disk_write=0.0, disk_error=str(exc))
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def measure_matmul_rate(device: str, dtype: str, fields: dict[str, Any], tokens: int) -> float:
+    """FLOP/s of the model's biggest matmul shape (tokens x hidden @ hidden x intermediate)."""
+    import torch
+
+    from pyinfinity.plan.rates import measure_matmul
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    m = min(tokens, 8192)
+    return measure_matmul(device, m, int(fields["hidden_size"]), int(fields["intermediate_size"]), dt, reps=5)
+
+
+# ----------------------------------------------------------------------------------- results file
+
+
+def load_results(path: Optional[str]) -> dict[str, Any]:
+    empty = {"schema": SCHEMA, "invocations": [], "runs": []}
+    if not path or not os.path.exists(path):
+        return empty
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BenchTrainError(f"--json {path}: exists but cannot be read as JSON ({exc}); give another path "
+                              "(it is not overwritten)") from exc
+    if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+        raise BenchTrainError(f"--json {path}: not a `pyinfinity bench train` results file (schema "
+                              f"{d.get('schema') if isinstance(d, dict) else None!r}, expected {SCHEMA!r}); "
+                              "give another path (it is not overwritten)")
+    return d
+
+
+def save_results(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_runs(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The newest run of each (size, system) pair, in the order first measured."""
+    by: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in data["runs"]:
+        by[(r["size"], r["system"])] = r
+    return sorted(by.values(), key=lambda r: (r.get("params") or 0, SYSTEMS.index(r["system"])
+                                              if r["system"] in SYSTEMS else 99))
+
+
+# ----------------------------------------------------------------------------------- running
+
+
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _resolve(settings: Settings) -> tuple[str, str]:
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if _gpu_present() else "cpu"
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    return device, dtype
+
+
+def _summarise(res: dict[str, Any], warmup: int, tokens: int, facts: dict[str, Any]) -> None:
+    steps = res.get("steps") or []
+    steady = [s["seconds"] for s in steps[warmup:]] or [s["seconds"] for s in steps]
+    if steady:
+        t = statistics.median(steady)
+        res["step_seconds"] = t
+        res["tokens_per_s"] = tokens / t
+        res["model_tflops"] = facts["flops_per_step"] / t / 1e12
+        tail = steps[warmup:] or steps
+        res["disk_read_per_step"] = int(statistics.mean(s["disk_read"] for s in tail))
+        res["disk_write_per_step"] = int(statistics.mean(s["disk_write"] for s in tail))
+
+
+def _disk_need(system: str, facts: dict[str, Any]) -> int:
+    f_par, f_opt = tier_fractions(system, None) if TIERS[system][0] != "auto" else (0.0, 0.0)
+    return int(12 * facts["params"] * f_opt + facts["param_bytes"] * f_par)
+
+
+def run_one(spec: dict[str, Any], timeout: float, log_path: str, on_line: Any = None) -> dict[str, Any]:
+    """Runs the worker on ``spec``; its result, or a failed result naming what happened."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, prefix="pyinfinity-bench-") as f:
+        json.dump(spec, f)
+        spec_path = f.name
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "pyinfinity.bench.train_worker", spec_path]
+    result: Optional[dict[str, Any]] = None
+    out_lines: list[str] = []
+    try:
+        with open(log_path, "w") as logf:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True, bufsize=1)
+
+            def pump_err() -> None:
+                assert proc.stderr is not None
+                for line in proc.stderr:
+                    logf.write(line)
+                    logf.flush()
+                    if on_line is not None:
+                        on_line(line.rstrip())
+
+            th = threading.Thread(target=pump_err, daemon=True)
+            th.start()
+            assert proc.stdout is not None
+
+            def pump_out() -> None:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    out_lines.append(line)
+
+            to = threading.Thread(target=pump_out, daemon=True)
+            to.start()
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                rc = None
+            to.join(10)
+            th.join(10)
+        for line in out_lines:
+            if line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX):])
+        if result is None:
+            tail = _tail(log_path, 15)
+            if rc is None:
+                why = f"timed out after {timeout:g} s (--timeout)"
+            elif rc < 0:
+                sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+                why = f"killed by {sig}" + (" (the kernel's OOM killer: host RAM ran out)" if rc == -9 else "")
+            else:
+                why = f"the worker exited with status {rc} without a result"
+            result = {"system": spec["system"], "size": spec["size"], "ok": False, "error": why, "log_tail": tail}
+    finally:
+        os.unlink(spec_path)
+    result["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    result["log"] = log_path
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=20)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: str, n: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def plan_runs(settings: Settings) -> list[tuple[str, str]]:
+    """The (size, system) pairs to run, smallest size first; plain torch at the smallest size only
+    unless ``torch_sizes == "all"`` (it cannot fit larger ones under a cap anyway)."""
+    pairs = []
+    smallest = settings.sizes[0] if settings.sizes else None
+    for size in settings.sizes:
+        for system in settings.systems:
+            if system == "torch" and settings.torch_sizes != "all" and size != smallest:
+                continue
+            pairs.append((size, system))
+    return pairs
+
+
+def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
+    """Measures the rates, runs every (size, system) pair, appends to ``json_path``; returns the data."""
+    from pyinfinity.bench.machine import machine_info
+
+    unknown = [s for s in settings.systems if s not in SYSTEMS]
+    if unknown:
+        raise BenchTrainError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if not settings.sizes or not settings.systems:
+        raise BenchTrainError("nothing to run: --sizes and --systems must name at least one each")
+    if settings.steps <= settings.warmup:
+        raise BenchTrainError(f"--steps {settings.steps} must exceed --warmup {settings.warmup} (the timed "
+                              "steps come after the warm-up ones)")
+    device, dtype = _resolve(settings)
+    cuda = device.startswith("cuda")
+    if not cuda and settings.cap_bytes:
+        log.info("no GPU: the device-memory cap does not apply (the CPU is the compute device)")
+    fields = {s: model_fields(s, settings.seq) for s in settings.sizes}
+    data = load_results(json_path)
+    os.makedirs(settings.nvme_dir, exist_ok=True)
+    log_dir = settings.log_dir or tempfile.mkdtemp(prefix="pyinfinity-bench-train-")
+    os.makedirs(log_dir, exist_ok=True)
+    tokens = settings.batch * settings.seq
+    print(f"bench train: device {device}, {dtype}, batch {settings.batch} x {settings.seq} tokens, "
+          f"{settings.steps} steps ({settings.warmup} warm-up), cap "
+          f"{_gib(settings.cap_bytes) if settings.cap_bytes and cuda else 'none'}, swap {settings.nvme_dir}, "
+          f"logs {log_dir}", flush=True)
+    print("measuring rates for the bound (copies, disk, CPU Adam) ...", flush=True)
+    rates = measure_bound_rates(device, settings.nvme_dir, dtype)
+    matmul: dict[str, float] = {}
+    for s in settings.sizes:
+        matmul[s] = measure_matmul_rate(device, dtype, fields[s], tokens)
+    print("  " + ", ".join([f"H2D {rates['h2d'] / 1e9:.1f} GB/s", f"D2H {rates['d2h'] / 1e9:.1f} GB/s",
+                             f"disk read {rates['disk_read'] / 1e9:.2f} GB/s",
+                             f"write {rates['disk_write'] / 1e9:.2f} GB/s",
+                             f"CPU Adam {rates['adam'] / 1e9:.2f} Gparam/s"]
+                            + [f"matmul[{s}] {v / 1e12:.1f} TFLOP/s" for s, v in matmul.items()]), flush=True)
+    inv = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": asdict(machine_info(settings.nvme_dir)), "rates": dict(rates, matmul=matmul),
+           "settings": {k: v for k, v in asdict(settings).items() if k not in ("progress",)},
+           "device": device, "dtype": dtype, "argv": sys.argv[1:]}
+    data["invocations"].append(inv)
+    inv_index = len(data["invocations"]) - 1
+    if json_path:
+        save_results(json_path, data)
+    pairs = plan_runs(settings)
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(pairs), unit="run", disable=not settings.progress, file=sys.stderr, dynamic_ncols=True)
+    try:
+        for k, (size, system) in enumerate(pairs):
+            facts = size_facts(fields[size], dtype, settings.batch, settings.seq, settings.checkpointing)
+            bar.set_description(f"{size} {system}")
+            spec = {"system": system, "size": size, "model": fields[size], "device": device, "dtype": dtype,
+                    "batch": settings.batch, "seq": settings.seq, "steps": settings.steps,
+                    "warmup": settings.warmup, "checkpointing": settings.checkpointing, "lr": settings.lr,
+                    "seed": settings.seed, "trace": settings.trace, "cap_bytes": settings.cap_bytes if cuda else None,
+                    "nvme_dir": os.path.join(settings.nvme_dir, f"{system}-{size}"),
+                    "deepspeed": settings.deepspeed, "pyinfinity_overrides": settings.pyinfinity,
+                    "master_port": 29500 + (os.getpid() + k) % 2000}
+            need = _disk_need(system, facts)
+            free = shutil.disk_usage(settings.nvme_dir).free
+            if need and need > free:
+                res = {"system": system, "size": size, "ok": False, "params": facts["params"],
+                       "error": f"not run: its tiers need {_gib(need)} on disk, {_gib(free)} free at "
+                                f"{settings.nvme_dir} (give --nvme a bigger drive, or leave this size out)"}
+            else:
+                os.makedirs(spec["nvme_dir"], exist_ok=True)
+                log_path = os.path.join(log_dir, f"{size}-{system}.log")
+
+                def on_line(line: str, _bar: Any = bar) -> None:
+                    if line.startswith("step "):
+                        _bar.set_postfix_str(line[:60])
+
+                res = run_one(spec, settings.timeout, log_path, on_line)
+                shutil.rmtree(spec["nvme_dir"], ignore_errors=True)
+            res["invocation"] = inv_index
+            res["batch"], res["seq"], res["dtype"], res["device"] = settings.batch, settings.seq, dtype, device
+            res["checkpointing"] = settings.checkpointing
+            res["params"] = res.get("params") or facts["params"]
+            res["flops_per_step"] = facts["flops_per_step"]
+            if res.get("ok"):
+                _summarise(res, settings.warmup, tokens, facts)
+            rr = dict(rates, matmul=matmul[size])
+            res["bound"] = bound(system, facts, rr, cuda, res.get("placement"))
+            if res.get("step_seconds"):
+                res["step_over_bound"] = res["step_seconds"] / res["bound"]["seconds"]
+            data["runs"].append(res)
+            if json_path:
+                save_results(json_path, data)
+            bar.update(1)
+            tqdm.write(one_line(res), file=sys.stdout)
+    finally:
+        bar.close()
+    return data
+
+
+# ----------------------------------------------------------------------------------- reporting
+
+
+def _gib(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+
+def _bytes(n: float) -> str:
+    from pyinfinity.config import format_size
+
+    return format_size(int(n)) if n else "0"
+
+
+def _f(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def one_line(r: dict[str, Any]) -> str:
+    if not r.get("ok"):
+        return f"{r['size']:>6} {r['system']:<20} FAILED: {r.get('error', '?')}"
+    return (f"{r['size']:>6} {r['system']:<20} {r['step_seconds']:.3f} s/step, {r['tokens_per_s']:.0f} tok/s, "
+            f"peak GPU {_gib(r.get('peak_device_allocated'))}, {r['step_over_bound']:.2f}x the bound "
+            f"({r['bound']['bound_by']})")
+
+
+HEADER = ["size", "params", "system", "s/step", "tokens/s", "TFLOPS", "peak GPU", "peak RSS", "disk R/W per step",
+          "hidden", "bound s (by)", "step/bound", "note"]
+
+
+def table_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in runs:
+        b = r.get("bound") or {}
+        note = "" if r.get("ok") else ("OOM" if r.get("oom") else "failed: ") + (
+            "" if r.get("oom") else str(r.get("error", ""))[:70])
+        ov = r.get("overlap_fraction")
+        rows.append([r["size"], _count(r.get("params") or 0), r["system"],
+                     _f(r.get("step_seconds"), ".3f"), _f(r.get("tokens_per_s"), ",.0f"),
+                     _f(r.get("model_tflops"), ".2f"),
+                     _gib(r.get("peak_device_allocated")) if r.get("peak_device_allocated") is not None else "-",
+                     _gib(r.get("peak_rss")) if r.get("peak_rss") else "-",
+                     (f"{_bytes(r['disk_read_per_step'])} / {_bytes(r['disk_write_per_step'])}"
+                      if r.get("ok") else "-"),
+                     "-" if ov is None else f"{ov:.2f}",
+                     f"{b['seconds']:.3f} ({b['bound_by']})" if b else "-",
+                     _f(r.get("step_over_bound"), ".2f"), note])
+    return rows
+
+
+def ratio_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """pyinfinity / DeepSpeed tokens/s per size and tier, and the largest size each system trained."""
+    by = {(r["size"], r["system"]): r for r in runs}
+    out = []
+    for (size, system), r in sorted(by.items(), key=lambda kv: kv[1].get("params") or 0):
+        peer = PEERS.get(system)
+        if system == "pyinfinity-auto":
+            cands = [by.get((size, p)) for p in ("deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-all")]
+            ok = [c for c in cands if c and c.get("ok")]
+            best = max(ok, key=lambda c: c["tokens_per_s"]) if ok else None
+            peer = best["system"] if best else None
+        if not peer:
+            continue
+        p = by.get((size, peer))
+        if not r.get("ok") or p is None:
+            continue
+        if p.get("ok"):
+            out.append(f"{size}: {system} / {peer} = {r['tokens_per_s'] / p['tokens_per_s']:.2f}x tokens/s "
+                       f"({r['tokens_per_s']:,.0f} vs {p['tokens_per_s']:,.0f})")
+        else:
+            out.append(f"{size}: {system} trains ({r['tokens_per_s']:,.0f} tok/s); {peer} failed: "
+                       f"{str(p.get('error', ''))[:100]}")
+    largest: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        if r.get("ok") and (r["system"] not in largest or r["params"] > largest[r["system"]]["params"]):
+            largest[r["system"]] = r
+    for system in sorted({r["system"] for r in runs}):
+        r = largest.get(system)
+        out.append(f"largest trained by {system}: "
+                   + (f"{r['size']} ({_count(r['params'])} params)" if r else "none of the sizes run"))
+    return out
+
+
+def report(data: dict[str, Any], markdown: bool = False) -> str:
+    from pyinfinity.bench.table import render, render_markdown
+
+    runs = latest_runs(data)
+    rows = table_rows(runs)
+    text = (render_markdown if markdown else render)(rows, HEADER)
+    lines = [text, ""] + ratio_lines(runs)
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: str, timeline: Optional[str] = None) -> Optional[str]:
+    """Throughput vs model size per system, and one run's step timeline; returns the run drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = latest_runs(data)
+    fig, (ax, tl) = plt.subplots(2, 1, figsize=(10, 9), gridspec_kw={"height_ratios": [3, 2]})
+    for system in [s for s in SYSTEMS if any(r["system"] == s for r in runs)]:
+        rs = sorted((r for r in runs if r["system"] == system), key=lambda r: r["params"])
+        ok = [r for r in rs if r.get("ok")]
+        line, = ax.plot([r["params"] / 1e9 for r in ok], [r["tokens_per_s"] for r in ok], marker="o", label=system)
+        bad = [r for r in rs if not r.get("ok")]
+        if bad:
+            ax.scatter([r["params"] / 1e9 for r in bad], [0.5] * len(bad), marker="x", color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters (billions)")
+    ax.set_ylabel("tokens/s (x at the bottom: failed / out of memory)")
+    ax.set_title("training throughput under the device-memory cap")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    chosen = _timeline_run(runs, timeline)
+    if chosen is None:
+        tl.text(0.5, 0.5, "no traced run", ha="center", va="center")
+        tl.set_axis_off()
+    else:
+        tr = chosen["trace"]
+        lanes = [("phase", None), ("compute", "tab:blue"), ("h2d", "tab:green"), ("d2h", "tab:olive"),
+                 ("disk_read", "tab:red"), ("disk_write", "tab:purple")]
+        if "compute" not in tr:  # no device trace (CPU run): the phases are the compute
+            lanes = [lane for lane in lanes if lane[0] not in ("compute", "h2d", "d2h")]
+        colors = {"forward": "tab:cyan", "backward": "tab:orange", "step": "tab:gray"}
+        for i, (lane, color) in enumerate(lanes):
+            if lane == "phase":
+                for name, s, e in tr.get("phases", []):
+                    tl.broken_barh([(s, e - s)], (i - 0.4, 0.8), color=colors.get(name, "k"))
+                    tl.text((s + e) / 2, i, name, ha="center", va="center", fontsize=7)
+            else:
+                iv = [(s, e - s) for s, e, *_ in tr.get(lane, [])]
+                if iv:
+                    tl.broken_barh(iv, (i - 0.4, 0.8), color=color)
+        tl.set_yticks(range(len(lanes)), [n for n, _ in lanes])
+        tl.set_xlabel("seconds from the start of the step")
+        tl.set_title(f"one step: {chosen['system']} at {chosen['size']} "
+                     f"({tr.get('seconds') or 0:.2f} s; traced, so slower than the timed steps)")
+        tl.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None if chosen is None else f"{chosen['system']}@{chosen['size']}"
+
+
+def _timeline_run(runs: Sequence[dict[str, Any]], which: Optional[str]) -> Optional[dict[str, Any]]:
+    traced = [r for r in runs if r.get("ok") and r.get("trace")]
+    if which:
+        system, _, size = which.partition("@")
+        for r in traced:
+            if r["system"] == system and (not size or r["size"] == size):
+                return r
+        raise BenchTrainError(f"--timeline {which}: no traced run of that system/size in the results")
+    pyi = [r for r in traced if r["system"].startswith("pyinfinity")]
+    pool = pyi or traced
+
+    def key(r: dict[str, Any]) -> tuple:
+        tr = r["trace"]
+        disk = sum(n for lane in ("disk_read", "disk_write") for *_, n in tr.get(lane, []))
+        return (r["params"], disk)
+
+    return max(pool, key=key) if pool else None

@@ -1,0 +1,482 @@
+"""One run of `pyinfinity bench train`: one system on one model size, in its own process.
+
+    python -m pyinfinity.bench.train_worker SPEC.json
+
+Each run is a fresh process so that an out-of-memory, a DeepSpeed process group, a per-process
+memory fraction or a crash cannot leak into the next run. The spec (written by
+:mod:`pyinfinity.bench.train`) names the system, the model's LlamaConfig fields and the training
+shape; the worker prints one line ``RESULT {json}`` on stdout and exits 0, also when the run
+itself failed (``ok: false`` with the error); a non-zero exit means the worker itself broke.
+
+Measured per step, after ``warmup`` steps, with the device synchronised around each step:
+seconds, tokens/s, disk bytes read/written by this process (``/proc/self/io``: O_DIRECT and
+buffered alike, any system), peak device memory (``torch.cuda.max_memory_allocated``) and peak
+host RSS. pyinfinity runs add the engine's own counters (bytes per tier, share of transfer time
+hidden behind compute). With ``trace``, one more step runs under a tracer: phase boundaries
+(forward / backward / optimizer step), the device's kernels and host<->device copies from
+``torch.profiler`` (on a GPU), and disk read/write activity sampled from ``/proc/self/io`` —
+the timeline the plot draws.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+RESULT_PREFIX = "RESULT "
+SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-nvme-all", "pyinfinity-auto",
+           "deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-all", "torch", "torch-nocap")
+
+
+def proc_io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process has caused at the storage layer so far."""
+    try:
+        with open("/proc/self/io") as f:
+            d = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        return int(d["read_bytes"]), int(d["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class DiskSampler:
+    """Samples /proc/self/io every ``period`` seconds on a thread: (t, read_bytes, write_bytes)."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period = period
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pyinfinity-bench-io-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            r, w = proc_io()
+            self.samples.append((time.perf_counter(), r, w))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "DiskSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        r, w = proc_io()
+        self.samples.append((time.perf_counter(), r, w))
+
+    def intervals(self, t0: float, which: int) -> list[list[float]]:
+        """[start, end, bytes] of each sampling period in which bytes moved (which: 1 read, 2 write),
+        seconds relative to t0, consecutive busy periods merged."""
+        out: list[list[float]] = []
+        for a, b in zip(self.samples, self.samples[1:]):
+            n = b[which] - a[which]
+            if n <= 0:
+                continue
+            s, e = a[0] - t0, b[0] - t0
+            if out and abs(out[-1][1] - s) < 1e-9:
+                out[-1][1] = e
+                out[-1][2] += n
+            else:
+                out.append([s, e, n])
+        return [[round(s, 5), round(e, 5), int(n)] for s, e, n in out]
+
+
+def merge_intervals(iv: list[tuple[float, float]], gap: float = 2e-4) -> list[list[float]]:
+    """Sorted, overlapping or nearly touching intervals merged (keeps a step's trace small)."""
+    out: list[list[float]] = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [[round(s, 5), round(e, 5)] for s, e in out]
+
+
+def gpu_intervals(trace_path: str, label: str = "pyinfinity.bench.step") -> dict[str, list[list[float]]]:
+    """Kernel / H2D / D2H intervals from a torch.profiler chrome trace, in seconds from the start
+    of the host annotation ``label`` (the traced step)."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    starts = [float(ev["ts"]) for ev in events if ev.get("ph") == "X" and ev.get("name") == label]
+    if not starts:
+        raise ValueError(f"no {label!r} annotation in the trace")
+    t0_us = min(starts)
+    lanes: dict[str, list[tuple[float, float]]] = {"compute": [], "h2d": [], "d2h": []}
+    for ev in events:
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        cat, name = str(ev.get("cat", "")), str(ev.get("name", ""))
+        lane = None
+        if cat == "kernel":
+            lane = "compute"
+        elif cat == "gpu_memcpy":
+            lane = "h2d" if "HtoD" in name else "d2h" if "DtoH" in name else None
+        if lane is None:
+            continue
+        s = (float(ev["ts"]) - t0_us) / 1e6
+        lanes[lane].append((s, s + float(ev["dur"]) / 1e6))
+    return {k: merge_intervals(v) for k, v in lanes.items()}
+
+
+# ----------------------------------------------------------------------------------- systems
+
+
+def _llama(spec: dict) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**spec["model"], use_cache=False)
+
+
+def _dtype(spec: dict) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec["dtype"]]
+
+
+def _adamw(spec: dict) -> dict:
+    return {"type": "AdamW", "params": {"lr": spec["lr"], "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}}
+
+
+def pyinfinity_config(spec: dict) -> dict:
+    system = spec["system"]
+    param_dev, opt_dev = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"),
+                          "pyinfinity-nvme-all": ("nvme", "nvme"), "pyinfinity-auto": ("auto", "auto")}[system]
+    zero: dict[str, Any] = {"stage": 3, "offload_param": {"device": param_dev},
+                            "offload_optimizer": {"device": opt_dev},
+                            "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
+    if "nvme" in (param_dev, opt_dev) or system == "pyinfinity-auto":
+        zero["offload_param"]["nvme_path"] = spec["nvme_dir"]
+        zero["offload_optimizer"]["nvme_path"] = spec["nvme_dir"]
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+                           "gradient_clipping": 0.0, "optimizer": _adamw(spec), "zero_optimization": zero,
+                           "pyinfinity": {"device": spec["device"], "log_every": 1 << 30}}
+    if spec.get("cap_bytes"):
+        cfg["pyinfinity"]["device_memory"] = int(spec["cap_bytes"])
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif spec["dtype"] == "fp16":
+        cfg["fp16"] = {"enabled": True}
+    cfg["pyinfinity"].update(spec.get("pyinfinity_overrides") or {})
+    return cfg
+
+
+def deepspeed_config(spec: dict) -> dict:
+    system = spec["system"]
+    param_dev, opt_dev = {"deepspeed-cpu": ("cpu", "cpu"), "deepspeed-nvme": ("cpu", "nvme"),
+                          "deepspeed-nvme-all": ("nvme", "nvme")}[system]
+    ds = spec["deepspeed"]
+    zero: dict[str, Any] = {"stage": 3, "offload_param": {"device": param_dev, "pin_memory": True},
+                            "offload_optimizer": {"device": opt_dev, "pin_memory": True},
+                            "stage3_prefetch_bucket_size": ds["prefetch_bucket_size"],
+                            "stage3_max_live_parameters": ds["max_live_parameters"],
+                            "stage3_param_persistence_threshold": ds["param_persistence_threshold"]}
+    if param_dev == "nvme":
+        zero["offload_param"].update(nvme_path=spec["nvme_dir"], buffer_count=ds["buffer_count"],
+                                     buffer_size=ds["buffer_size"], max_in_cpu=ds["max_in_cpu"])
+    if opt_dev == "nvme":
+        zero["offload_optimizer"].update(nvme_path=spec["nvme_dir"], pipeline_read=ds["pipeline"],
+                                         pipeline_write=ds["pipeline"], buffer_count=ds["optimizer_buffer_count"])
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+                           "zero_optimization": zero, "optimizer": _adamw(spec), "aio": dict(ds["aio"]),
+                           "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif spec["dtype"] == "fp16":
+        cfg["fp16"] = {"enabled": True}
+    return cfg
+
+
+class Run:
+    """The model and one training step of a system; ``step`` runs forward, backward and the
+    optimizer, calling ``mark(phase)`` after each (for the traced step)."""
+
+    def __init__(self, spec: dict) -> None:
+        import torch
+
+        self.spec = spec
+        self.system = spec["system"]
+        self.device = torch.device(spec["device"])
+        self.engine: Any = None
+        self.params = 0
+        self.extra: dict[str, Any] = {}
+        self.close: Callable[[], None] = lambda: None
+        if self.system.startswith("pyinfinity"):
+            self._pyinfinity()
+        elif self.system.startswith("deepspeed"):
+            self._deepspeed()
+        else:
+            self._torch()
+
+    def _ckpt(self, model: Any) -> None:
+        if self.spec["checkpointing"]:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def _torch(self) -> None:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(_llama(self.spec)).to(dtype=_dtype(self.spec)).to(self.device)
+        self._ckpt(model)
+        model.train()
+        self.params = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=self.spec["lr"], betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=0.0, fused=True)
+
+        def step(x: Any, mark: Callable[[str], None]) -> float:
+            loss = model(input_ids=x, labels=x).loss
+            mark("forward")
+            loss.backward()
+            mark("backward")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mark("step")
+            return float(loss.detach())
+
+        self.step = step
+
+    def _pyinfinity(self) -> None:
+        from transformers import LlamaForCausalLM
+
+        import pyinfinity
+
+        cfg = pyinfinity_config(self.spec)
+        with pyinfinity.init_empty(cfg):
+            model = LlamaForCausalLM(_llama(self.spec))
+        self._ckpt(model)
+        eng = pyinfinity.initialize(model, cfg)
+        eng.train()
+        self.engine = eng
+        self.params = sum(p.numel() for p in model.parameters())
+        self.extra["auto"] = {d.key: d.value for d in eng.auto_decisions}
+        self.extra["config"] = cfg
+        self.records: list[Any] = []
+
+        def step(x: Any, mark: Callable[[str], None]) -> float:
+            loss = eng(input_ids=x, labels=x).loss
+            mark("forward")
+            eng.backward(loss)
+            mark("backward")
+            rec = eng.step()
+            mark("step")
+            self.records.append(rec)
+            return float(rec.loss) if rec is not None else float(loss.detach())
+
+        self.step = step
+        self.close = eng.close
+
+    def _deepspeed(self) -> None:
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", str(self.spec.get("master_port", 29517)))
+        try:
+            import deepspeed
+        except Exception as exc:  # ImportError, or a broken install failing at import
+            raise RuntimeError(f"deepspeed cannot be imported: {type(exc).__name__}: {exc}") from exc
+        from transformers import LlamaForCausalLM
+
+        cfg = deepspeed_config(self.spec)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = LlamaForCausalLM(_llama(self.spec))
+        self._ckpt(model)
+        eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        self.params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        self.extra["config"] = cfg
+        self.extra["deepspeed"] = deepspeed.__version__
+
+        def step(x: Any, mark: Callable[[str], None]) -> float:
+            loss = eng(input_ids=x, labels=x).loss
+            mark("forward")
+            eng.backward(loss)
+            mark("backward")
+            eng.step()
+            mark("step")
+            return float(loss.detach())
+
+        self.step = step
+
+        def close() -> None:
+            eng.destroy()
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+        self.close = close
+
+
+# ----------------------------------------------------------------------------------- the run
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(spec: dict, n: int) -> list[Any]:
+    """The same token ids for every system: a fixed-seed CPU generator."""
+    import torch
+
+    g = torch.Generator().manual_seed(int(spec.get("seed", 0)))
+    return [torch.randint(0, int(spec["model"]["vocab_size"]), (spec["batch"], spec["seq"]), generator=g)
+            for _ in range(n)]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def run(spec: dict) -> dict:
+    import torch
+
+    res: dict[str, Any] = {"system": spec["system"], "size": spec["size"], "ok": False}
+    device = torch.device(spec["device"])
+    torch.manual_seed(int(spec.get("seed", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        cap = spec.get("cap_bytes")
+        if cap and spec["system"] != "torch-nocap":
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+            res["cap_bytes"] = int(cap)
+    steps, warmup = int(spec["steps"]), int(spec["warmup"])
+    batches = _batches(spec, steps + 1)
+    r: Optional[Run] = None
+    phase = "build"
+    try:
+        t0 = time.perf_counter()
+        r = Run(spec)
+        res["build_seconds"] = round(time.perf_counter() - t0, 3)
+        res["params"] = r.params
+        res.update({k: v for k, v in r.extra.items() if k != "config"})
+        res["config"] = r.extra.get("config")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        phase = "train"
+        per_step: list[dict[str, Any]] = []
+        for i in range(steps):
+            x = batches[i].to(device)
+            io0 = proc_io()
+            _sync(device)
+            t = time.perf_counter()
+            loss = r.step(x, lambda _p: None)
+            _sync(device)
+            dt = time.perf_counter() - t
+            io1 = proc_io()
+            per_step.append({"seconds": round(dt, 5), "loss": loss, "disk_read": io1[0] - io0[0],
+                             "disk_write": io1[1] - io0[1]})
+            print(f"step {i + 1}/{steps}: {dt:.3f} s, loss {loss:.4f}", file=sys.stderr, flush=True)
+        res["steps"] = per_step
+        res["peak_device_allocated"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        res["peak_rss"] = peak_rss()
+        if r.engine is not None:
+            recs = [rec for rec in r.records if rec is not None][warmup:] or [rec for rec in r.records if rec]
+            moved: dict[str, float] = {}
+            for rec in recs:
+                for k, v in rec.bytes_moved.items():
+                    moved[k] = moved.get(k, 0) + v / len(recs)
+            res["bytes_moved_per_step"] = {k: int(v) for k, v in sorted(moved.items())}
+            ov = [rec.overlap_fraction for rec in recs if rec.overlap_fraction is not None]
+            res["overlap_fraction"] = sum(ov) / len(ov) if ov else None
+            res["optimizer_seconds"] = sum(rec.optimizer_seconds for rec in recs) / len(recs) if recs else None
+            rep = r.engine.memory_report()
+            res["placement"] = {"params": rep.params, "optimizer": rep.optimizer, "grads": rep.grads}
+        if spec.get("trace"):
+            phase = "trace"
+            res["trace"] = _traced_step(r, batches[steps].to(device), device)
+        res["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a row of the table
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        res["error_phase"] = phase
+        if _is_oom(exc):
+            res["error"] = "out of memory: " + str(exc).split("\n")[0][:300]
+            res["oom"] = True
+        else:
+            res["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+            res["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        if r is not None:
+            try:
+                r.close()
+            except Exception as exc:  # noqa: BLE001 - the result is what matters; say it
+                res["close_error"] = f"{type(exc).__name__}: {exc}"
+    if device.type == "cuda" and res.get("peak_device_allocated") is None:
+        res["peak_device_allocated"] = torch.cuda.max_memory_allocated(device)
+    res.setdefault("peak_rss", peak_rss())
+    return res
+
+
+STEP_LABEL = "pyinfinity.bench.step"
+
+
+def _traced_step(r: Run, x: Any, device: Any) -> dict[str, Any]:
+    """One more step under the tracers; returns the timeline (seconds from the step's start)."""
+    import torch
+
+    prof = None
+    if device.type == "cuda":
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+    marks: list[tuple[str, float]] = []
+
+    def mark(p: str) -> None:
+        _sync(device)
+        marks.append((p, time.perf_counter()))
+
+    _sync(device)
+    with DiskSampler() as sampler:
+        if prof is not None:
+            prof.__enter__()
+        try:
+            t0 = time.perf_counter()
+            # the annotation's start is the trace's time origin for the device lanes
+            with torch.profiler.record_function(STEP_LABEL):
+                r.step(x, mark)
+        finally:
+            if prof is not None:
+                prof.__exit__(None, None, None)
+    phases, start = [], t0
+    for name, t in marks:
+        phases.append([name, round(start - t0, 5), round(t - t0, 5)])
+        start = t
+    out: dict[str, Any] = {"seconds": round(marks[-1][1] - t0, 5) if marks else None, "phases": phases,
+                           "disk_read": sampler.intervals(t0, 1), "disk_write": sampler.intervals(t0, 2)}
+    if prof is not None:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            prof.export_chrome_trace(path)
+            try:
+                out.update(gpu_intervals(path))
+            except (OSError, ValueError, KeyError) as exc:
+                out["trace_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pyinfinity.bench.train_worker SPEC.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    res = run(spec)
+    sys.stdout.write(RESULT_PREFIX + json.dumps(res, default=str) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

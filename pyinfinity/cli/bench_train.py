@@ -1,0 +1,170 @@
+"""`pyinfinity bench train`: pyinfinity vs DeepSpeed ZeRO-3 vs plain PyTorch, training the same
+Llama-architecture models on the same data under the same device-memory cap.
+
+Every (size, system) pair runs in its own process; results are appended to --json, so the matrix
+can be measured over several sessions and reported together (--report-only redraws the table and
+the plot from the file). Each run's measured step time is set against an analytic bound
+(max of compute, PCIe, disk and CPU Adam time at rates measured in the same invocation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Optional
+
+from pyinfinity.bench.train import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
+                                    SIZES, BenchTrainError, Settings, load_results, plot, report, run_bench)
+from pyinfinity.bench.train_worker import SYSTEMS
+
+EPILOG = f"""
+systems: {', '.join(SYSTEMS)}
+  pyinfinity-cpu / deepspeed-cpu         parameters and optimizer states in RAM
+  pyinfinity-nvme / deepspeed-nvme       parameters in RAM, optimizer states on --nvme
+  pyinfinity-nvme-all / deepspeed-nvme-all  both on --nvme
+  pyinfinity-auto                        the planner decides (only what does not fit in RAM goes to disk)
+  torch                                  plain PyTorch under the cap (the smallest size only, unless --torch-all-sizes)
+  torch-nocap                            plain PyTorch without the cap (the compute reference)
+sizes: {', '.join(f'{k}' for k in SIZES)}, or a Llama config.json path
+DeepSpeed settings (defaults: the shared baseline script's): {json.dumps(DEEPSPEED_DEFAULTS)}
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pyinfinity bench train", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", help=f"comma-separated sizes, smallest first (default: {','.join(DEFAULT_SIZES_GPU)} "
+                                   f"with a GPU, {','.join(DEFAULT_SIZES_CPU)} without)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="comma-separated systems (default: %(default)s)")
+    p.add_argument("--nvme", metavar="DIR", help="swap directory for the nvme tiers (default: a temp dir under "
+                                                 "$PYINFINITY_SWAP_DIR or /tmp; removed per run)")
+    p.add_argument("--gpu-memory", default="8GiB", help="device-memory cap (torch's per-process memory "
+                                                        "fraction, and pyinfinity's budget); 0 = none")
+    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    p.add_argument("--batch", type=int, default=4, help="micro-batch size (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=1024, help="sequence length (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=5, help="steps per run, warm-up included (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="auto: bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--no-checkpointing", action="store_true", help="keep activations (default: recompute them)")
+    p.add_argument("--no-trace", action="store_true", help="skip the extra traced step (the timeline)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
+    p.add_argument("--torch-all-sizes", action="store_true", help="run plain torch at every size")
+    p.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE",
+                   help="a DeepSpeed setting (repeatable): prefetch_bucket_size, max_live_parameters, "
+                        "param_persistence_threshold, buffer_count, buffer_size, max_in_cpu, pipeline, "
+                        "optimizer_buffer_count, aio.block_size, aio.queue_depth, aio.intra_op_parallelism, ...")
+    p.add_argument("--pyinfinity", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra pyinfinity.* config key for the pyinfinity runs (repeatable), e.g. prefetch=false")
+    p.add_argument("--json", metavar="FILE", help="results file; runs are appended (created if missing)")
+    p.add_argument("--plot", metavar="PNG", help="throughput vs size per system, and one step's timeline")
+    p.add_argument("--timeline", metavar="SYSTEM@SIZE", help="the run whose traced step --plot draws "
+                                                             "(default: the largest pyinfinity run)")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+    p.add_argument("--report-only", action="store_true", help="run nothing: table and plot from --json")
+    p.add_argument("--log-dir", metavar="DIR", help="keep each run's log there (default: a temp dir)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _apply(dst: dict, items: list[str], flag: str, known: Optional[dict] = None) -> None:
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise BenchTrainError(f"{flag} {item!r}: expected KEY=VALUE")
+        parts = key.split(".")
+        d = dst
+        if known is not None:
+            k = known
+            for part in parts:
+                if not isinstance(k, dict) or part not in k:
+                    raise BenchTrainError(f"{flag} {key}: unknown setting; known: "
+                                          + ", ".join(_flat_keys(known)))
+                k = k[part]
+        for part in parts[:-1]:
+            d = d.setdefault(part, {})
+        d[parts[-1]] = _value(val)
+
+
+def _flat_keys(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out.extend(_flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"])
+    return out
+
+
+def settings_from_args(a: argparse.Namespace) -> Settings:
+    from pyinfinity.config import parse_size
+
+    cap = parse_size(a.gpu_memory, "--gpu-memory") if a.gpu_memory not in ("0", "none") else None
+    if a.sizes:
+        sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
+    else:
+        import torch
+
+        gpu = a.device.startswith("cuda") or (a.device == "auto" and torch.cuda.is_available())
+        sizes = list(DEFAULT_SIZES_GPU if gpu else DEFAULT_SIZES_CPU)
+    nvme = a.nvme or tempfile.mkdtemp(prefix="pyinfinity-bench-train-",
+                                      dir=os.environ.get("PYINFINITY_SWAP_DIR") or None)
+    a._made_nvme = None if a.nvme else nvme
+    for name, v, lo in (("--batch", a.batch, 1), ("--seq", a.seq, 2), ("--steps", a.steps, 1),
+                        ("--warmup", a.warmup, 0)):
+        if v < lo:
+            raise BenchTrainError(f"{name}: {v} is below {lo}")
+    if a.timeout <= 0:
+        raise BenchTrainError(f"--timeout: {a.timeout} must be positive")
+    s = Settings(sizes=sizes, systems=[x.strip() for x in a.systems.split(",") if x.strip()], nvme_dir=nvme,
+                 device=a.device, cap_bytes=cap, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
+                 dtype=a.dtype, checkpointing=not a.no_checkpointing, trace=not a.no_trace, timeout=a.timeout,
+                 torch_sizes="all" if a.torch_all_sizes else "smallest", log_dir=a.log_dir,
+                 progress=not a.no_progress)
+    _apply(s.deepspeed, a.ds, "--ds", known=DEEPSPEED_DEFAULTS)
+    _apply(s.pyinfinity, a.pyinfinity, "--pyinfinity")
+    return s
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if a.report_only:
+            if not a.json or not os.path.exists(a.json):
+                raise BenchTrainError("--report-only needs --json FILE with earlier results")
+            data = load_results(a.json)
+        else:
+            settings = settings_from_args(a)
+            try:
+                data = run_bench(settings, a.json)
+            finally:
+                if a._made_nvme:
+                    shutil.rmtree(a._made_nvme, ignore_errors=True)
+        print()
+        print(report(data))
+        if a.markdown:
+            with open(a.markdown, "w") as f:
+                f.write(report(data, markdown=True) + "\n")
+        if a.plot:
+            drawn = plot(data, a.plot, a.timeline)
+            print(f"plot: {a.plot}" + (f" (timeline: {drawn})" if drawn else " (no traced run for a timeline)"))
+        if a.json:
+            print(f"results: {a.json}")
+    except BenchTrainError as exc:
+        print(f"pyinfinity bench train: {exc}", file=sys.stderr)
+        return 2
+    runs = data["runs"]
+    return 0 if runs else 1
