@@ -199,6 +199,10 @@ class EngineConfig:
     checksums: a CRC-32C of every 64 KiB written to the swap files (computed in the I/O thread),
     verified on every read: a changed byte raises OSError(EBADMSG) naming file, offset and slot
     instead of being trained on (cost: RELIABILITY.md).
+    overlap_step: step each shard's optimizer in a background thread as soon as its gradient is
+    complete in the boundary micro-batch's backward (``zero.optimizer``). Exact only when nothing
+    global is needed before stepping: "auto" = on unless gradient clipping, fp16 loss scaling or
+    ``optimizer_step_device: device`` is in use; true with any of those is an error.
     """
 
     device: str = AUTO
@@ -208,6 +212,7 @@ class EngineConfig:
     optimizer_step_device: str = "cpu"  # cpu | device (states streamed to the compute device)
     log_every: int = 1
     checksums: bool = False
+    overlap_step: Union[bool, str] = AUTO  # True | False | "auto"
 
 
 @dataclass
@@ -482,7 +487,26 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
+    if "overlap_step" in d:
+        v = d["overlap_step"]
+        if v != AUTO and not isinstance(v, bool):
+            raise ConfigError(f"pyinfinity.overlap_step: expected true, false or \"auto\", got {v!r}")
+        e.overlap_step = v
     return e
+
+
+def overlap_step_blocker(c: Config) -> Optional[str]:
+    """Why the optimizer step cannot overlap backward under ``c`` (None: it can). Each reason is
+    global information the step needs before any shard may be stepped."""
+    if c.gradient_clipping > 0:
+        return (f"gradient_clipping {c.gradient_clipping:g} needs the global gradient norm before any shard "
+                "is stepped")
+    if c.fp16.enabled:
+        return "fp16 loss scaling needs the overflow check over all gradients before any shard is stepped"
+    if c.pyinfinity.optimizer_step_device == "device":
+        return ("optimizer_step_device \"device\" steps on the compute device, which a background thread "
+                "would share with backward")
+    return None
 
 
 def load_config(config: Union[dict, str, os.PathLike, Config]) -> Config:
@@ -582,6 +606,12 @@ def _reconcile_batch(c: Config, d: dict) -> None:
 
 def _validate(c: Config) -> None:
     z = c.zero_optimization
+    if c.pyinfinity.overlap_step is True:
+        why = overlap_step_blocker(c)
+        if why is not None:
+            raise ConfigError(f"pyinfinity.overlap_step: true is not exact here: {why}; set gradient_clipping "
+                              "to 0, disable fp16 (bf16 is fine) and use optimizer_step_device \"cpu\", or "
+                              "set overlap_step to \"auto\" (on only when it is exact) or false")
     if z.stage != 3:
         raise ConfigError(f"zero_optimization.stage: pyinfinity offloads ZeRO stage 3 shards; "
                           f"stage {z.stage} with offload_param/offload_optimizer is not supported (use 3)")
@@ -695,6 +725,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
       * max_in_cpu: the host budget left after the optimizer states placed in RAM.
       * stage3_param_persistence_threshold: 1e5 (DeepSpeed's default) when all shards of at most
         1e5 elements together cost <= 5% of the device budget, else 0.
+      * pyinfinity.overlap_step: true unless ``overlap_step_blocker`` names a reason (an engine
+        given "auto" itself also waits for its first optimizer step before overlapping).
     """
     c = _deepcopy(cfg)
     out: list[AutoDecision] = []
@@ -710,6 +742,11 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
     if e.device_memory == AUTO or e.device_memory is None:
         e.device_memory = budgets.device_memory
         out.append(AutoDecision("pyinfinity.device_memory", e.device_memory, "measured device budget"))
+    if e.overlap_step == AUTO:
+        blocker = overlap_step_blocker(c)
+        e.overlap_step = blocker is None
+        out.append(AutoDecision("pyinfinity.overlap_step", e.overlap_step,
+                                blocker or "no clipping, no fp16 loss scaling, optimizer steps on the CPU"))
     dev_budget = int(e.device_memory)
     opt_bytes = sizes.numel * 16  # fp32 master + exp_avg + exp_avg_sq + fp32 grad
     host = budgets.host_memory
@@ -785,4 +822,5 @@ def _deepcopy(c: Config) -> Config:
 
 
 __all__ = ["AUTO", "Config", "ConfigError", "load_config", "resolve_auto", "ModelSizes", "Budgets",
-           "AutoDecision", "parse_size", "format_size", "measure_budgets", "check_swap_dir", "replace"]
+           "AutoDecision", "parse_size", "format_size", "measure_budgets", "check_swap_dir", "replace",
+           "overlap_step_blocker"]

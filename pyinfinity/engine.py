@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from pyinfinity.config import AUTO, Config, ConfigError, ModelSizes, format_size, load_config
+from pyinfinity.config import AUTO, Config, ConfigError, ModelSizes, format_size, load_config, overlap_step_blocker
 from pyinfinity.swap.ownership import claim_swap_dirs, clean_checkpoint_leftovers
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.coordinator import ParameterCoordinator
@@ -39,6 +39,7 @@ ALIGN = 4096
 EXPORT_FILE_BYTES = 4 << 30  # safetensors file size cap of export (HF-style sharding above it)
 CHECKPOINT_INFLIGHT = 1 << 30  # bytes of checkpoint copies in flight to the disk at most
 HISTORY_STEPS = 10_000  # telemetry records kept (a run of days must not grow without bound)
+_overlap_off_logged: set[str] = set()  # why "auto" turned overlap_step off, logged once per process
 
 
 # ----------------------------------------------------------------------------------- records
@@ -63,7 +64,9 @@ class StepRecord:
     overlap_fraction: Optional[float]  # share of parameter transfer time hidden behind compute
     prefetch_hits: int
     on_demand_fetches: int
-    optimizer_seconds: float
+    optimizer_seconds: float  # time step() spent on the optimizer (with overlap_step: the wait after backward)
+    optimizer_busy_seconds: float = 0.0  # optimizer time in all threads (with overlap_step: hidden part included)
+    overlapped_shards: int = 0  # shards stepped in the background during the boundary backward
 
 
 @dataclass
@@ -153,6 +156,27 @@ def _resolve_device(spec: str) -> torch.device:
     return dev
 
 
+def _resolve_overlap_step(cfg: Config) -> str:
+    """``pyinfinity.overlap_step`` -> "on" | "off" | "probe". true/false as given (load_config
+    refused true where it is not exact); "auto" = off where clipping, fp16 loss scaling or a device
+    step needs it off, else "probe": on from the second optimizer step, once the first has shown
+    that the loop calls step() after backward() and every gradient arrives once per micro-batch."""
+    v = cfg.pyinfinity.overlap_step
+    if v != AUTO:
+        return "on" if v else "off"
+    why = overlap_step_blocker(cfg)
+    if why is None:
+        return "probe"
+    _log_overlap_off(why)
+    return "off"
+
+
+def _log_overlap_off(why: str) -> None:
+    if why not in _overlap_off_logged:
+        _overlap_off_logged.add(why)
+        log.info("auto: pyinfinity.overlap_step = false (%s)", why)
+
+
 def _model_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> ModelSizes:
     numel = pbytes = largest = largest_mod = persistent = small = 0
     seen: set[int] = set()
@@ -207,6 +231,8 @@ class Engine:
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
+        self._overlap_mode = _resolve_overlap_step(cfg)
+        self._poisoned: Optional[str] = None  # why the training state is partly stepped (load a checkpoint)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
@@ -340,7 +366,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (scaled for accumulation and fp16); gradients leave
         the device as they are produced."""
-        self._check_open()
+        self._check_trainable("backward()")
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise TypeError(f"loss: expected a tensor that requires grad (the output of engine(...) in train mode), "
                             f"got {type(loss).__name__ if not isinstance(loss, torch.Tensor) else 'one without grad'}")
@@ -350,12 +376,51 @@ class Engine:
             scaled = scaled * self.scaler.scale
         if self.gradient_accumulation_steps > 1:
             scaled = scaled / self.gradient_accumulation_steps
+        opt = self.optimizer
+        if self._overlap_mode == "probe" and opt._seen is None:
+            opt.probe_repeated_grads(True)
+        if self._overlap_mode == "on" and self.is_gradient_accumulation_boundary():
+            opt.begin_overlap()  # shards whose gradients are complete step during this backward
         self.coordinator.in_backward = True
         try:
-            scaled.backward()
-        finally:
-            self.coordinator.in_backward = False
-            self.coordinator.end_backward()
+            try:
+                scaled.backward()
+            finally:
+                self.coordinator.in_backward = False
+                self.coordinator.end_backward()
+        except BaseException as exc:
+            if opt.overlap_open:
+                self._abandon_overlap(f"backward() raised {exc!r}")
+            raise
+        err = opt.overlap_error()
+        if err is not None:  # the background step failed (or a gradient came too late): raised here
+            self._abandon_overlap(f"the background optimizer step failed: {err!r}")
+            raise err
+
+    @property
+    def overlap_step(self) -> bool:
+        """Whether the next boundary backward steps shards in the background (pyinfinity.overlap_step)."""
+        return self._overlap_mode == "on"
+
+    def _abandon_overlap(self, why: str) -> None:
+        """Closes an overlap window that cannot complete: waits for the background step to finish what
+        it was handed, writes no parameter. If any shard was handed, the optimizer state is partly
+        stepped (and parameter homes are not): backward/step/save refuse until load_checkpoint()."""
+        try:
+            stepped = self.optimizer.cancel_overlap()
+        except BaseException:
+            self._poisoned = f"{why}; the background step could not be stopped cleanly"
+            raise
+        if stepped:
+            self._poisoned = f"{why} after {stepped} shards had been handed to the background step (overlap_step)"
+            log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on",
+                      self._poisoned)
+
+    def _check_trainable(self, what: str) -> None:
+        self._check_open()
+        if self._poisoned is not None:
+            raise RuntimeError(f"{what}: the training state is partly stepped ({self._poisoned}); "
+                               "load_checkpoint() or build a new engine")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -363,19 +428,39 @@ class Engine:
     def step(self) -> Optional[StepRecord]:
         """Counts a micro-batch; at the accumulation boundary applies the optimizer, steps the lr
         schedule, zeroes the gradients and returns the step's telemetry."""
-        self._check_open()
+        self._check_trainable("step()")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and not self._losses:
             raise RuntimeError("step(): no backward() since the last optimizer step; call engine.backward(loss) "
                                "first (a step on zero gradients would still apply weight decay and momentum)")
         self.micro_steps += 1
+        probing = self._overlap_mode == "probe"
+        if probing:
+            self.optimizer.probe_repeated_grads(True)  # a new micro-batch
         if not boundary:
             return None
-        self.coordinator.release_all()
-        self._ownership.verify()  # a truncated swap file is an error here, not data
         fp16 = self.config.fp16.enabled
-        res = self.optimizer.step(grad_scale=self.scaler.scale if fp16 else 1.0,
-                                  clip=self.config.gradient_clipping, check_overflow=fp16)
+        was_open = self.optimizer.overlap_open
+        try:
+            # every shard released first: the step rewrites the parameter homes
+            self.coordinator.release_all()
+            self._ownership.verify()  # a truncated swap file is an error here, not data
+            res = self.optimizer.step(grad_scale=self.scaler.scale if fp16 else 1.0,
+                                      clip=self.config.gradient_clipping, check_overflow=fp16)
+        except BaseException as exc:
+            if self.optimizer.overlap_open:
+                self._abandon_overlap(f"step() raised {exc!r}")
+            elif was_open:  # failed while completing the overlapped step: some shards stepped, some not
+                self._poisoned = f"the overlapped optimizer step failed: {exc!r}"
+            raise
+        if probing:  # "auto": the first step decides
+            self.optimizer.probe_repeated_grads(False)
+            if self.optimizer.repeated_grad is not None:
+                self._overlap_mode = "off"
+                _log_overlap_off(f"{self.optimizer.repeated_grad!r} got more than one gradient in one micro-batch "
+                                 "(a layer reused under reentrant checkpointing, or several backward() calls)")
+            else:
+                self._overlap_mode = "on"
         if fp16:
             self.scaler.update(res.skipped)
             if res.skipped:
@@ -396,6 +481,9 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Zeroes the accumulated gradients (``step`` does this itself at the boundary)."""
+        if self.optimizer.overlap_open:
+            raise RuntimeError("zero_grad(): between the boundary backward() and step() with overlap_step on, "
+                               "shards are already being stepped; call step() (or set pyinfinity.overlap_step false)")
         self.optimizer.zero_grad()
 
     def train(self, mode: bool = True) -> "Engine":
@@ -456,7 +544,8 @@ class Engine:
                          peak_device_bytes=self.coordinator.budget.peak, peak_device_allocated=peak_alloc,
                          bytes_moved=moved, overlap_fraction=overlap,
                          prefetch_hits=f1.prefetch_hits - f0.prefetch_hits,
-                         on_demand_fetches=f1.on_demand - f0.on_demand, optimizer_seconds=res.seconds)
+                         on_demand_fetches=f1.on_demand - f0.on_demand, optimizer_seconds=res.seconds,
+                         optimizer_busy_seconds=res.busy_seconds, overlapped_shards=res.overlapped_shards)
         self._mark = cur
         self._losses.clear()
         self._tokens = 0
@@ -489,7 +578,8 @@ class Engine:
                         client_state: Optional[dict] = None) -> str:
         """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
         written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
-        self._check_open()
+        self._check_trainable("save_checkpoint()")
+        self._check_no_overlap("save_checkpoint()")
         if self.micro_steps % self.gradient_accumulation_steps:
             log.warning("save_checkpoint inside a gradient-accumulation window: the partial "
                         "gradients are not saved")
@@ -600,6 +690,8 @@ class Engine:
             rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
         except Exception as exc:  # noqa: BLE001 - any unpickling error means a torn file
             raise ValueError(f"checkpoint {path!r}: rng.pt missing or torn ({exc})") from exc
+        if self.optimizer.overlap_open:  # the loaded state replaces whatever the window stepped
+            self._abandon_overlap("load_checkpoint() during an overlapped step")
         self.coordinator.release_all()
         io = self._io()
         shards = self.partition.shards
@@ -627,10 +719,12 @@ class Engine:
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.optimizer.zero_grad()
         self.coordinator.refresh_persistent()
+        self._poisoned = None  # every shard's state and values are the checkpoint's now
         log.info("checkpoint loaded: %s (step %d)", path, self.global_steps)
         return path, meta["client_state"]
 
     def _trained_values(self, sh: FlatShard) -> torch.Tensor:
+        self._check_no_overlap("reading the trained values")
         st = self.optimizer.state_of(sh)
         if st is None:
             return self._shard_param_values(sh)
@@ -645,7 +739,8 @@ class Engine:
         parameter's original dtype. Returns the files written."""
         from safetensors.torch import save_file
 
-        self._check_open()
+        self._check_trainable("export()")
+        self._check_no_overlap("export()")
         self.coordinator.release_all()
         os.makedirs(out_dir, exist_ok=True)
         names: dict[int, list[str]] = {}
@@ -695,6 +790,12 @@ class Engine:
         if self._closed:
             raise RuntimeError("Engine: used after close()")
 
+    def _check_no_overlap(self, what: str) -> None:
+        if self.optimizer.overlap_open:
+            raise RuntimeError(f"{what}: called between the boundary backward() and step() with overlap_step on "
+                               "(part of the model is already stepped, its new values not yet written); call "
+                               "step() first")
+
     @staticmethod
     def _cleanup(param_swapper: TensorSwapper, optim_swapper: TensorSwapper, engines: dict,
                  ownership: Any = None) -> None:
@@ -725,7 +826,10 @@ class Engine:
                 coord.close()
             except Exception as exc:  # noqa: BLE001 - e.g. a failed read left a shard in flight:
                 log.warning("closing the parameter coordinator: %r", exc)  # the swap files still go
-        self.optimizer.close()
+        try:
+            self.optimizer.close()  # stops the background step thread first
+        except Exception as exc:  # noqa: BLE001 - the swap files still go
+            log.warning("closing the optimizer: %r", exc)
         fin = self.__dict__.pop("_finalizer", None)
         if fin is not None:
             atexit.unregister(fin)

@@ -1,0 +1,318 @@
+"""pyinfinity.overlap_step: the optimizer step of a shard runs in a background thread during the
+boundary micro-batch's backward. Parity with the serial step (bit-identical parameters and optimizer
+state over tiers and accumulation), the knob's validation and "auto", and failures: an exception in
+the background step or in backward surfaces as itself, training then refuses to go on with a partly
+stepped state until a checkpoint is loaded, and the engine closes without hanging."""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+import pyinfinity
+from pyinfinity.config import ConfigError
+from pyinfinity.swap.faults import fault_injection
+
+
+def _overlap_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "pyinfinity-overlap-step"]
+
+
+def _state(eng) -> dict:
+    """Every shard's [master | exp_avg | exp_avg_sq], step count and parameter values (its home)."""
+    out = {}
+    for st, flat in eng.optimizer.iter_states(write_back=False):
+        out[f"optim.{st.shard.index}"] = flat.clone()
+        out[f"step.{st.shard.index}"] = torch.tensor(st.step)
+    for sh in eng.partition.shards:
+        out[f"param.{sh.index}"] = eng._shard_param_values(sh).clone()
+    return out
+
+
+def _model(tiny_lm, frozen_and_unused: bool):
+    m = tiny_lm()
+    if frozen_and_unused:
+        m.blocks[1].norm.bias.requires_grad_(False)  # a frozen slice inside a trainable shard
+        m.unused = torch.nn.Linear(4, 4)  # trainable, never gets a gradient: steps on zeros at step()
+    return m
+
+
+def _run(tiny_lm, batches, cfg, frozen_and_unused=False):
+    with pyinfinity.initialize(_model(tiny_lm, frozen_and_unused), cfg) as eng:
+        losses = []
+        for x, y in batches:
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+        return losses, list(eng.history), _state(eng)
+
+
+@pytest.mark.parametrize("tier, ratio, gas, persistent, extra", [
+    ("cpu", None, 1, 0, False),
+    ("cpu", None, 3, 100, True),  # small shards resident on the device, frozen and unused params
+    ("nvme", None, 2, 0, False),
+    ("nvme", 0.5, 2, 0, True),  # half the optimizer state in RAM, half on NVMe
+])
+def test_overlap_is_bit_identical_to_the_serial_step(tier, ratio, gas, persistent, extra, tiny_lm, lm_batches,
+                                                     engine_config):
+    steps = 4
+    batches = lm_batches(steps * gas)
+    got = {}
+    for overlap in (False, True):
+        cfg = engine_config(tier, gradient_accumulation_steps=gas)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistent
+        if ratio is not None:
+            cfg["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+        cfg["pyinfinity"]["overlap_step"] = overlap
+        got[overlap] = _run(tiny_lm, batches, cfg, extra)
+    (l0, h0, s0), (l1, h1, s1) = got[False], got[True]
+    assert len(h1) == steps
+    assert all(r.overlapped_shards == 0 for r in h0)
+    assert all(r.overlapped_shards > 0 for r in h1)  # the mechanism ran (not the serial fallback)
+    assert l0 == l1
+    assert [r.grad_norm for r in h0] == [r.grad_norm for r in h1]  # telemetry unchanged
+    assert all(r.optimizer_busy_seconds > 0 for r in h1)
+    assert s0.keys() == s1.keys()
+    for k in s0:
+        assert torch.equal(s0[k], s1[k]), k
+
+
+def test_nvme_values_kept_for_step_are_bounded_by_the_staging_buffers(tiny_lm, lm_batches, engine_config):
+    """NVMe-tier shards stepped in the background keep their new values until step(); past the
+    size of the staging buffers the rest is stepped by step() itself (and still bit-identical)."""
+    batches = lm_batches(2)
+    cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "overlap_step": True})
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = 2
+    cfg["zero_optimization"]["offload_optimizer"]["pipeline_read"] = False
+    cfg["zero_optimization"]["offload_optimizer"]["pipeline_write"] = False
+    _, hist, state = _run(tiny_lm, batches, cfg)
+    n_shards = sum(1 for k in state if k.startswith("optim."))
+    assert all(0 < r.overlapped_shards < n_shards for r in hist)
+    cfg["pyinfinity"]["overlap_step"] = False
+    _, _, ref = _run(tiny_lm, batches, cfg)
+    assert all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+# ----------------------------------------------------------------------------------- the knob
+
+
+@pytest.mark.parametrize("value, needle", [("yes", "pyinfinity.overlap_step"), (1, "pyinfinity.overlap_step"),
+                                           (None, "pyinfinity.overlap_step")])
+def test_bad_values_name_the_key(value, needle, engine_config):
+    cfg = engine_config(pyinfinity={"device": "cpu", "overlap_step": value})
+    with pytest.raises(ConfigError, match=needle):
+        pyinfinity.config.load_config(cfg)
+
+
+def test_typo_suggests_the_key(engine_config):
+    with pytest.raises(ConfigError, match="did you mean 'overlap_step'"):
+        pyinfinity.config.load_config(engine_config(pyinfinity={"device": "cpu", "overlap_steps": True}))
+
+
+@pytest.mark.parametrize("over, needle", [
+    ({"gradient_clipping": 1.0}, "gradient_clipping 1 needs the global gradient norm"),
+    ({"fp16": {"enabled": True}}, "fp16 loss scaling needs the overflow check"),
+    ({"pyinfinity": {"device": "cpu", "optimizer_step_device": "device"}}, "optimizer_step_device"),
+])
+def test_true_where_it_is_not_exact_is_an_error(over, needle, engine_config):
+    cfg = engine_config(**over)
+    cfg["pyinfinity"] = {**cfg["pyinfinity"], "overlap_step": True}
+    with pytest.raises(ConfigError, match=f"pyinfinity.overlap_step: true is not exact here: {needle}"):
+        pyinfinity.config.load_config(cfg)
+    cfg["pyinfinity"]["overlap_step"] = "auto"
+    pyinfinity.config.load_config(cfg)  # auto and false are fine
+
+
+def test_auto_is_on_from_the_second_step_without_clipping_and_off_with_it(tiny_lm, lm_batches, engine_config,
+                                                                            caplog):
+    batches = lm_batches(2)
+    with pyinfinity.initialize(tiny_lm(), engine_config()) as eng:
+        assert eng.overlap_step is False  # the first step shows how the loop uses the engine
+        eng.backward(eng(*batches[0]))
+        assert eng.step().overlapped_shards == 0
+        assert eng.overlap_step is True
+        eng.backward(eng(*batches[1]))
+        assert eng.step().overlapped_shards > 0
+    pyinfinity.engine._overlap_off_logged.clear()
+    with caplog.at_level(logging.INFO, logger="pyinfinity.engine"):
+        with pyinfinity.initialize(tiny_lm(), engine_config(gradient_clipping=0.5)) as eng:
+            for x, y in batches:
+                eng.backward(eng(x, y))
+                assert eng.step().overlapped_shards == 0
+            assert eng.overlap_step is False
+    msgs = [r.getMessage() for r in caplog.records if "overlap_step" in r.getMessage()]
+    assert len(msgs) == 1 and "gradient_clipping" in msgs[0] and "= false" in msgs[0]
+
+
+def test_auto_leaves_backward_alone_until_the_loop_has_called_step(tiny_lm, lm_batches, engine_config):
+    """backward() only, gradients inspected and zeroed (no step()): nothing is stepped behind the loop."""
+    (x, y), = lm_batches(1)
+    with pyinfinity.initialize(tiny_lm(), engine_config()) as eng:
+        for _ in range(3):
+            eng.backward(eng(x, y))
+            assert not eng.optimizer.overlap_open
+            eng.zero_grad()
+        assert all(st.step == 0 for st in eng.optimizer.states)
+
+
+class _ReusedUnderCheckpoint(torch.nn.Module):
+    """Layer 0 applied twice, in two reentrant checkpointed segments: its parameters' gradient hooks
+    run twice in one backward, so "all gradients in" comes too early for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in (self.layers[0], self.layers[1], self.layers[0]):
+            x = x + checkpoint(layer, x, use_reentrant=True)
+        return x.pow(2).mean()
+
+
+def test_auto_stays_off_when_a_gradient_arrives_twice_and_true_refuses_it(engine_config, caplog):
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def run(overlap):
+        torch.manual_seed(0)
+        cfg = engine_config()
+        if overlap is not None:
+            cfg["pyinfinity"]["overlap_step"] = overlap
+        with pyinfinity.initialize(_ReusedUnderCheckpoint(), cfg) as eng:
+            for _ in range(3):
+                eng.backward(eng(x))
+                eng.step()
+            return eng.overlap_step, [eng._trained_values(sh).clone() for sh in eng.partition.shards]
+
+    pyinfinity.engine._overlap_off_logged.clear()
+    with caplog.at_level(logging.INFO, logger="pyinfinity.engine"):
+        on, got = run(None)
+    assert on is False
+    assert any("more than one gradient in one micro-batch" in r.getMessage() for r in caplog.records)
+    _, want = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(RuntimeError, match="after all its gradients were in"):
+        run(True)
+
+
+# ----------------------------------------------------------------------------------- failures
+
+
+def _close_quickly(eng) -> None:
+    t0 = time.perf_counter()
+    eng.close()
+    assert time.perf_counter() - t0 < 10
+    assert not _overlap_threads()
+
+
+def test_an_io_error_in_the_background_step_surfaces_and_blocks_training(tiny_lm, lm_batches, engine_config,
+                                                                          tmp_path):
+    """Writes during backward are the background step's own (optimizer state write-backs): failing
+    them all makes backward() or step() raise that OSError; then the state is partly stepped, so
+    training refuses to go on until a checkpoint is loaded."""
+    cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "overlap_step": True})
+    (x, y), (x2, y2) = lm_batches(2)
+    eng = pyinfinity.initialize(tiny_lm(), cfg)
+    try:
+        eng.backward(eng(x, y))
+        eng.step()
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+        with fault_injection("write", nth=1, action="errno", value=errno.EIO, count=0):
+            with pytest.raises(OSError) as ei:
+                eng.backward(eng(x2, y2))
+                eng.step()
+        assert ei.value.errno == errno.EIO
+        assert not eng.optimizer.overlap_open
+        for call in (lambda: eng.step(), lambda: eng.backward(eng(x2, y2)), lambda: eng.save_checkpoint(str(tmp_path / "c2"))):
+            with pytest.raises(RuntimeError, match="partly stepped"):
+                call()
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        eng.backward(eng(x2, y2))
+        assert eng.step().overlapped_shards > 0  # trains again
+    finally:
+        _close_quickly(eng)
+
+
+def test_the_background_steps_own_exception_is_raised_as_itself(tiny_lm, lm_batches, engine_config, monkeypatch):
+    boom = ValueError("adam exploded")
+    (x, y), = lm_batches(1)
+    eng = pyinfinity.initialize(tiny_lm(), engine_config(pyinfinity={"device": "cpu", "overlap_step": True}))
+    try:
+        real = eng.optimizer._adam
+
+        def adam(*a, **kw):
+            if threading.current_thread().name == "pyinfinity-overlap-step":
+                raise boom
+            return real(*a, **kw)
+
+        monkeypatch.setattr(eng.optimizer, "_adam", adam)
+        with pytest.raises(ValueError) as ei:
+            eng.backward(eng(x, y))
+            eng.step()
+        assert ei.value is boom
+    finally:
+        _close_quickly(eng)
+
+
+def test_a_failing_backward_stops_the_background_step(tiny_lm, lm_batches, engine_config, tmp_path):
+    """backward() raises after some shards were stepped in the background: the error is backward's,
+    nothing runs on, and the partly stepped state is refused until load_checkpoint()."""
+    (x, y), = lm_batches(1)
+    eng = pyinfinity.initialize(tiny_lm(), engine_config(pyinfinity={"device": "cpu", "overlap_step": True}))
+    try:
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+        want = eng(x, y).item()
+
+        def fail(module, grad_in, grad_out):
+            raise KeyError("backward failed in blocks.0")
+
+        h = eng.module.blocks[0].register_full_backward_hook(fail)  # after the later blocks' grads are in
+        with pytest.raises(KeyError, match="backward failed"):
+            eng.backward(eng(x, y))
+        h.remove()
+        assert not eng.optimizer.overlap_open
+        with pytest.raises(RuntimeError, match="partly stepped.*backward\\(\\) raised"):
+            eng.step()
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert eng(x, y).item() == want
+    finally:
+        _close_quickly(eng)
+
+
+def test_a_second_backward_in_the_boundary_micro_batch_is_refused(tiny_lm, lm_batches, engine_config):
+    (x, y), = lm_batches(1)
+    eng = pyinfinity.initialize(tiny_lm(), engine_config(pyinfinity={"device": "cpu", "overlap_step": True}))
+    try:
+        eng.backward(eng(x, y))
+        with pytest.raises(RuntimeError, match="after all its gradients were in"):
+            eng.backward(eng(x, y))
+        with pytest.raises(RuntimeError, match="partly stepped"):
+            eng.step()
+    finally:
+        _close_quickly(eng)
+
+
+def test_calls_that_need_a_complete_step_refuse_the_open_window(tiny_lm, lm_batches, engine_config, tmp_path):
+    (x, y), = lm_batches(1)
+    with pyinfinity.initialize(tiny_lm(), engine_config(pyinfinity={"device": "cpu", "overlap_step": True})) as eng:
+        eng.backward(eng(x, y))
+        for call in (lambda: eng.save_checkpoint(str(tmp_path / "c")), lambda: eng.export(str(tmp_path / "e")),
+                     eng.zero_grad):
+            with pytest.raises(RuntimeError, match="step\\(\\)"):
+                call()
+        assert eng.step().overlapped_shards > 0
+        eng.save_checkpoint(str(tmp_path / "c"))
+
+
+def test_close_in_the_middle_of_a_window_does_not_hang(tiny_lm, lm_batches, engine_config):
+    (x, y), = lm_batches(1)
+    eng = pyinfinity.initialize(tiny_lm(), engine_config("nvme", pyinfinity={"device": "cpu", "overlap_step": True}))
+    eng.backward(eng(x, y))
+    assert eng.optimizer.overlap_open
+    _close_quickly(eng)
