@@ -163,6 +163,10 @@ class OffloadOptimizer:
         self._window: Optional[_OverlapWindow] = None  # the open overlap window, if any
         self._queue: "queue.SimpleQueue[Optional[tuple[ShardOptimState, _OverlapWindow]]]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
+        # intra-op threads of the background step (None: torch's). On a CPU compute device backward
+        # uses every core: a second full OpenMP team there made steps 40% slower on 2 cores.
+        self.overlap_threads: Optional[int] = None
+        self._worker_ready = threading.Event()
         # probe for "auto": slices with a gradient in this micro-batch, and the first one that got two
         self._seen: Optional[set[tuple[int, int]]] = None
         self.repeated_grad: Optional[str] = None
@@ -438,8 +442,15 @@ class OffloadOptimizer:
             st.handed = False
         self._window = _OverlapWindow(hyper=self._hyper(), held_cap=sum(b.numel() * 4 for b in staging))
         if self._worker is None or not self._worker.is_alive():
+            self._worker_ready.clear()
             self._worker = threading.Thread(target=self._work, name="pyinfinity-overlap-step", daemon=True)
             self._worker.start()
+            if not self._worker_ready.wait(OVERLAP_STUCK_S):
+                raise RuntimeError(f"overlap_step: the background step thread did not start in {OVERLAP_STUCK_S:.0f}s")
+            if self.overlap_threads is not None:
+                # torch.set_num_threads also set the default of threads started later: put it back
+                # (this thread keeps its own count, the worker keeps overlap_threads)
+                torch.set_num_threads(torch.get_num_threads())
 
     def _hand_off(self, st: ShardOptimState, win: _OverlapWindow) -> None:
         if win.error is not None:
@@ -457,6 +468,10 @@ class OffloadOptimizer:
 
     def _work(self) -> None:
         """The background thread: steps handed shards in order, one at a time."""
+        if self.overlap_threads is not None:
+            torch.get_num_threads()  # the thread's lazy init first, or its first op would redo it from the default
+            torch.set_num_threads(self.overlap_threads)  # this thread's team (begin_overlap restores the default)
+        self._worker_ready.set()
         slot = 0
         pending: dict[int, Any] = {}  # staging buffer -> write-back in flight
         while True:

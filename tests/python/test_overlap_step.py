@@ -128,8 +128,50 @@ def test_true_where_it_is_not_exact_is_an_error(over, needle, engine_config):
     pyinfinity.config.load_config(cfg)  # auto and false are fine
 
 
+@pytest.fixture
+def auto_on_cpu(monkeypatch):
+    """"auto" decides as on a GPU (it is off on a CPU compute device, tested below)."""
+    monkeypatch.setattr(pyinfinity.engine, "AUTO_OVERLAP_ON_CPU", True)
+
+
+def test_auto_is_off_on_a_cpu_compute_device(tiny_lm, lm_batches, engine_config, caplog):
+    pyinfinity.engine._overlap_off_logged.clear()
+    with caplog.at_level(logging.INFO, logger="pyinfinity.engine"):
+        with pyinfinity.initialize(tiny_lm(), engine_config()) as eng:
+            for x, y in lm_batches(2):
+                eng.backward(eng(x, y))
+                assert eng.step().overlapped_shards == 0
+            assert eng.overlap_step is False
+    assert any("overlap_step = false (the compute device is the CPU" in r.getMessage() for r in caplog.records)
+
+
+def test_the_background_step_leaves_torchs_thread_count_alone(tiny_lm, lm_batches, engine_config, monkeypatch):
+    """On a CPU device the background step runs one intra-op thread; the caller's count and the
+    default of threads started later stay what they were."""
+    want = torch.get_num_threads()
+    (x, y), = lm_batches(1)
+    in_worker = []
+    with pyinfinity.initialize(tiny_lm(), engine_config(pyinfinity={"device": "cpu", "overlap_step": True})) as eng:
+        real = eng.optimizer._adam
+
+        def adam(*a, **kw):
+            if threading.current_thread().name == "pyinfinity-overlap-step":
+                in_worker.append(torch.get_num_threads())
+            return real(*a, **kw)
+
+        monkeypatch.setattr(eng.optimizer, "_adam", adam)
+        eng.backward(eng(x, y))
+        assert eng.step().overlapped_shards > 0
+    assert in_worker and set(in_worker) == {1}
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == want and seen == [want]
+
+
 def test_auto_is_on_from_the_second_step_without_clipping_and_off_with_it(tiny_lm, lm_batches, engine_config,
-                                                                            caplog):
+                                                                            caplog, auto_on_cpu):
     batches = lm_batches(2)
     with pyinfinity.initialize(tiny_lm(), engine_config()) as eng:
         assert eng.overlap_step is False  # the first step shows how the loop uses the engine
@@ -149,7 +191,7 @@ def test_auto_is_on_from_the_second_step_without_clipping_and_off_with_it(tiny_l
     assert len(msgs) == 1 and "gradient_clipping" in msgs[0] and "= false" in msgs[0]
 
 
-def test_auto_leaves_backward_alone_until_the_loop_has_called_step(tiny_lm, lm_batches, engine_config):
+def test_auto_leaves_backward_alone_until_the_loop_has_called_step(tiny_lm, lm_batches, engine_config, auto_on_cpu):
     """backward() only, gradients inspected and zeroed (no step()): nothing is stepped behind the loop."""
     (x, y), = lm_batches(1)
     with pyinfinity.initialize(tiny_lm(), engine_config()) as eng:
@@ -176,7 +218,7 @@ class _ReusedUnderCheckpoint(torch.nn.Module):
         return x.pow(2).mean()
 
 
-def test_auto_stays_off_when_a_gradient_arrives_twice_and_true_refuses_it(engine_config, caplog):
+def test_auto_stays_off_when_a_gradient_arrives_twice_and_true_refuses_it(engine_config, caplog, auto_on_cpu):
     x = torch.randn(4, 8, requires_grad=True)
 
     def run(overlap):
