@@ -565,6 +565,10 @@ class OffloadOptimizer:
             self._window = None
             raise win.error
         self._window = None  # the worker is idle: the rest runs here
+        if self._hyper() != win.hyper:  # every shard of a step uses one set: the one backward started with
+            log.warning("overlap_step: lr/betas/eps/weight_decay changed between backward() and step() (%s -> %s); "
+                        "this step used the values backward() started with: set them before backward()",
+                        win.hyper, self._hyper())
         handed = {id(st): (new, norm) for st, new, norm in win.done}
         rest = [st for st in self.states if id(st) not in handed]
         self._fill_unwritten(rest)

@@ -358,3 +358,24 @@ def test_close_in_the_middle_of_a_window_does_not_hang(tiny_lm, lm_batches, engi
     eng.backward(eng(x, y))
     assert eng.optimizer.overlap_open
     _close_quickly(eng)
+
+
+def test_hyperparameters_are_those_backward_started_with(tiny_lm, lm_batches, engine_config, caplog):
+    """An lr set between backward() and step() does not split a step in two: every shard uses the lr
+    of the backward (as the shards stepped during it did), and a warning says so."""
+    batches = lm_batches(2)
+    got = {}
+    for overlap in (False, True):
+        cfg = engine_config(pyinfinity={"device": "cpu", "overlap_step": overlap})
+        with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+            for i, (x, y) in enumerate(batches):
+                if not overlap:
+                    eng.optimizer.param_groups[0]["lr"] = 1e-2 * (i + 1)
+                eng.backward(eng(x, y))
+                if overlap:  # set too late: the step keeps the lr backward started with
+                    eng.optimizer.param_groups[0]["lr"] = 1e-2 * (i + 2)
+                with caplog.at_level(logging.WARNING, logger="pyinfinity.zero.optimizer"):
+                    eng.step()
+            got[overlap] = _state(eng)
+    assert any("changed between backward() and step()" in r.getMessage() for r in caplog.records)
+    assert all(torch.equal(got[False][k], got[True][k]) for k in got[False])
