@@ -452,7 +452,9 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
             res["invocation"] = inv_index
             res["batch"], res["seq"], res["dtype"], res["device"] = settings.batch, settings.seq, dtype, device
             res["checkpointing"] = settings.checkpointing
-            res["params"] = res.get("params") or facts["params"]
+            # the analytic count, the same for every system of a size; the worker's own count beside it
+            res["params_counted"] = res.get("params")
+            res["params"] = facts["params"]
             res["flops_per_step"] = facts["flops_per_step"]
             if res.get("ok"):
                 _summarise(res, settings.warmup, tokens, facts)

@@ -255,7 +255,7 @@ class Run:
         eng = pyinfinity.initialize(model, cfg)
         eng.train()
         self.engine = eng
-        self.params = sum(p.numel() for p in model.parameters())
+        self.params = sum(sh.numel for sh in eng.partition.shards)  # the model's own are placeholders now
         self.extra["auto"] = {d.key: d.value for d in eng.auto_decisions}
         self.extra["config"] = cfg
         self.records: list[Any] = []

@@ -123,6 +123,7 @@ def test_bench_train_end_to_end_on_the_cpu(tmp_path):
         assert len(r["steps"]) == 3 and r["step_seconds"] > 0 and r["tokens_per_s"] == pytest.approx(64 / r["step_seconds"])
         assert r["bound"]["seconds"] > 0 and r["step_over_bound"] == pytest.approx(r["step_seconds"] / r["bound"]["seconds"])
         assert r["peak_rss"] > 0 and r["trace"]["phases"][0][0] == "forward"
+        assert r["params_counted"] == r["params"]  # the engine's shards hold the whole model
         assert [p[0] for p in r["trace"]["phases"]] == ["forward", "backward", "step"]
     nv = runs["pyinfinity-nvme"]
     assert nv["bound"]["bound_by"] in ("disk", "compute", "cpu_adam") and "disk" in nv["bound"]["terms"]

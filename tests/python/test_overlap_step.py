@@ -142,7 +142,19 @@ def test_auto_is_off_on_a_cpu_compute_device(tiny_lm, lm_batches, engine_config,
                 eng.backward(eng(x, y))
                 assert eng.step().overlapped_shards == 0
             assert eng.overlap_step is False
-    assert any("overlap_step = false (the compute device is the CPU" in r.getMessage() for r in caplog.records)
+    assert any("overlap_step = false (the compute device is the CPU and the optimizer state is in RAM"
+               in r.getMessage() for r in caplog.records)
+
+
+def test_auto_is_on_on_a_cpu_compute_device_when_the_optimizer_state_is_on_disk(tiny_lm, lm_batches, engine_config):
+    """With the state on disk the background step mostly waits for the disk: worth overlapping."""
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        recs = []
+        for x, y in lm_batches(3):
+            eng.backward(eng(x, y))
+            recs.append(eng.step())
+        assert eng.overlap_step is True
+        assert recs[0].overlapped_shards == 0 and recs[-1].overlapped_shards > 0
 
 
 def test_the_background_step_leaves_torchs_thread_count_alone(tiny_lm, lm_batches, engine_config, monkeypatch):
