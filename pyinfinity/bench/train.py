@@ -547,6 +547,15 @@ def ratio_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
         else:
             out.append(f"{size}: {system} trains ({r['tokens_per_s']:,.0f} tok/s); {peer} failed: "
                        f"{str(p.get('error', ''))[:100]}")
+    for size in sorted({r["size"] for r in runs}, key=lambda z: next(r["params"] for r in runs if r["size"] == z)):
+        ref = next((by[(size, t)] for t in ("torch-nocap", "torch") if by.get((size, t), {}).get("ok")), None)
+        if ref is None:
+            continue
+        over = [f"{r['system']} {r['step_seconds'] / ref['step_seconds']:.2f}x" for r in runs
+                if r["size"] == size and r.get("ok") and not r["system"].startswith("torch")]
+        if over:
+            out.append(f"{size}: step time over plain {ref['system']} ({ref['step_seconds']:.3f} s, nothing "
+                       f"offloaded): " + ", ".join(over))
     largest: dict[str, dict[str, Any]] = {}
     for r in runs:
         if r.get("ok") and (r["system"] not in largest or r["params"] > largest[r["system"]]["params"]):
@@ -588,7 +597,9 @@ def plot(data: dict[str, Any], path: str, timeline: Optional[str] = None) -> Opt
     ax.set_yscale("log")
     ax.set_xlabel("parameters (billions)")
     ax.set_ylabel("tokens/s (x at the bottom: failed / out of memory)")
-    ax.set_title("training throughput under the device-memory cap")
+    cpu_only = all(str(r.get("device", "")).startswith("cpu") for r in runs)
+    ax.set_title("training throughput (compute device: the CPU, no cap)" if cpu_only
+                 else "training throughput under the device-memory cap")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     chosen = _timeline_run(runs, timeline)
