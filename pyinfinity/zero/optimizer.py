@@ -9,13 +9,16 @@ the swap engine's threads while shard k is stepped.
 
 Step overlap (``begin_overlap``): in the boundary micro-batch's backward, a shard whose trainable
 slices all received their gradient is handed to one background thread that steps it (NVMe read,
-fused Adam, state write-back) while backward goes on; ``step`` then steps the rest, joins the
+fused Adam, state write-back) while backward goes on; the thread starts the reads of the shards
+queued behind the one it steps (a staging buffer each), so with backward ahead of it the disk
+stays busy rather than waiting on one read at a time; ``step`` then steps the rest, joins the
 thread and writes every shard's new values home through ``write_param`` on the calling thread
 (after the engine released all shards, so no fetch reads a home being rewritten). Exact only
 without clipping and fp16 loss scaling (nothing global is needed before a shard steps).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import queue
@@ -467,26 +470,65 @@ class OffloadOptimizer:
         self._queue.put((st, win))
 
     def _work(self) -> None:
-        """The background thread: steps handed shards in order, one at a time."""
+        """The background thread: steps handed shards in order, one at a time, reading the NVMe
+        states of the shards queued behind the current one ahead of use (one staging buffer each)."""
         if self.overlap_threads is not None:
             torch.get_num_threads()  # the thread's lazy init first, or its first op would redo it from the default
             torch.set_num_threads(self.overlap_threads)  # this thread's team (begin_overlap restores the default)
         self._worker_ready.set()
-        slot = 0
+        nb = max(1, len(self._staging))
+        counter = 0  # NVMe-tier shards taken so far: consecutive ones get distinct staging buffers
         pending: dict[int, Any] = {}  # staging buffer -> write-back in flight
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
+        ahead: collections.deque = collections.deque()  # [state, window, buffer, read request, submit error]
+        stop = False
+
+        def take(item: tuple) -> None:
+            nonlocal counter
             st, win = item
+            entry = [st, win, None, None, None]
+            if st.home.tier == Tier.NVME and win.error is None:
+                b = counter % nb
+                counter += 1
+                entry[2] = b
+                try:
+                    w = pending.pop(b, None)
+                    if w is not None:
+                        w.wait()  # the shard that used this buffer nb shards ago: written back first
+                    entry[3] = self.swapper.read(st.home, self._staging[b][:3 * st.numel])
+                except BaseException as exc:  # noqa: BLE001 - raised when this shard's turn comes
+                    entry[4] = exc
+            ahead.append(entry)
+
+        while True:
+            if not ahead:
+                if stop:
+                    return
+                item = self._queue.get()
+                if item is None:
+                    return
+                take(item)
+            while not stop and len(ahead) < nb:  # read ahead what is already queued
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                take(item)
+            st, win, b, req, submit_error = ahead.popleft()
             with win.lock:
                 win.current, win.since = st, time.perf_counter()
                 failed = win.error is not None
             t0 = time.perf_counter()
             try:
-                if not failed:
-                    self._step_in_background(st, win, pending, slot)
-                    slot += 1
+                if submit_error is not None:
+                    raise submit_error
+                if failed:
+                    if req is not None:
+                        req.wait()  # its buffer must be free before anyone reuses it
+                else:
+                    self._step_in_background(st, win, pending, b, req)
                 if win.queued == win.finished + 1:  # the last one for now: its writes are done too
                     for w in pending.values():
                         w.wait()
@@ -510,20 +552,16 @@ class OffloadOptimizer:
                     win.idle.notify_all()
 
     def _step_in_background(self, st: ShardOptimState, win: _OverlapWindow, pending: dict[int, Any],
-                            slot: int) -> None:
+                            b: Optional[int], req: Any) -> None:
         norm = torch.linalg.vector_norm(st.grad, 2)
         n = st.numel
         if st.home.tier == Tier.CPU:
             new = self._adam(st, st.home.tensor, win.hyper, None)  # a view of the home: written at step()
         else:
-            staging = self._staging
-            b = slot % len(staging)
-            w = pending.pop(b, None)
-            if w is not None:
-                w.wait()
-            buf = staging[b][:3 * n]
+            assert b is not None and req is not None
+            buf = self._staging[b][:3 * n]
             t0 = time.perf_counter()
-            self.swapper.read(st.home, buf).wait()
+            req.wait()  # started when the shard was taken from the queue
             win.read_wait_s += time.perf_counter() - t0
             master = self._adam(st, buf, win.hyper, None)
             new = aligned_empty(n, st.shard.dtype)  # the values write_param gets at step()

@@ -98,6 +98,42 @@ def test_nvme_values_kept_for_step_are_bounded_by_the_staging_buffers(tiny_lm, l
     assert all(torch.equal(state[k], ref[k]) for k in ref)
 
 
+def _optim_on_nvme(engine_config, overlap):
+    cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "overlap_step": overlap})
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}  # only the optimizer's reads hit the disk
+    return cfg
+
+
+def test_slow_state_reads_queue_shards_up_and_the_read_ahead_stays_bit_identical(tiny_lm, lm_batches,
+                                                                               engine_config):
+    """Every optimizer read stalls 20 ms, so shards pile up behind the worker and their reads are
+    started ahead (one staging buffer each, reused only after its write-back): same result."""
+    batches = lm_batches(3)
+    with fault_injection("read", nth=1, action="stall", value=20, count=0):
+        _, hist, state = _run(tiny_lm, batches, _optim_on_nvme(engine_config, True))
+    assert all(r.overlapped_shards > 0 for r in hist)
+    _, _, ref = _run(tiny_lm, batches, _optim_on_nvme(engine_config, False))
+    assert state.keys() == ref.keys() and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def test_a_failed_read_ahead_surfaces_and_nothing_hangs(tiny_lm, lm_batches, engine_config):
+    (x, y), (x2, y2) = lm_batches(2)
+    eng = pyinfinity.initialize(tiny_lm(), _optim_on_nvme(engine_config, True))
+    try:
+        eng.backward(eng(x, y))
+        eng.step()
+        with fault_injection("read", nth=2, action="errno", value=errno.EIO, count=0):
+            with pytest.raises(OSError) as ei:
+                eng.backward(eng(x2, y2))
+                eng.step()
+        assert ei.value.errno == errno.EIO
+        assert not eng.optimizer.overlap_open
+        with pytest.raises(RuntimeError, match="partly stepped"):
+            eng.step()
+    finally:
+        _close_quickly(eng)
+
+
 # ----------------------------------------------------------------------------------- the knob
 
 
