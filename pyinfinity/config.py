@@ -117,6 +117,10 @@ class OffloadParamConfig:
 
     max_in_cpu: with device nvme, the first this-many elements stay in pinned RAM. The default is
     0 (DeepSpeed's is 1e9) so that "nvme" means the parameters are on NVMe.
+    buffer_count: with device nvme, how many shard reads may be in flight ahead of use.
+    buffer_size: accepted so DeepSpeed configs load, and has no effect: pyinfinity has no
+    fixed-size swap buffers (DeepSpeed's "Not enough buffers" cannot happen); each shard is read
+    into a buffer of its own size, within ``pyinfinity.device_memory`` (logged at INFO when set).
     """
 
     device: str = "cpu"  # none | cpu | nvme | auto ("none" = resident on the compute device)
@@ -437,6 +441,9 @@ def _parse_zero(d: dict) -> ZeroConfig:
             buffer_size=_int(op.get("buffer_size", 100_000_000), f"{w}.buffer_size", 1, True),
             max_in_cpu=_int(op.get("max_in_cpu", 0), f"{w}.max_in_cpu", 0, True),
         )
+        if "buffer_size" in op:
+            log.info("%s.buffer_size: accepted for DeepSpeed compatibility and not used (shards are read "
+                     "into buffers of their own size, within pyinfinity.device_memory)", w)
     oo = d.get("offload_optimizer")
     if oo is not None:
         w = "zero_optimization.offload_optimizer"

@@ -230,3 +230,13 @@ def test_schedules_match_deepspeed(name, params):
         ref.step()
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
     assert len(set(round(x, 12) for x in got)) > 2  # the schedule really moves
+
+
+def test_offload_param_buffer_size_is_accepted_and_said_to_be_unused(caplog):
+    import logging
+
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": 1.5e8}}}
+    with caplog.at_level(logging.INFO, logger="pyinfinity.config"):
+        load_config(cfg)
+    assert any("offload_param.buffer_size: accepted for DeepSpeed compatibility and not used" in r.getMessage()
+               for r in caplog.records)
