@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="micro-batch size")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--clip", type=float, default=1.0, metavar="NORM",
+                   help="gradient clipping to this global norm (0: off, which lets the optimizer step "
+                        "overlap backward, pyinfinity.overlap_step)")
     p.add_argument("--warmup", type=int, default=5, help="WarmupCosineLR warm-up steps")
     p.add_argument("--offload", default="auto", choices=["none", "cpu", "nvme", "auto"],
                    help="where parameters and optimizer states live (nvme needs --nvme)")
@@ -151,7 +154,7 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.grad_accum,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": args.clip,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": max(args.steps, args.warmup),
                                                            "warmup_num_steps": args.warmup,
@@ -189,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.clip < 0:
+        raise SystemExit(f"--clip: {args.clip} must be 0 (off) or positive")
     cfg = build_config(args, device)
     mcfg = llama_config(args)
     t0 = time.perf_counter()

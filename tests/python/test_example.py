@@ -16,7 +16,7 @@ def test_train_cli_on_nvme(tmp_path):
     cmd = [sys.executable, "-m", "pyinfinity", "train", "--model-size", "tiny", "--layers", "2",
            "--steps", "4", "--seq", "32", "--batch", "2", "--offload", "nvme", "--nvme", str(swap),
            "--gpu-memory", "1MiB", "--device", "cpu", "--lr", "3e-3", "--warmup", "1",
-           "--json", str(out), "--no-progress"]
+           "--clip", "0", "--json", str(out), "--no-progress"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "tokens/s" in res.stdout
@@ -31,6 +31,8 @@ def test_train_cli_on_nvme(tmp_path):
     assert s["prefetch_hits"] > 0
     assert run["memory"]["params"].get("nvme", 0) == s["param_bytes_compute"]
     assert not list(swap.glob("*.swp"))  # swap files removed at the end
+    # no clipping, optimizer on disk: the step overlaps backward from the second step on
+    assert run["steps"][0]["overlapped_shards"] == 0 and run["steps"][-1]["overlapped_shards"] > 0
 
 
 def test_example_script_help():
