@@ -18,8 +18,13 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     compute; gradients leave the device and are accumulated in fp32 on the host.
     With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
     without prefetch: the sum.
-  * optimizer (after the last backward, not overlapped with it): the gradient norm (memory bound), fused Adam over every parameter at the measured rate; the RAM part first,
-    then the disk part pipelined (read k+1 || step k || write k-1) with the parameter write-back.
+  * optimizer: the gradient norm (memory bound), fused Adam over every parameter at the measured
+    rate; the RAM part first, then the disk part pipelined (read k+1 || step k || write k-1) with
+    the parameter write-back. Serial after the last backward, unless the step overlaps it
+    (``pyinfinity.overlap_step``, :attr:`TrainShape.overlap_step`): then the boundary
+    micro-batch's backward (and recompute) hides up to its own length of it (on the CPU device
+    only the disk part: Adam would compete for the cores), and at least the largest shard's share
+    stays visible (it is often the embedding, the last to get its gradient).
 """
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ GRAD_BYTES_PER_PARAM = 4  # fp32 accumulator on the host
 SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
 SWAP_SLOT_ALIGN = 4096
 FETCH_PASSES = 2  # forward + backward (or recompute) fetch of every non-persistent shard
+# share of a micro-batch's compute after its forward: backward (2 passes of 3), with checkpointing
+# recompute + backward (3 of 4); an overlapped optimizer step can hide behind it
+BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
 PERSISTENT_SHARE = 0.05  # small shards stay resident when they cost at most this share of the device
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
 TIE = 0.02  # candidates within 2% of the fastest are ties; less disk traffic wins
@@ -68,6 +76,9 @@ class TrainShape:
     checkpointing: bool = False
     activation_bytes: Optional[int] = None  # known figure (None: estimated from the model's shape)
     compute_seconds: Optional[float] = None  # measured forward+backward of one micro-batch (None: FLOPs / matmul rate)
+    # pyinfinity.overlap_step as the engine resolves it: "on", "off", or "auto" (on with a GPU, and
+    # on the CPU device when part of the optimizer state is on disk)
+    overlap_step: str = "off"
 
     @property
     def tokens(self) -> int:
@@ -432,12 +443,20 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         opt_phase = host + a + max(b, backlog + disk_b)
     else:
         opt_phase = host + a + disk_a + b + disk_b
-    total = g * micro + opt_phase
+    visible = opt_phase
+    overlapped = train.overlap_step == "on" or (train.overlap_step == "auto" and (
+        cuda or (knobs.optimizer_device == "nvme" and knobs.ratio > 0)))
+    if overlapped and knobs.optimizer_step_device != "device":
+        window = micro * BACKWARD_SHARE[train.checkpointing]
+        hideable = opt_phase if cuda else max(0.0, opt_phase - (host + a + b))
+        tail = hideable * sizes.largest_shard_numel / max(1, sizes.numel)
+        visible = opt_phase - hideable + max(hideable - window, tail)
+    total = g * micro + visible
     disk_busy = g * disk_read + disk_a + disk_b
     busy = {"compute": g * compute, "host<->device": g * h2d_busy, "disk": disk_busy, "optimizer": host + a + b}
     bottleneck = max(busy, key=busy.get)
     return StepTime(compute=busy["compute"], h2d=busy["host<->device"], disk=disk_busy, optimizer=busy["optimizer"],
-                    micro_batch=micro, optimizer_phase=opt_phase, total=total, bottleneck=bottleneck)
+                    micro_batch=micro, optimizer_phase=visible, total=total, bottleneck=bottleneck)
 
 
 # --------------------------------------------------------------------------------- the solver

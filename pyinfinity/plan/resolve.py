@@ -80,8 +80,16 @@ def _set(d: dict, dotted: str, value: Any) -> None:
 
 
 def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> TrainShape:
+    from pyinfinity.config import overlap_step_blocker  # config imports the planner: resolve lazily
+
+    ov = cfg.pyinfinity.overlap_step
+    if overlap_step_blocker(cfg) is not None or ov is False:
+        overlap = "off"
+    else:
+        overlap = "on" if ov is True else "auto"
     return TrainShape(micro_batch=int(cfg.train_micro_batch_size_per_gpu), seq_len=int(seq_len or DEFAULT_SEQ_LEN),
-                      grad_accum=int(cfg.gradient_accumulation_steps), checkpointing=checkpointing)
+                      grad_accum=int(cfg.gradient_accumulation_steps), checkpointing=checkpointing,
+                      overlap_step=overlap)
 
 
 def _compute_dtype(cfg: Any) -> Optional[torch.dtype]:

@@ -114,6 +114,48 @@ def test_more_ram_means_less_on_disk_and_a_smaller_device_less_resident():
     assert len(streamed) >= 2 and streamed == sorted(streamed, reverse=True) and streamed[0] > streamed[-1], prefetch
 
 
+def test_an_overlapped_optimizer_step_hides_behind_backward_as_far_as_backward_lasts():
+    """1.1B on a GPU, optimizer in RAM or partly on disk: the boundary backward (3/4 of a
+    micro-batch with checkpointing) hides as much of the step as it lasts, never the largest
+    shard's share."""
+    sizes = llama_sizes(LLAMA_1B, "bf16")
+    base = dict(micro_batch=4, seq_len=1024, checkpointing=True, compute_seconds=0.6)
+    got = {}
+    for host in (60, 14):
+        for ov in ("off", "auto", "on"):
+            p = solve(sizes, TrainShape(**base, overlap_step=ov), _budgets(8 * 2**30, host * GB), GPU_RATES)
+            got[host, ov] = p
+    for host in (60, 14):
+        off, auto = got[host, "off"].predicted, got[host, "auto"].predicted
+        assert auto.micro_batch == off.micro_batch and auto.total < off.total
+        assert got[host, "on"].predicted.total == auto.total  # a GPU: auto means on
+        window = off.micro_batch * 0.75
+        tail = off.optimizer_phase * sizes.largest_shard_numel / sizes.numel
+        assert auto.optimizer_phase == pytest.approx(max(off.optimizer_phase - window, tail))
+    assert got[60, "auto"].optimizer.disk == 0 and got[14, "auto"].optimizer.disk > 0
+    for host in (60, 14):  # both longer than the boundary backward here: all of it hides
+        assert got[host, "auto"].predicted.total == pytest.approx(got[host, "off"].predicted.total - 0.75 * 0.6)
+
+
+def test_on_the_cpu_device_auto_overlaps_only_with_state_on_disk_and_only_its_disk_part():
+    sizes = llama_sizes(TINY_LLAMA, "fp32")
+    cpu = Rates(h2d=20e9, d2h=20e9, disk_read=0.05e9, disk_write=0.05e9, adam=1e7, matmul=5e10, memcpy=20e9,
+                device="cpu")
+    ram = Budgets(device_memory=1 << 40, host_memory=10 * GB, device_is_host=True)
+    for ov in ("off", "auto"):
+        p = solve(sizes, TrainShape(micro_batch=2, seq_len=64, compute_seconds=0.5, overlap_step=ov), ram, cpu)
+        assert p.optimizer.disk == 0
+        if ov == "off":
+            ref = p.predicted.total
+    assert p.predicted.total == ref  # state in RAM on the CPU device: auto stays off
+    small = Budgets(device_memory=1 << 40, host_memory=1_000_000, device_is_host=True,
+                    swap=[SwapDir("/mnt/nvme0", 4 * 10**12, 1)])
+    p = {ov: solve(sizes, TrainShape(micro_batch=2, seq_len=64, compute_seconds=0.5, overlap_step=ov), small, cpu)
+         for ov in ("off", "auto")}
+    assert p["auto"].optimizer.disk > 0 and p["auto"].predicted.total < p["off"].predicted.total
+    # Adam and the gradient norm stay visible: only the disk part hides behind backward
+    adam = sizes.trainable_numel / cpu.adam
+    assert p["auto"].predicted.optimizer_phase > adam
 @pytest.mark.parametrize("free_gb", [5, 20, 4000])
 def test_every_plan_respects_every_budget(free_gb):
     """Property over a grid of budgets: a plan is returned only if it fits all of them; otherwise
