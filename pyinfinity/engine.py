@@ -834,7 +834,9 @@ class Engine:
         self._closed = True
         plan, history = self.__dict__.get("plan"), self.__dict__.get("history")
         if plan is not None and history:
-            log.info("%s", plan.compare([r.seconds for r in history]))  # the plan against the run
+            micro = max(1, self.gradient_accumulation_steps)
+            tokens = history[-1].tokens // micro if history[-1].tokens else None
+            log.info("%s", plan.compare([r.seconds for r in history], tokens_per_micro_batch=tokens))
         coord = self.__dict__.get("coordinator")
         if coord is not None:
             try:

@@ -215,18 +215,40 @@ class Placement:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def compare(self, step_seconds: Sequence[float], warmup: int = 2) -> str:
+    def at_seq_len(self, seq_len: int) -> Optional["Placement"]:
+        """The same knobs re-predicted at another sequence length (the engine plans before it sees
+        a batch, at DEFAULT_SEQ_LEN); None when the planner's inputs were not kept."""
+        inputs = getattr(self, "inputs", None)
+        if inputs is None or seq_len <= 0:
+            return None
+        sizes, budgets, rates, train, paths = inputs
+        return evaluate(sizes, replace(train, seq_len=int(seq_len)), budgets, rates, self.knobs, paths)
+
+    def compare(self, step_seconds: Sequence[float], warmup: int = 2,
+                tokens_per_micro_batch: Optional[int] = None) -> str:
         """Plan vs measured, for the end of a run: the median step after ``warmup`` steps against
-        the prediction, and the ratio."""
+        the prediction, and the ratio. With ``tokens_per_micro_batch`` (what the run really fed),
+        the prediction is redone at that sequence length when it differs from the planned one."""
         steady = list(step_seconds[warmup:]) or list(step_seconds)
         if not steady:
             return f"plan: predicted {self.predicted.total:.3f} s/step; no step measured"
         steady.sort()
         med = steady[len(steady) // 2] if len(steady) % 2 else 0.5 * (steady[len(steady) // 2 - 1]
                                                                          + steady[len(steady) // 2])
-        return (f"plan: predicted {self.predicted.total:.3f} s/step (bound by {self.predicted.bottleneck}), "
+        pred, shape = self.predicted, ""
+        inputs = getattr(self, "inputs", None)
+        if tokens_per_micro_batch and inputs is not None:
+            train = inputs[3]
+            seq = max(1, round(tokens_per_micro_batch / max(1, train.micro_batch)))
+            if seq != train.seq_len:
+                again = self.at_seq_len(seq)
+                if again is not None:
+                    shape = (f" at the run's {seq} tokens per sequence (planned at {train.seq_len}: "
+                             f"{pred.total:.3f} s/step)")
+                    pred = again.predicted
+        return (f"plan: predicted {pred.total:.3f} s/step{shape} (bound by {pred.bottleneck}), "
                 f"measured {med:.3f} s/step (median of {len(steady)}), predicted/measured "
-                f"{self.predicted.total / med:.2f}")
+                f"{pred.total / med:.2f}")
 
 
 # --------------------------------------------------------------------------------- evaluation

@@ -263,6 +263,8 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         # charged to the device budget (compute is predicted at DEFAULT_SEQ_LEN)
         train.activation_bytes = 0
     out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
+    # for Placement.compare at the end of the run, which re-predicts at the run's real shape
+    placement.inputs = (sizes, budgets, rates, train, list(c.nvme_paths))
     if seq_len is None:
         placement.notes.append(f"sequence length unknown at initialize: activations not charged, compute "
                                f"predicted at {DEFAULT_SEQ_LEN} tokens per sequence")

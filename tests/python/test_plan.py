@@ -196,6 +196,30 @@ def test_infeasible_plans_name_the_numbers_and_the_path():
         solve(sizes, train, _budgets(8 * 2**30, 6 * GB), GPU_RATES)
 
 
+def test_the_engines_plan_is_compared_at_the_sequence_length_the_run_fed(tiny_lm, tmp_path):
+    """The engine plans before it sees a batch (at DEFAULT_SEQ_LEN); at the end of the run the
+    prediction is redone at the tokens the run really fed, and says so."""
+    from pyinfinity.config import load_config
+    from pyinfinity.plan.resolve import DEFAULT_SEQ_LEN
+
+    swap = str(tmp_path / "swap")
+    model = tiny_lm(vocab=64, d=64, layers=4, tie=False)
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2,
+                       "zero_optimization": {"stage": 3, "offload_param": {"device": "auto", "nvme_path": swap},
+                                             "offload_optimizer": {"device": "auto", "nvme_path": swap}},
+                       "pyinfinity": {"device": "cpu", "device_memory": 4 << 20}})
+    rates = Rates(h2d=4e9, d2h=4e9, disk_read=1e9, disk_write=1e9, adam=3e8, matmul=5e9, memcpy=4e9)
+    budgets = Budgets(device_memory=4 << 20, host_memory=1 << 30, swap=swap_dirs([swap]), device_is_host=True)
+    _, _, plan = plan_engine_config(cfg, model, "cpu", rates=rates, budgets=budgets)
+    short = plan.at_seq_len(64).predicted.total
+    assert short < plan.predicted.total  # fewer tokens, less compute
+    msg = plan.compare([1.0, 1.0, short], tokens_per_micro_batch=2 * 64)
+    assert f"predicted {short:.3f} s/step at the run's 64 tokens per sequence (planned at {DEFAULT_SEQ_LEN}: " \
+           f"{plan.predicted.total:.3f} s/step)" in msg and msg.endswith("predicted/measured 1.00")
+    same = plan.compare([1.0, 1.0, plan.predicted.total], tokens_per_micro_batch=2 * DEFAULT_SEQ_LEN)
+    assert "tokens per sequence" not in same and same.endswith("predicted/measured 1.00")
+
+
 @pytest.mark.parametrize("device_memory, ram_per_param, params_split", [(4 << 20, 6, False), (400 << 10, 2, True)])
 def test_resolved_config_loads_and_the_engine_realises_a_fractional_plan(device_memory, ram_per_param, params_split,
                                                                          tiny_lm, lm_batches, tmp_path):
