@@ -176,7 +176,7 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
             "disk_bytes": {"read": int(read), "write": int(write)}, "disk_share": {"params": f_par, "optimizer": f_opt}}
 
 
-def measure_bound_rates(device: str, nvme_dir: str, dtype: str, progress: bool = True) -> dict[str, Any]:
+def measure_bound_rates(device: str, nvme_dir: str) -> dict[str, Any]:
     """Host<->device copies, disk, CPU Adam (measured once per invocation); matmul per size later."""
     from pyinfinity.plan.rates import measure_adam, measure_copies, measure_disk
 
@@ -401,7 +401,7 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
           f"{_gib(settings.cap_bytes) if settings.cap_bytes and cuda else 'none'}, swap {settings.nvme_dir}, "
           f"logs {log_dir}", flush=True)
     print("measuring rates for the bound (copies, disk, CPU Adam) ...", flush=True)
-    rates = measure_bound_rates(device, settings.nvme_dir, dtype)
+    rates = measure_bound_rates(device, settings.nvme_dir)
     matmul: dict[str, float] = {}
     for s in settings.sizes:
         matmul[s] = measure_matmul_rate(device, dtype, fields[s], tokens)
