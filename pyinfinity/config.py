@@ -203,10 +203,17 @@ class EngineConfig:
     checksums: a CRC-32C of every 64 KiB written to the swap files (computed in the I/O thread),
     verified on every read: a changed byte raises OSError(EBADMSG) naming file, offset and slot
     instead of being trained on (cost: RELIABILITY.md).
-    overlap_step: step each shard's optimizer in a background thread as soon as its gradient is
-    complete in the boundary micro-batch's backward (``zero.optimizer``). Exact only when nothing
-    global is needed before stepping: "auto" = on unless gradient clipping, fp16 loss scaling or
-    ``optimizer_step_device: device`` is in use; true with any of those is an error.
+    overlap_step: step the optimizer in a background thread (``zero.optimizer``): without clipping
+    or fp16 loss scaling each unit as soon as its gradient is complete in the boundary backward,
+    with them each unit after backward (the global norm known) while the next forward runs, that
+    forward waiting for each unit's new values. Exact in every case. "auto" = on, except with
+    ``optimizer_step_device: device`` (an error with true) and on a CPU compute device with the
+    optimizer state in RAM (backward would compete for the cores).
+    resident_bytes: parameter bytes kept on the compute device between steps (whole units, the
+    last ones in the model first; "auto" = as many as the device budget leaves after
+    activations, a working set and prefetch; 0 = none).
+    unit_bytes: the largest block of modules moved as one unit ("auto" = pyinfinity.units'
+    rule; 0 = one unit per module).
     """
 
     device: str = AUTO
@@ -217,6 +224,8 @@ class EngineConfig:
     log_every: int = 1
     checksums: bool = False
     overlap_step: Union[bool, str] = AUTO  # True | False | "auto"
+    resident_bytes: SizeOrAuto = AUTO
+    unit_bytes: SizeOrAuto = AUTO
 
 
 @dataclass
@@ -494,6 +503,10 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
+    for key in ("resident_bytes", "unit_bytes"):
+        if key in d:
+            v = d[key]
+            setattr(e, key, AUTO if v == AUTO else parse_size(v, f"pyinfinity.{key}"))
     if "overlap_step" in d:
         v = d["overlap_step"]
         if v != AUTO and not isinstance(v, bool):
@@ -503,13 +516,9 @@ def _parse_engine(d: dict) -> EngineConfig:
 
 
 def overlap_step_blocker(c: Config) -> Optional[str]:
-    """Why the optimizer step cannot overlap backward under ``c`` (None: it can). Each reason is
-    global information the step needs before any shard may be stepped."""
-    if c.gradient_clipping > 0:
-        return (f"gradient_clipping {c.gradient_clipping:g} needs the global gradient norm before any shard "
-                "is stepped")
-    if c.fp16.enabled:
-        return "fp16 loss scaling needs the overflow check over all gradients before any shard is stepped"
+    """Why the optimizer cannot step in the background under ``c`` (None: it can). Clipping and
+    fp16 loss scaling are no reason: the step then waits for the global norm after backward and
+    overlaps the next forward instead."""
     if c.pyinfinity.optimizer_step_device == "device":
         return ("optimizer_step_device \"device\" steps on the compute device, which a background thread "
                 "would share with backward")

@@ -26,7 +26,8 @@ from torch import nn
 
 from pyinfinity.config import AUTO, Config, ConfigError, ModelSizes, format_size, load_config, overlap_step_blocker
 from pyinfinity.swap.ownership import claim_swap_dirs, clean_checkpoint_leftovers
-from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
+from pyinfinity.swap.tensor_swapper import Done, Tier, TensorSwapper, aligned_empty
+from pyinfinity.units import auto_unit_bytes
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.lr_schedules import build_scheduler
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
@@ -161,14 +162,13 @@ def _resolve_device(spec: str) -> torch.device:
 
 
 def _resolve_overlap_step(cfg: Config, device: torch.device) -> str:
-    """``pyinfinity.overlap_step`` -> "on" | "off" | "probe". true/false as given (load_config
-    refused true where it is not exact); "auto" = off where clipping, fp16 loss scaling or a device
-    step needs it off, or where the compute device is the CPU and the optimizer state all in RAM
-    (with state on disk the background step mostly waits for the disk, which overlaps backward
-    even on the CPU: 125M params, optimizer on nvme, 2 cores: the wait after backward 1.4-2.3 s
-    -> 0.5-1.0 s), else "probe": on from the second
-    optimizer step, once the first has shown that the loop calls step() after backward() and every
-    gradient arrives once per micro-batch."""
+    """``pyinfinity.overlap_step`` -> "on" | "off". true/false as given (load_config refused true
+    where it cannot be exact); "auto" = off where the optimizer steps on the compute device, or
+    where the compute device is the CPU and the optimizer state all in RAM (backward would
+    compete for the same cores; with state on disk the background step mostly waits for the disk:
+    125M params, optimizer on nvme, 2 cores: the wait after backward 1.4-2.3 s -> 0.5-1.0 s);
+    else on. Clipping and fp16 loss scaling do not turn it off: the step then runs after backward,
+    unit by unit in forward order, while the next forward goes on (``zero.optimizer``)."""
     v = cfg.pyinfinity.overlap_step
     if v != AUTO:
         return "on" if v else "off"
@@ -179,7 +179,7 @@ def _resolve_overlap_step(cfg: Config, device: torch.device) -> str:
         why = ("the compute device is the CPU and the optimizer state is in RAM: backward would compete with "
                "the background step for the same cores")
     if why is None:
-        return "probe"
+        return "on"
     _log_overlap_off(why)
     return "off"
 
@@ -188,6 +188,14 @@ def _log_overlap_off(why: str) -> None:
     if why not in _overlap_off_logged:
         _overlap_off_logged.add(why)
         log.info("auto: pyinfinity.overlap_step = false (%s)", why)
+
+
+def _recomputes_activations(model: nn.Module) -> bool:
+    """Whether a transformers model has activation checkpointing on (the planner's activation estimate)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if isinstance(getattr(type(model), name, None), property):
+            return bool(getattr(model, name))
+    return False
 
 
 def _model_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> ModelSizes:
@@ -231,10 +239,15 @@ class Engine:
         z = cfg.zero_optimization
         fp16, bf16 = cfg.fp16.enabled, cfg.bf16.enabled
         sizes = _model_sizes(model, fp16, bf16, z.stage3_param_persistence_threshold)
+        if cfg.pyinfinity.unit_bytes == AUTO:  # before the planner: it counts the units the partition makes
+            dm = cfg.pyinfinity.device_memory
+            cfg.pyinfinity.unit_bytes = auto_unit_bytes(sizes.param_bytes, sizes.largest_module_bytes,
+                                                        dm if isinstance(dm, int) else None)
         # every "auto" decided by the planner (placement, sizes, budgets), logged below
         from pyinfinity.plan import plan_engine_config
 
-        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device)
+        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device,
+                                                       checkpointing=_recomputes_activations(model))
         for d in decisions:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
         self.config = cfg
@@ -246,6 +259,7 @@ class Engine:
         self.micro_steps = 0
         self._overlap_mode = _resolve_overlap_step(cfg, self.device)
         self._poisoned: Optional[str] = None  # why the training state is partly stepped (load a checkpoint)
+        self._pending_backward = False  # a boundary backward's gradients wait for step()
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
@@ -281,9 +295,11 @@ class Engine:
                                           pipeline=oo.pipeline_read or oo.pipeline_write,
                                           write_param=self._write_param,
                                           step_device=self.device if cfg.pyinfinity.optimizer_step_device
-                                          == "device" else None)
+                                          == "device" else None,
+                                          accumulate_steps=cfg.gradient_accumulation_steps)
+        self.optimizer.background = self._overlap_mode == "on"
         if self.device.type == "cpu":
-            self.optimizer.overlap_threads = 1  # backward has the cores (see AUTO_OVERLAP_ON_CPU)
+            self.optimizer.threads = 1  # backward has the cores (see AUTO_OVERLAP_ON_CPU)
         self.optimizer._total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
                                                                if p.requires_grad}.values())
         self._cpu_params_left = int(op.max_in_cpu) if op.device == "nvme" else 0
@@ -296,6 +312,9 @@ class Engine:
                 if b is not None:
                     mod._buffers[name] = b.to(self.device)
                     buf_bytes += b.numel() * b.element_size()
+        self._grad_bufs: dict[int, torch.Tensor] = {}
+        self._grad_staging: Optional[torch.Tensor] = None
+        self.coordinator: Optional[ParameterCoordinator] = None
         self._closed = False
         self._finalizer = weakref.finalize(self, Engine._cleanup, self.param_swapper, self.optim_swapper,
                                            self._swap_engines, self._ownership)
@@ -304,17 +323,19 @@ class Engine:
             t0 = time.perf_counter()
             self.partition = partition_model(model, fp16=fp16, bf16=bf16,
                                              persistence_threshold=int(z.stage3_param_persistence_threshold),
-                                             on_shard=self._place_shard, device=self.device)
-            log.info("placed %d shards in %.2fs", len(self.partition.shards), time.perf_counter() - t0)
+                                             on_shard=self._place_shard, device=self.device,
+                                             unit_bytes=int(cfg.pyinfinity.unit_bytes))
+            log.info("placed %d units (%d shards) in %.2fs", self.partition.units, len(self.partition.shards),
+                     time.perf_counter() - t0)
             self._ownership.flush()  # the manifest lists every slot
-            if self._param_tier == Tier.GPU:
-                for sh in self.partition.shards:
-                    sh.persistent = True
+            self._keep_resident(self.partition.shards if self._param_tier == Tier.GPU else None)
             self.coordinator = ParameterCoordinator(
                 model, self.partition, self.param_swapper, self.device,
                 device_memory=self.device_memory,
                 prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
-                on_grad=self.optimizer.accumulate, fixed_bytes=buf_bytes,
+                on_grad=self.optimizer.grad_ready, grad_dest=self._grad_dest, wait_home=self._wait_home,
+                master_values=self.optimizer.master_values,
+                fixed_bytes=buf_bytes,
                 max_live_elements=int(z.stage3_max_live_parameters),
                 max_inflight_reads=int(op.buffer_count) if op.device == "nvme" else None)
         except BaseException:
@@ -354,15 +375,59 @@ class Engine:
         shard.home = self.param_swapper.put(f"param.{shard.index}", flat, tier)
         self.optimizer.add_shard(shard, flat32)
 
+    def _keep_resident(self, shards: Optional[list[FlatShard]]) -> None:
+        """Marks the units that stay on the compute device between steps: ``shards`` (all of them
+        when parameters are not offloaded), else whole units from the end of the model (backward
+        needs them first) within ``pyinfinity.resident_bytes``."""
+        if shards is None:
+            left = int(self.config.pyinfinity.resident_bytes) if self.config.pyinfinity.resident_bytes != AUTO else 0
+            shards = []
+            for sh in reversed(self.partition.shards):
+                if sh.persistent or sh.nbytes > left:
+                    continue
+                left -= sh.nbytes
+                shards.append(sh)
+        for sh in shards:
+            sh.persistent = True
+        self.resident_bytes = sum(sh.nbytes for sh in self.partition.shards if sh.persistent)
+
+    def _grad_dest(self, shard: FlatShard) -> tuple[torch.Tensor, bool]:
+        """Where a unit's gradient lands on the host: its parameter home in RAM (the step rewrites
+        the weights from the fp32 master anyway, so no extra RAM), else a buffer of its own (a
+        home on disk or on the device), or under gradient accumulation one staging buffer the
+        optimizer adds into its fp32 accumulator at once."""
+        home = shard.home
+        accumulating = self.gradient_accumulation_steps > 1
+        if not accumulating and home.tier == Tier.CPU:
+            return home.tensor, True
+        pin = self.device.type == "cuda"
+        if accumulating:
+            biggest = max(s.numel * s.dtype.itemsize for s in self.partition.shards)
+            if self._grad_staging is None or self._grad_staging.numel() < biggest:
+                self._grad_staging = aligned_empty(biggest, torch.uint8, pin=pin)
+            return self._grad_staging[:shard.nbytes].view(shard.dtype), False
+        buf = self._grad_bufs.get(shard.index)
+        if buf is None:
+            buf = self._grad_bufs[shard.index] = aligned_empty(shard.numel, shard.dtype, pin=pin)
+        return buf, False
+
     def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
-        """The optimizer's new fp32 values of a shard, written home in the compute dtype."""
-        src = master
-        if shard.dtype != torch.float32 and shard.home.tier == Tier.NVME:
-            src = aligned_empty(shard.numel, shard.dtype)  # kept alive by the request until written
-            src.copy_(master)
-        if shard.persistent and shard.buffer is not None and shard.buffer is not shard.home.tensor:
-            shard.buffer.copy_(src)  # resident copy updated in place (no re-read from its home)
-        return self.param_swapper.write(shard.home, src)
+        """The optimizer's new fp32 values of a shard, written home in the compute dtype (and to
+        its device copy when the unit is resident). Called from the optimizer's worker too."""
+        home = shard.home
+        req: Any = Done()
+        if home.tier == Tier.CPU:
+            home.tensor.copy_(master)  # cast into the (pinned) home, in place
+            src = home.tensor
+        else:
+            src = master
+            if shard.dtype != torch.float32 or home.tier == Tier.GPU:
+                src = aligned_empty(shard.numel, shard.dtype)  # kept alive by the request until written
+                src.copy_(master)
+            req = self.param_swapper.write(home, src)
+        if shard.persistent and self.coordinator is not None:
+            self.coordinator.update_resident(shard, src)
+        return req
 
     # ------------------------------------------------------------------------- training API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -392,44 +457,75 @@ class Engine:
         if self.gradient_accumulation_steps > 1:
             scaled = scaled / self.gradient_accumulation_steps
         opt = self.optimizer
-        if self._overlap_mode == "probe" and opt._seen is None:
-            opt.probe_repeated_grads(True)
-        if self._overlap_mode == "on" and self.is_gradient_accumulation_boundary():
-            opt.begin_overlap()  # shards whose gradients are complete step during this backward
+        if self._pending_backward:
+            raise RuntimeError("backward(): the last boundary backward's gradients are waiting for step(); call "
+                               "step() after each backward()")
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:  # hyperparameters fixed; without clipping/fp16, units step as their gradients land
+            opt.begin_overlap(eager=not (self.config.gradient_clipping > 0 or self.config.fp16.enabled))
         self.coordinator.in_backward = True
         try:
             try:
                 scaled.backward()
             finally:
                 self.coordinator.in_backward = False
-                self.coordinator.end_backward()
+            self.coordinator.end_backward()
         except BaseException as exc:
-            if opt.overlap_open:
-                self._abandon_overlap(f"backward() raised {exc!r}")
+            self.coordinator.abandon_grads()
+            self.coordinator.end_backward()
+            self._abandon_step(f"backward() raised {exc!r}")
             raise
-        err = opt.overlap_error()
-        if err is not None:  # the background step failed (or a gradient came too late): raised here
-            self._abandon_overlap(f"the background optimizer step failed: {err!r}")
-            raise err
+        self._pending_backward = boundary and self.gradient_accumulation_steps == 1
 
     @property
     def overlap_step(self) -> bool:
-        """Whether the next boundary backward steps shards in the background (pyinfinity.overlap_step)."""
+        """Whether the optimizer steps in a background thread (pyinfinity.overlap_step)."""
         return self._overlap_mode == "on"
 
-    def _abandon_overlap(self, why: str) -> None:
-        """Closes an overlap window that cannot complete: waits for the background step to finish what
-        it was handed, writes no parameter. If any shard was handed, the optimizer state is partly
-        stepped (and parameter homes are not): backward/step/save refuse until load_checkpoint()."""
+    def _abandon_step(self, why: str) -> None:
+        """A step that cannot complete: waits for what the worker was handed, puts the parameter
+        homes that hold gradients back to the current weights. If any shard was stepped, the
+        training state is partly stepped: backward/step/save refuse until load_checkpoint()."""
+        self._pending_backward = False
         try:
-            stepped = self.optimizer.cancel_overlap()
+            stepped = self.optimizer.cancel()
+            self.optimizer.restore_homes()
         except BaseException:
-            self._poisoned = f"{why}; the background step could not be stopped cleanly"
+            self._poisoned = f"{why}; the optimizer step could not be stopped cleanly"
             raise
         if stepped:
-            self._poisoned = f"{why} after {stepped} shards had been handed to the background step (overlap_step)"
+            self._poisoned = f"{why} after {stepped} shards had been stepped"
             log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on",
                       self._poisoned)
+
+    def _wait_home(self, shard: FlatShard) -> float:
+        """A fetch waits for the worker to write a unit's new values; a failure there (of any step
+        still running in the background) leaves the state partly stepped."""
+        try:
+            return self.optimizer.wait_shard(shard)
+        except BaseException as exc:
+            if self._poisoned is None:
+                self._poisoned = f"the background optimizer step failed: {exc!r}"
+                log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on",
+                          self._poisoned)
+            raise
+
+    def _drain(self, what: str) -> None:
+        """Waits until the optimizer's worker has written every new value home (for anything that
+        reads the whole training state); a failure there poisons the engine."""
+        try:
+            self.optimizer.drain()
+        except BaseException as exc:
+            self._poisoned = f"the background optimizer step failed: {exc!r}"
+            self.optimizer.cancel()
+            raise
+
+    def synchronize(self) -> None:
+        """Waits until the optimizer's background work is done: every unit's new values are home
+        (and on the device for resident units). ``step()`` does not wait (the next forward waits
+        unit by unit); call this before timing a step end to end or reading the model directly."""
+        self._check_open()
+        self._drain("synchronize()")
 
     def _check_trainable(self, what: str) -> None:
         self._check_open()
@@ -441,41 +537,27 @@ class Engine:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def step(self) -> Optional[StepRecord]:
-        """Counts a micro-batch; at the accumulation boundary applies the optimizer, steps the lr
-        schedule, zeroes the gradients and returns the step's telemetry."""
+        """Counts a micro-batch; at the accumulation boundary applies the optimizer (in the
+        background with overlap_step: the next forward waits for each unit's new values), steps
+        the lr schedule, zeroes the gradients and returns the step's telemetry."""
         self._check_trainable("step()")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and not self._losses:
             raise RuntimeError("step(): no backward() since the last optimizer step; call engine.backward(loss) "
                                "first (a step on zero gradients would still apply weight decay and momentum)")
         self.micro_steps += 1
-        probing = self._overlap_mode == "probe"
-        if probing:
-            self.optimizer.probe_repeated_grads(True)  # a new micro-batch
         if not boundary:
             return None
         fp16 = self.config.fp16.enabled
-        was_open = self.optimizer.overlap_open
         try:
-            # every shard released first: the step rewrites the parameter homes
             self.coordinator.release_all()
             self._ownership.verify()  # a truncated swap file is an error here, not data
             res = self.optimizer.step(grad_scale=self.scaler.scale if fp16 else 1.0,
                                       clip=self.config.gradient_clipping, check_overflow=fp16)
         except BaseException as exc:
-            if self.optimizer.overlap_open:
-                self._abandon_overlap(f"step() raised {exc!r}")
-            elif was_open:  # failed while completing the overlapped step: some shards stepped, some not
-                self._poisoned = f"the overlapped optimizer step failed: {exc!r}"
+            self._abandon_step(f"step() raised {exc!r}")
             raise
-        if probing:  # "auto": the first step decides
-            self.optimizer.probe_repeated_grads(False)
-            if self.optimizer.repeated_grad is not None:
-                self._overlap_mode = "off"
-                _log_overlap_off(f"{self.optimizer.repeated_grad!r} got more than one gradient in one micro-batch "
-                                 "(a layer reused under reentrant checkpointing, or several backward() calls)")
-            else:
-                self._overlap_mode = "on"
+        self._pending_backward = False
         if fp16:
             self.scaler.update(res.skipped)
             if res.skipped:
@@ -495,10 +577,15 @@ class Engine:
         return rec
 
     def zero_grad(self) -> None:
-        """Zeroes the accumulated gradients (``step`` does this itself at the boundary)."""
+        """Zeroes the accumulated gradients (``step`` does this itself at the boundary); after a
+        boundary backward it drops that backward's gradients (the weights stay as they were)."""
+        self._check_open()
         if self.optimizer.overlap_open:
-            raise RuntimeError("zero_grad(): between the boundary backward() and step() with overlap_step on, "
-                               "shards are already being stepped; call step() (or set pyinfinity.overlap_step false)")
+            raise RuntimeError("zero_grad(): the boundary backward() has already stepped part of the model in the "
+                               "background (overlap_step); call step() (or set pyinfinity.overlap_step false)")
+        self._drain("zero_grad()")
+        self.optimizer.restore_homes()
+        self._pending_backward = False
         self.optimizer.zero_grad()
 
     def train(self, mode: bool = True) -> "Engine":
@@ -705,8 +792,8 @@ class Engine:
             rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
         except Exception as exc:  # noqa: BLE001 - any unpickling error means a torn file
             raise ValueError(f"checkpoint {path!r}: rng.pt missing or torn ({exc})") from exc
-        if self.optimizer.overlap_open:  # the loaded state replaces whatever the window stepped
-            self._abandon_overlap("load_checkpoint() during an overlapped step")
+        self.optimizer.cancel()  # the loaded state replaces whatever a pending step did
+        self._pending_backward = False
         self.coordinator.release_all()
         io = self._io()
         shards = self.partition.shards
@@ -806,10 +893,12 @@ class Engine:
             raise RuntimeError("Engine: used after close()")
 
     def _check_no_overlap(self, what: str) -> None:
-        if self.optimizer.overlap_open:
-            raise RuntimeError(f"{what}: called between the boundary backward() and step() with overlap_step on "
-                               "(part of the model is already stepped, its new values not yet written); call "
-                               "step() first")
+        """Before reading the whole training state: no boundary backward may be waiting for its
+        step(), and the optimizer's worker must have written everything home."""
+        if self._pending_backward or self.optimizer.overlap_open:
+            raise RuntimeError(f"{what}: called between the boundary backward() and step() (the parameter homes "
+                               "hold gradients, part of the model may already be stepped); call step() first")
+        self._drain(what)
 
     @staticmethod
     def _cleanup(param_swapper: TensorSwapper, optim_swapper: TensorSwapper, engines: dict,

@@ -102,6 +102,7 @@ class Knobs:
     prefetch: bool = True  #                                [pyinfinity.prefetch]
     optimizer_step_device: str = "cpu"  # cpu | device      [pyinfinity.optimizer_step_device]
     pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
+    resident_bytes: int = 0  # units kept on the device      [pyinfinity.resident_bytes]
 
 
 @dataclass
@@ -181,6 +182,7 @@ class Placement:
             "zero_optimization.stage3_max_live_parameters": int(k.max_live),
             "zero_optimization.stage3_param_persistence_threshold": int(k.persistence_threshold),
             "pyinfinity.optimizer_step_device": k.optimizer_step_device,
+            "pyinfinity.resident_bytes": int(k.resident_bytes),
             "pyinfinity.device_memory": int(self.device_memory),
             "pyinfinity.host_memory": int(self.host_memory),
         }
@@ -286,7 +288,16 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     fetch_disk_s = 0.0  # seconds of one read of every disk-homed shard
     left = k.max_in_cpu if k.param_device == "nvme" else 0
     param_tier: list[str] = []
-    for n in sizes.shard_numels:
+    resident_left = k.resident_bytes if k.param_device != "none" else 0
+    resident = set()  # units kept on the device: whole units from the end of the model
+    for i in range(len(sizes.shard_numels) - 1, -1, -1):
+        nb = sizes.shard_numels[i] * isz
+        if 0 < sizes.shard_numels[i] <= k.persistence_threshold or nb > resident_left:
+            continue
+        resident_left -= nb
+        resident.add(i)
+    resident_bytes = 0
+    for i, n in enumerate(sizes.shard_numels):
         nb = n * isz
         if k.param_device == "none":
             tier = "device"
@@ -300,7 +311,9 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         setattr(params, tier, getattr(params, tier) + nb)
         if tier == "device":
             continue
-        if 0 < n <= k.persistence_threshold:
+        if i in resident:
+            resident_bytes += nb
+        elif 0 < n <= k.persistence_threshold:
             persistent += nb
         elif tier == "ram":
             fetch_ram += nb
@@ -337,13 +350,21 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         seg["param_dev" if ptier == "device" else f"param_{ptier}"] += n * isz
         if ptier == "disk":
             seg["param_disk_s"] += rates.write_time(n * isz)
-    grads = Share(ram=GRAD_BYTES_PER_PARAM * total_train)
+    # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
+    # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation
+    if train.grad_accum > 1:
+        grads = Share(ram=GRAD_BYTES_PER_PARAM * total_train + isz * sizes.largest_shard_numel)
+    else:
+        grads = Share(ram=sum(n * isz for n, t, pt in zip(sizes.shard_numels, sizes.shard_trainable, param_tier)
+                              if t and pt != "ram"))
     # -- device: persistent shards + one block's working set + the next shard + prefetch + activations
     acts = _activations(sizes, train)
     if k.param_device == "none":
         shard_peak = params.device
+    elif resident_bytes + persistent >= params.total:  # everything stays: no working set, no prefetch
+        shard_peak = resident_bytes + persistent
     else:
-        shard_peak = persistent + _working_set(sizes, train) + (k.prefetch_bytes if k.prefetch else 0)
+        shard_peak = resident_bytes + persistent + _working_set(sizes, train) + (k.prefetch_bytes if k.prefetch else 0)
     device_bytes = shard_peak + acts
     if k.optimizer_step_device == "device":  # two sets of [master|m|v] + grad buffers, after release_all
         device_bytes = max(device_bytes, persistent + 2 * 16 * sizes.largest_shard_numel)
@@ -388,13 +409,16 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
             if need > free:
                 violations.append(f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; "
                                   f"add {fmt(need - free)}, or a second path")
+    if resident_bytes:
+        notes_resident = f"{fmt(resident_bytes)} of parameters stay on the device (pyinfinity.resident_bytes)"
     pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
                    fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state)
     return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
                      host_bytes=host_bytes, pinned_bytes=pinned, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=k.optimizer_step_device,
-                     host_memory=budgets.host_memory, violations=violations)
+                     host_memory=budgets.host_memory, violations=violations,
+                     notes=[notes_resident] if resident_bytes else [])
 
 
 def _div(a: float, b: float) -> float:
@@ -500,6 +524,7 @@ class Fixed:
     optimizer_buffer_count: Optional[int] = None
     prefetch: Optional[bool] = None
     optimizer_step_device: Optional[str] = None
+    resident_bytes: Optional[int] = None
 
 
 def _optimizer_split(sizes: ModelSizes, ram_bytes: int) -> float:
@@ -528,6 +553,17 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
         k.prefetch_bytes = max(0, min(room, cap))
     if fixed.prefetch is None:
         k.prefetch = True
+    if fixed.resident_bytes is None and budgets.device_is_host:
+        k.resident_bytes = 0  # the CPU device: a resident copy would save a memcpy and double the RAM
+    elif fixed.resident_bytes is None:
+        # fill the device: every unit stays if they all fit beside the activations; else what is left
+        # after the working set and prefetch (resident units are never fetched again)
+        offloaded = sizes.param_bytes - persistent
+        total_room = int(budgets.device_memory * (1 - DEVICE_HEADROOM)) - persistent - acts
+        if offloaded <= total_room:
+            k.resident_bytes, k.prefetch_bytes = offloaded, 0 if fixed.prefetch_bytes is None else k.prefetch_bytes
+        else:
+            k.resident_bytes = max(0, room - k.prefetch_bytes)
     if fixed.max_live is None:
         k.max_live = max(1, (persistent + working + k.prefetch_bytes) // isz)
     if fixed.param_buffer_size is None:
@@ -545,7 +581,7 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
     in RAM by whole shards on a grid of ``steps``, the optimizer state given the RAM that is left)."""
     base = _fill(sizes, train, budgets, rates, Knobs(), fixed)
     for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
-                 "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device"):
+                 "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device", "resident_bytes"):
         v = getattr(fixed, name)
         if v is not None:
             setattr(base, name, v)

@@ -38,6 +38,7 @@ KEYS = {
     "persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
     "prefetch": "pyinfinity.prefetch",
     "optimizer_step_device": "pyinfinity.optimizer_step_device",
+    "resident_bytes": "pyinfinity.resident_bytes",
 }
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
 
@@ -121,6 +122,7 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
         "prefetch_bytes": z.stage3_prefetch_bucket_size, "max_live": z.stage3_max_live_parameters,
         "persistence_threshold": z.stage3_param_persistence_threshold, "prefetch": cfg.pyinfinity.prefetch,
         "optimizer_step_device": cfg.pyinfinity.optimizer_step_device,
+        "resident_bytes": cfg.pyinfinity.resident_bytes,
     }
     owned = {name for name, v in values.items() if v == AUTO}
     for split, dev in SPLIT_OF.items():
@@ -133,9 +135,10 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
 
 
 def _placement_is_possible(cfg: Any) -> bool:
-    """Whether anything placement-related is "auto" (else no rates need measuring)."""
+    """Whether anything placement-related is "auto" (else no rates need measuring). A config that
+    fixes everything but ``resident_bytes`` is not planned: it keeps no unit resident."""
     fixed, owned = _fixed_from(cfg, None)
-    return bool(owned)
+    return bool(owned - {"resident_bytes"})
 
 
 def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, train: TrainShape,
@@ -229,11 +232,12 @@ def _aio_dict(cfg: Any) -> dict:
 
 def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *,
                        seq_len: Optional[int] = None, rates: Optional[Rates] = None,
-                       budgets: Optional[Budgets] = None) -> tuple[Any, list[Decision], Optional[Placement]]:
+                       budgets: Optional[Budgets] = None,
+                       checkpointing: bool = False) -> tuple[Any, list[Decision], Optional[Placement]]:
     """For ``Engine.__init__``: (Config with every "auto" decided, the decisions, the Placement or
     None when only budgets were "auto"). Rates are probed once per process (cached). Without
-    ``seq_len`` the activations are not charged to the device budget (unknown before the first
-    batch); the plan's prefetch still leaves DEVICE_HEADROOM of the device free."""
+    ``seq_len`` the activations are charged at DEFAULT_SEQ_LEN tokens per sequence (the engine
+    plans before it sees a batch); ``checkpointing``: the model recomputes activations."""
     dev = torch.device(device)
     c = copy.deepcopy(cfg)
     if c.pyinfinity.device == AUTO:
@@ -244,6 +248,8 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
                                   host_memory=hm if isinstance(hm, int) else None)
     if not _placement_is_possible(c):
         decisions = []
+        if c.pyinfinity.resident_bytes == AUTO:
+            c.pyinfinity.resident_bytes = 0
         if dm in (AUTO, None):
             c.pyinfinity.device_memory = budgets.device_memory
             decisions.append(Decision("pyinfinity.device_memory", budgets.device_memory, "measured device budget"))
@@ -251,23 +257,23 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
             c.pyinfinity.host_memory = budgets.host_memory
             decisions.append(Decision("pyinfinity.host_memory", budgets.host_memory, "measured host budget"))
         return c, decisions, None
-    sizes = model_sizes(model, _compute_dtype(c))
+    ub = c.pyinfinity.unit_bytes
+    sizes = model_sizes(model, _compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
     if rates is None:
         m = sizes.hidden or 1024
         rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=_aio_dict(c),
                               matmul_shape=(1024, m, m), dtype=_compute_dtype(c) or torch.float32, cache=True)
     fixed, owned = _fixed_from(c, None)
-    train = _train_shape(c, seq_len, False)
-    if seq_len is None:
-        # the engine does not know the sequence length before the first batch: activations are not
-        # charged to the device budget (compute is predicted at DEFAULT_SEQ_LEN)
+    train = _train_shape(c, seq_len, checkpointing)
+    if seq_len is None and not str(dev).startswith("cuda"):
+        # the CPU device: activations live in host RAM beside it, not in the device budget
         train.activation_bytes = 0
     out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
     # for Placement.compare at the end of the run, which re-predicts at the run's real shape
     placement.inputs = (sizes, budgets, rates, train, list(c.nvme_paths))
     if seq_len is None:
-        placement.notes.append(f"sequence length unknown at initialize: activations not charged, compute "
-                               f"predicted at {DEFAULT_SEQ_LEN} tokens per sequence")
+        placement.notes.append(f"sequence length unknown at initialize: activations and compute estimated at "
+                               f"{DEFAULT_SEQ_LEN} tokens per sequence")
     log.info("plan:\n%s", placement.table())
     return out, decisions, placement
 

@@ -131,38 +131,34 @@ def _compute_itemsize(p: torch.Tensor, dtype: Optional[torch.dtype]) -> int:
     return p.element_size()
 
 
-def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]] = None) -> ModelSizes:
-    """Sizes of ``model`` as ``partition_model`` will cut it (a module's own parameters = one
-    shard per dtype, tied parameters once). Meta parameters (``init_empty``) work: only shapes are read.
+def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]] = None,
+                      unit_bytes: Optional[int] = None) -> ModelSizes:
+    """Sizes of ``model`` as ``partition_model`` will cut it: one shard per unit (``pyinfinity.units``)
+    and (dtype, requires_grad), tied parameters once. Meta parameters (``init_empty``) work: only
+    shapes are read.
 
     dtype: the compute dtype (fp16/bf16 config); None keeps each parameter's dtype.
+    unit_bytes: the unit cap the engine uses (None: the "auto" rule without a device budget).
     """
+    from pyinfinity.units import auto_unit_bytes, own_bytes, unit_members, unit_roots
+
     dt = parse_dtype(dtype) if dtype is not None else None
+
+    def isz_of(p: nn.Parameter) -> int:
+        return _compute_itemsize(p, dt)
+
+    own = own_bytes(model, isz_of)  # id(module) -> bytes of its own parameters
+    if unit_bytes is None:
+        unit_bytes = auto_unit_bytes(sum(own.values()), max(own.values(), default=0), None)
+    roots = unit_roots(model, int(unit_bytes), isz_of)
+    members = unit_members(model, roots)
     seen: set[int] = set()
     numels: list[int] = []
     trainable: list[bool] = []
     itemsizes: list[int] = []
-    own: dict[int, int] = {}  # id(module) -> bytes of its own shards
     flops = 0.0
     act_width = 0
     for module in model.modules():
-        by_size: dict[int, list[int]] = {}
-        train_by: dict[int, bool] = {}
-        mod_bytes = 0
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            isz = _compute_itemsize(p, dt)
-            by_size.setdefault(isz, []).append(p.numel())
-            train_by[isz] = train_by.get(isz, False) or p.requires_grad
-            mod_bytes += p.numel() * isz
-        for isz, ns in by_size.items():
-            if sum(ns):
-                numels.append(sum(ns))
-                trainable.append(train_by[isz])
-                itemsizes.append(isz)
-        own[id(module)] = mod_bytes
         w = getattr(module, "weight", None)
         if isinstance(module, nn.Linear) and w is not None:
             flops += 2.0 * w.numel()
@@ -170,6 +166,21 @@ def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]]
         elif isinstance(module, nn.modules.conv._ConvNd) and w is not None:
             flops += 2.0 * w.numel()  # per output position; a rough figure for conv nets
             act_width += module.out_channels
+        if id(module) in members and members[id(module)] is not module:
+            continue  # counted with its unit's root
+        by_key: dict[tuple[int, bool], int] = {}
+        for m in (module.modules() if id(module) in roots else [module]):
+            for p in m.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                key = (isz_of(p), bool(p.requires_grad))
+                by_key[key] = by_key.get(key, 0) + p.numel()
+        for (isz, req), n in by_key.items():
+            if n:
+                numels.append(n)
+                trainable.append(req)
+                itemsizes.append(isz)
     itemsize = max(itemsizes, default=4)
 
     def subtree(m: nn.Module) -> int:
@@ -226,7 +237,7 @@ def llama_sizes(d: dict, dtype: Union[str, torch.dtype] = "bf16") -> ModelSizes:
     layer = [h * heads * hd + (heads * hd if bias else 0), h * kv * hd + (kv * hd if bias else 0),
              h * kv * hd + (kv * hd if bias else 0), heads * hd * h + (h if bias else 0),
              h * ff, h * ff, ff * h, h, h]
-    shards = [V * h] + layer * L + [h] + ([] if tied else [V * h])
+    shards = [V * h] + [sum(layer)] * L + [h] + ([] if tied else [V * h])  # units: embedding, layers, norm, head
     isz = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     mm = sum(layer[:7]) + V * h  # every layer's matmuls and the head
     return ModelSizes(shard_numels=shards, shard_trainable=[True] * len(shards), itemsize=isz,
@@ -259,12 +270,13 @@ def sizes_from_config(config: Union[str, os.PathLike, dict],
         return llama_sizes(d, dtype)
 
 
-def model_sizes(model: Any, dtype: Optional[Union[str, torch.dtype]] = None) -> ModelSizes:
+def model_sizes(model: Any, dtype: Optional[Union[str, torch.dtype]] = None,
+                unit_bytes: Optional[int] = None) -> ModelSizes:
     """ModelSizes from whatever is given: ModelSizes (returned), an nn.Module, a config dict/path."""
     if isinstance(model, ModelSizes):
         return model if dtype is None else model.with_dtype(dtype)
     if isinstance(model, nn.Module):
-        return sizes_from_module(model, dtype)
+        return sizes_from_module(model, dtype, unit_bytes)
     return sizes_from_config(model, dtype or "bf16")
 
 

@@ -55,6 +55,7 @@ class FetchStats:
     fetch_wait_seconds: float = 0.0  # host time blocked waiting for a shard to arrive
     fetched_bytes: int = 0  # shard bytes copied to the device (host -> device)
     grad_bytes: int = 0  # gradient bytes handed off the device (device -> host)
+    step_wait_seconds: float = 0.0  # host time a fetch waited for the optimizer to write a unit's new values
 
     def snapshot(self) -> "FetchStats":
         return FetchStats(**self.__dict__)
@@ -128,13 +129,21 @@ class ParameterCoordinator:
 
     device: compute device. swapper: homes of the shards. device_memory: budget for resident
     shard bytes (None = unlimited). prefetch_bytes: how far ahead (in bytes) the trace prefetches.
-    on_grad(shard, slice, grad): called with each parameter's gradient as soon as it is
-    accumulated; the coordinator clears ``param.grad`` afterwards.
+    on_grad(shard, host_flat, event, norm): called once per shard and backward with the unit's
+    whole gradient (compute dtype, on the host in ``grad_dest(shard)``), the CUDA event that
+    completes its copy (None on the CPU) and its L2 norm (fp32 scalar on the device); each
+    parameter's gradient is summed into one flat device buffer per unit as it arrives and
+    ``param.grad`` is cleared. grad_dest(shard) -> (host tensor, whether it is the parameter home).
+    wait_home(shard): waits until a home that holds a gradient has the new values (the step);
+    master_values(shard, dst): the current weights of a home that still holds a gradient.
     """
 
     def __init__(self, model: nn.Module, partition: Partition, swapper: Any, device: torch.device, *,
                  device_memory: Optional[int] = None, prefetch_bytes: int = 0, prefetch: bool = True,
-                 on_grad: Optional[Callable[[FlatShard, ParamSlice, torch.Tensor], None]] = None,
+                 on_grad: Optional[Callable[[FlatShard, torch.Tensor, Any, Optional[torch.Tensor]], None]] = None,
+                 grad_dest: Optional[Callable[[FlatShard], tuple[torch.Tensor, bool]]] = None,
+                 wait_home: Optional[Callable[[FlatShard], float]] = None,
+                 master_values: Optional[Callable[[FlatShard, torch.Tensor], None]] = None,
                  fixed_bytes: int = 0, max_live_elements: Optional[int] = None,
                  max_inflight_reads: Optional[int] = None) -> None:
         self.model = model
@@ -148,6 +157,9 @@ class ParameterCoordinator:
         self.prefetch_bytes = int(prefetch_bytes)
         self.prefetch_enabled = prefetch and prefetch_bytes > 0
         self.on_grad = on_grad
+        self.grad_dest = grad_dest
+        self.wait_home = wait_home
+        self.master_values = master_values
         self.max_live_elements = max_live_elements  # stage3_max_live_parameters: caps prefetch
         self.max_inflight_reads = max_inflight_reads  # offload_param.buffer_count: NVMe reads ahead
         self.stats = FetchStats()
@@ -163,10 +175,12 @@ class ParameterCoordinator:
         self._diverged = False
         self._external: dict[nn.Module, list[FlatShard]] = {}
         self._cuda = self.device.type == "cuda"
-        self.swap_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self.swap_stream = torch.cuda.Stream(self.device) if self._cuda else None  # host -> device
+        self.d2h_stream = torch.cuda.Stream(self.device) if self._cuda else None  # gradients off the device
+        self.update_stream = torch.cuda.Stream(self.device) if self._cuda else None  # new values of resident units
+        self._pending_grads: list[tuple[Any, torch.Tensor]] = []  # (D2H done event, device gradient kept alive)
         self._stall_events: list[tuple[Any, Any]] = []
         self._transfer_events: list[tuple[Any, Any]] = []
-        self._grad_copies: list[tuple[Any, torch.Tensor, FlatShard, ParamSlice]] = []
         self._kept: list[tuple[Any, torch.Tensor]] = []  # pinned staging until its H2D copy ran
         self._fault: Optional[Callable[[FlatShard], None]] = None  # test seam: called per fetch
         for sh in partition.shards:
@@ -218,11 +232,14 @@ class ParameterCoordinator:
             grad = param.grad
             if grad is not None:
                 if self.on_grad is not None:
-                    self.grad_to_host(shard, sl, grad)
+                    self._collect(shard, sl, grad)
                 param.grad = None
             if shard.state != ShardState.RESIDENT:
                 param.data = placeholder(shard.dtype, self.device)
             shard.grads_seen += 1
+            if self.on_grad is not None and shard.grad_dev is not None and not shard.grad_done \
+                    and not shard.shared and shard.calls <= 1 and len(shard.grads_in) >= shard.n_trainable:
+                self._grad_complete(shard)  # every slice is in and no later use can add to it
             if shard.grads_seen >= shard.n_trainable and shard.backward_held:
                 shard.backward_held = False
                 self._maybe_evict(shard)
@@ -251,10 +268,14 @@ class ParameterCoordinator:
         """Makes ``module``'s shards resident on the compute device (waits for them)."""
         shards = self.shards_of(module)
         for sh in shards:
+            if sh.owner is module and not self.in_backward:
+                sh.calls += 1
             self._use(sh)
             sh.users += 1
         for sh in shards:
             self._complete(sh)
+            if sh.persistent:
+                self._ready(sh)
 
     def release(self, module: nn.Module) -> None:
         """Ends ``module``'s use of its shards; a shard no call uses any more leaves the device."""
@@ -292,6 +313,8 @@ class ParameterCoordinator:
         if self._current:
             self._traces[self._mode] = self._current
         self._drop_unused_prefetches()
+        for sh in self.partition.shards:
+            sh.calls = 0
         self._mode = (self.model.training, torch.is_grad_enabled())
         self._trace = self._traces.get(self._mode)
         self._current = []
@@ -300,21 +323,26 @@ class ParameterCoordinator:
         self._prefetch_ahead()
 
     def end_backward(self) -> None:
-        """After ``loss.backward()``: finishes gradient copies, releases what backward still holds."""
-        self.flush_grads()
+        """After ``loss.backward()``: hands off the gradients of units still open (tied, shared or
+        called several times), releases what backward still holds."""
+        for sh in self.partition.shards:
+            if sh.grad_dev is not None and not sh.grad_done:
+                self._grad_complete(sh)
         for sh in self.partition.shards:
             sh.grads_seen = 0
+            sh.grad_done = False
+            sh.grads_in.clear()
             if sh.backward_held:
                 sh.backward_held = False
             self._maybe_evict(sh)
 
-    def flush_grads(self) -> None:
-        """Waits for the device->host gradient copies in flight and hands them to ``on_grad``."""
-        pending, self._grad_copies = self._grad_copies, []
-        for ev, host, shard, sl in pending:
-            ev.synchronize()
-            if self.on_grad is not None:
-                self.on_grad(shard, sl, host)
+    def abandon_grads(self) -> None:
+        """A backward failed: drops the gradients collected so far (nothing is handed off)."""
+        for sh in self.partition.shards:
+            sh.grad_dev = None
+            sh.grads_seen = 0
+            sh.grad_done = False
+            sh.grads_in.clear()
 
     def release_all(self) -> None:
         """Releases every non-persistent shard (after the optimizer changed the homes)."""
@@ -396,6 +424,8 @@ class ParameterCoordinator:
             sh = shards[idx]
             if sh.state != ShardState.RELEASED:
                 continue
+            if sh.home_dirty:
+                break  # the optimizer has not written its new values yet: its use will wait for them
             if sh.nbytes > room or not self.budget.fits(sh.nbytes):
                 break
             if self.max_live_elements is not None and live + sh.numel > self.max_live_elements:
@@ -446,6 +476,8 @@ class ParameterCoordinator:
         """Allocates the device buffer and starts the copy from the shard's home."""
         if sh.state != ShardState.RELEASED:
             return
+        if sh.home_dirty and self.wait_home is not None:  # the step has not written the new values yet
+            self.stats.step_wait_seconds += self.wait_home(sh)
         self._make_room(sh.nbytes, sh)
         if self._fault is not None:
             self._fault(sh)
@@ -453,7 +485,13 @@ class ParameterCoordinator:
         self.stats.fetched_bytes += sh.nbytes
         tr = _Transfer()
         home = sh.home
-        if home.tier == Tier.GPU:
+        if sh.home_dirty and self.master_values is not None:
+            # the home holds the last backward's gradient and no step has consumed it yet (a forward
+            # between backward() and step()): the weights come from the optimizer's master copy
+            sh.buffer = torch.empty(sh.numel, dtype=sh.dtype, device=self.device)
+            self.master_values(sh, sh.buffer)
+            tr.copied = True
+        elif home.tier == Tier.GPU:
             sh.buffer = home.tensor
             tr.copied = True
         elif not self._cuda:
@@ -492,6 +530,16 @@ class ParameterCoordinator:
             if not tr.copied and tr.io is not None and tr.io.done():
                 tr.io.wait()
                 self._h2d(tr, self.partition.shards[idx], tr.staging)
+
+    def _ready(self, sh: FlatShard) -> None:
+        """A resident unit about to be used: its new values (the last step's) must be in place."""
+        if sh.home_dirty and self.wait_home is not None:
+            self.stats.step_wait_seconds += self.wait_home(sh)
+        ev = sh.ready
+        if ev is not None:
+            sh.ready = None
+            if self._cuda:
+                torch.cuda.current_stream(self.device).wait_event(ev)
 
     def _complete(self, sh: FlatShard) -> None:
         """Waits until the shard's buffer holds its data and points the parameters into it."""
@@ -582,21 +630,54 @@ class ParameterCoordinator:
         return sh.buffer.as_strided(x.size, x.stride, sh.buffer.storage_offset() + x.offset)
 
     # gradients ---------------------------------------------------------------------------
-    def grad_to_host(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
-        """Moves a device gradient to host memory and hands it to ``on_grad``; on a GPU the copy is
-        asynchronous on the swap stream and finished copies are handed over at later hooks."""
-        self.stats.grad_bytes += grad.numel() * grad.element_size()
-        if not self._cuda or grad.device.type != "cuda":
-            self.on_grad(shard, sl, grad)
+    def _collect(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
+        """Sums one parameter's gradient into its unit's flat device gradient (zeros first)."""
+        if shard.grad_dev is None:
+            shard.grad_dev = torch.zeros(shard.numel, dtype=shard.dtype, device=self.device)
+        shard.grad_dev[sl.offset:sl.offset + sl.numel].add_(grad.reshape(-1))
+        shard.grads_in.add(sl.offset)
+
+    def _grad_complete(self, shard: FlatShard) -> None:
+        """A unit's gradient is final for this backward: its norm on the device, one copy of the
+        flat gradient to its host destination, then ``on_grad``."""
+        shard.grad_done = True
+        g, shard.grad_dev = shard.grad_dev, None
+        self.stats.grad_bytes += shard.nbytes
+        dest, is_home = self.grad_dest(shard)
+        norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
+        if is_home:
+            shard.home_dirty = True  # its weights are overwritten until the step writes the new ones
+        if not self._cuda:
+            dest.copy_(g)
+            self.on_grad(shard, dest, None, norm)
             return
-        while self._grad_copies and self._grad_copies[0][0].query():
-            ev, host, sh0, sl0 = self._grad_copies.pop(0)
-            self.on_grad(sh0, sl0, host)
-        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-        ev = torch.cuda.Event()
-        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.swap_stream):
-            host.copy_(grad, non_blocking=True)
+        cur = torch.cuda.current_stream(self.device)
+        used = torch.cuda.Event()
+        used.record(cur)  # the unit's backward is enqueued: its resident copy may be rewritten after this
+        shard.backward_done = used
+        self.d2h_stream.wait_event(used)
+        with torch.cuda.stream(self.d2h_stream):
+            dest.copy_(g, non_blocking=True)
+            ev = torch.cuda.Event()
             ev.record()
-        grad.record_stream(self.swap_stream)
-        self._grad_copies.append((ev, host, shard, sl))
+        g.record_stream(self.d2h_stream)  # allocated on the compute stream, read on the copy stream
+        self.on_grad(shard, dest, ev, norm)
+
+    def update_resident(self, shard: FlatShard, src: torch.Tensor) -> None:
+        """Copies a resident unit's new values (``src``: host, compute dtype) into its device buffer
+        once its backward is done; the next use waits for the copy (``shard.ready``). Called from
+        the optimizer, possibly on its worker thread."""
+        buf = shard.buffer
+        if buf is None or buf is src:
+            return
+        if not self._cuda:
+            buf.copy_(src)
+            return
+        done = getattr(shard, "backward_done", None)
+        with torch.cuda.stream(self.update_stream):
+            if done is not None:
+                self.update_stream.wait_event(done)
+            buf.copy_(src, non_blocking=src.is_pinned())
+            ev = torch.cuda.Event()
+            ev.record()
+        shard.ready = ev

@@ -1,20 +1,26 @@
 """The offloaded optimizer: fp32 master weights and Adam/AdamW moments per shard, in host RAM or on
-NVMe, stepped on the CPU with torch's fused Adam kernels; gradients accumulated in fp32 on the
-host; global-norm clipping; fp16 dynamic loss scaling.
+NVMe, stepped on the CPU with torch's fused Adam kernels; global-norm clipping; fp16 dynamic loss
+scaling.
 
 The state of one shard is one flat fp32 home of ``3 * numel`` elements: ``[master | exp_avg |
 exp_avg_sq]`` (one read and one write per shard per step). On NVMe the step is pipelined over
 ``buffer_count`` (>= 3) staging buffers: the read of shard k+1 and the write of shard k-1 run in
 the swap engine's threads while shard k is stepped.
 
-Step overlap (``begin_overlap``): in the boundary micro-batch's backward, a shard whose trainable
-slices all received their gradient is handed to one background thread that steps it (NVMe read,
-fused Adam, state write-back) while backward goes on; the thread starts the reads of the shards
-queued behind the one it steps (a staging buffer each), so with backward ahead of it the disk
-stays busy rather than waiting on one read at a time; ``step`` then steps the rest, joins the
-thread and writes every shard's new values home through ``write_param`` on the calling thread
-(after the engine released all shards, so no fetch reads a home being rewritten). Exact only
-without clipping and fp16 loss scaling (nothing global is needed before a shard steps).
+Gradients arrive one unit at a time (``grad_ready``), as a flat host tensor in the compute dtype
+(often the shard's own parameter home: the gradient is written over the weights, which the step
+rewrites from the fp32 master anyway, so no fp32 gradient copy is kept) with the CUDA event that
+completes its copy and its L2 norm. Under gradient accumulation they are added into an fp32
+accumulator instead.
+
+Background stepping (``background``): a worker thread steps shards while the caller goes on.
+Without anything global to know first (no clipping, no fp16 loss scaling), each unit is handed to
+it as soon as its gradient is complete, during the boundary backward; otherwise ``step`` computes
+the global norm from the per-unit norms and hands every shard over in order. ``step`` returns
+without waiting: a shard's new values reach its home (and its resident device copy) when the
+worker has stepped it, and whoever reads a home first waits for that shard (``wait_shard``) —
+the next forward waits unit by unit, so the step overlaps it. Every path runs the same per-shard
+function on the same inputs, so the results are bit-identical to the serial step.
 """
 from __future__ import annotations
 
@@ -29,11 +35,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from pyinfinity.config import FP16Config, OptimizerConfig
 from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.partition import FlatShard, ParamSlice
 
 log = logging.getLogger(__name__)
+
+WAIT_WARN_S = 30.0  # a wait on the background step logs what it waits for this often
+WAIT_STUCK_S = 600.0  # ... and gives up (TimeoutError) when one shard takes this long
 
 
 @dataclass(eq=False)
@@ -42,15 +50,16 @@ class ShardOptimState:
 
     shard: FlatShard
     home: SwapRecord  # fp32 [master | exp_avg | exp_avg_sq]
-    grad: Optional[torch.Tensor] = None  # fp32 accumulator on the host, allocated on first grad
+    grad: Optional[torch.Tensor] = None  # fp32 accumulator (gradient accumulation), allocated on first use
     step: int = 0
     # slices (by offset) that received a gradient in this accumulation window: the first one is
     # copied rather than added, so zero_grad needs no pass over the buffer
     written: set = field(default_factory=set)
-    # step overlap: slices (by offset) with a gradient in the boundary micro-batch, and whether the
-    # shard was handed to the background thread (no gradient may arrive after that)
-    fresh: set = field(default_factory=set)
-    handed: bool = False
+    src: Optional[torch.Tensor] = None  # this window's gradient in the compute dtype (host), not yet consumed
+    event: Any = None  # CUDA event after which ``src`` is complete
+    norm: Optional[torch.Tensor] = None  # L2 norm of ``src`` (fp32 scalar, on the compute device)
+    busy: bool = False  # handed to the worker, not finished yet
+    handed: bool = False  # handed to the worker in this step
 
     @property
     def numel(self) -> int:
@@ -61,7 +70,7 @@ class DynamicLossScaler:
     """fp16 loss scaling as DeepSpeed does it: halve on overflow (after ``hysteresis`` overflows),
     double after ``loss_scale_window`` good steps; a static scale when ``loss_scale`` > 0."""
 
-    def __init__(self, cfg: FP16Config) -> None:
+    def __init__(self, cfg: Any) -> None:
         self.dynamic = cfg.enabled and cfg.loss_scale == 0
         self.scale = (2.0 ** cfg.initial_scale_power) if self.dynamic else (cfg.loss_scale or 1.0)
         self.window = cfg.loss_scale_window
@@ -99,37 +108,18 @@ class StepResult:
 
     grad_norm: float
     skipped: bool  # fp16 overflow
-    seconds: float  # time the caller spent in step() (with overlap: the wait after backward)
+    seconds: float  # time the caller spent in step()
     read_wait_s: float = 0.0
-    busy_seconds: float = 0.0  # optimizer time in all threads (with overlap: hidden part included)
-    overlapped_shards: int = 0  # shards stepped during backward
-
-
-OVERLAP_WARN_S = 30.0  # a wait on the background step logs what it waits for this often
-OVERLAP_STUCK_S = 600.0  # ... and gives up (TimeoutError) when one shard takes this long
+    busy_seconds: float = 0.0  # optimizer time in all threads since the last step (the hidden part included)
+    overlapped_shards: int = 0  # shards handed to the background worker during backward
 
 
 @dataclass
-class _OverlapWindow:
-    """One boundary micro-batch's overlapped step: hyperparameters fixed at its start, shards
-    stepped in the background with their new values (written home by ``step``) and norms."""
+class _Job:
+    """One shard's step for the worker: the hyperparameters and the gradient factor."""
 
     hyper: dict
-    done: list = field(default_factory=list)  # (state, new master values, grad norm), in step order
-    held_bytes: int = 0  # bytes of new values kept for NVMe-tier shards (written home at step())
-    held_cap: int = 0  # ... at most: as much as the staging buffers hold
-    busy_s: float = 0.0
-    read_wait_s: float = 0.0
-    error: Optional[BaseException] = None  # first failure (the worker's or a late gradient)
-    current: Optional[ShardOptimState] = None  # what the worker is stepping now
-    since: float = 0.0
-    queued: int = 0
-    finished: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    idle: threading.Condition = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.idle = threading.Condition(self.lock)
+    inv_factor: Optional[torch.Tensor]
 
 
 class OffloadOptimizer:
@@ -137,13 +127,14 @@ class OffloadOptimizer:
 
     ``param_groups`` mirrors torch's (one group) so DeepSpeed-style and torch LR schedulers can
     drive ``lr``. ``write_param(shard, flat)`` is called after each shard's step with the new
-    values in the compute dtype; it returns a request (or None) the step waits for at its end.
+    master values (fp32, host); it writes them home in the compute dtype and returns a request
+    (or None) that completes the write.
     """
 
-    def __init__(self, cfg: OptimizerConfig, swapper: TensorSwapper, *, nvme_ratio: float = 0.0,
+    def __init__(self, cfg: Any, swapper: TensorSwapper, *, nvme_ratio: float = 0.0,
                  buffer_count: int = 4, pipeline: bool = True,
                  write_param: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None,
-                 step_device: Optional[torch.device] = None) -> None:
+                 step_device: Optional[torch.device] = None, accumulate_steps: int = 1) -> None:
         self.cfg = cfg
         # where the Adam arithmetic runs: None = on the CPU, in place on the host state; a device
         # = each shard's state is streamed there, stepped by the device's fused kernel and back
@@ -154,25 +145,28 @@ class OffloadOptimizer:
         self.buffer_count = max(3, buffer_count)
         self.pipeline = pipeline
         self.write_param = write_param
+        self.accumulate_steps = max(1, int(accumulate_steps))
         self.states: list[ShardOptimState] = []
         self._by_shard: dict[int, ShardOptimState] = {}
         self.param_groups = [{"lr": cfg.lr, "initial_lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps,
                               "weight_decay": cfg.weight_decay, "params": []}]
         self.defaults = dict(self.param_groups[0])
         self._staging: list[torch.Tensor] = []
-        self._planned_nvme_numel = 0
         self._total_numel = 0
-        self._n_grad: dict[int, int] = {}  # shard index -> trainable slices (gradients to wait for)
-        self._window: Optional[_OverlapWindow] = None  # the open overlap window, if any
-        self._queue: "queue.SimpleQueue[Optional[tuple[ShardOptimState, _OverlapWindow]]]" = queue.SimpleQueue()
+        self._scratch: dict[int, torch.Tensor] = {}  # thread ident -> fp32 gradient scratch
+        # background stepping
+        self.background = False  # set by the engine (pyinfinity.overlap_step)
+        self.threads: Optional[int] = None  # intra-op threads of the worker (None: torch's default)
+        self._window: Optional[dict] = None  # hyperparameters fixed when the boundary backward began
+        self._eager = False  # hand units over during backward (nothing global needed)
+        self._queue: "queue.SimpleQueue[Optional[tuple[ShardOptimState, _Job]]]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
-        # intra-op threads of the background step (None: torch's). On a CPU compute device backward
-        # uses every core: a second full OpenMP team there made steps 40% slower on 2 cores.
-        self.overlap_threads: Optional[int] = None
-        self._worker_ready = threading.Event()
-        # probe for "auto": slices with a gradient in this micro-batch, and the first one that got two
-        self._seen: Optional[set[tuple[int, int]]] = None
-        self.repeated_grad: Optional[str] = None
+        self._cond = threading.Condition()
+        self._error: Optional[BaseException] = None
+        self._current: Optional[ShardOptimState] = None
+        self._busy_s = 0.0  # worker seconds since the last step() report
+        self._read_wait_s = 0.0
+        self._handed_early = 0
 
     # ------------------------------------------------------------------------- placement
     def plan(self, shards: Sequence[FlatShard]) -> None:
@@ -201,36 +195,44 @@ class OffloadOptimizer:
         st = ShardOptimState(shard, home)
         self.states.append(st)
         self._by_shard[shard.index] = st
-        self._n_grad[shard.index] = shard.n_trainable
         return st
 
     def state_of(self, shard: FlatShard) -> Optional[ShardOptimState]:
         return self._by_shard.get(shard.index)
 
     # ------------------------------------------------------------------------- gradients
-    def accumulate(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
-        """Adds one parameter's gradient (any device/dtype) into the shard's fp32 host buffer; in an
-        overlap window, hands the shard to the background step once all its gradients are in."""
+    def grad_ready(self, shard: FlatShard, src: torch.Tensor, event: Any, norm: Optional[torch.Tensor]) -> None:
+        """One unit's gradient of this micro-batch: ``src`` (host, compute dtype) is complete once
+        ``event`` has (None: already). Under accumulation it is added into the fp32 accumulator now;
+        otherwise it is kept for the step (and handed to the worker at once when nothing global
+        is needed)."""
         st = self._by_shard.get(shard.index)
         if st is None:
             return
-        win = self._window
-        if win is not None and st.handed:
-            # stepped already: this gradient would be lost. Recorded, raised after backward().
-            with win.lock:
-                if win.error is None:
-                    win.error = RuntimeError(
-                        f"overlap_step: shard {shard.index} ({shard.module_name or '<root>'}) got a gradient for "
-                        f"{sl.name!r} after all its gradients were in and its optimizer step had started (a "
-                        "parameter whose gradient hook runs twice in one backward, e.g. reentrant activation "
-                        "checkpointing, or backward() called twice in one micro-batch); set "
-                        "pyinfinity.overlap_step false. The optimizer state is partly stepped: load a checkpoint")
+        if self.accumulate_steps > 1:
+            # the worker may still be stepping the last window's accumulator: it must be done first
+            self._wait(lambda: not st.busy, f"shard {shard.index} ({shard.module_name or '<root>'})")
+            self._raise_error()
+            if event is not None:
+                event.synchronize()
+            self._add_flat(st, src)
+            if self._eager and self._window is not None:  # the boundary micro-batch: the sum is final
+                self._hand(st, _Job(self._window, None))
+                self._handed_early += 1
             return
-        if self._seen is not None:
-            key = (shard.index, sl.offset)
-            if key in self._seen and self.repeated_grad is None:
-                self.repeated_grad = sl.name
-            self._seen.add(key)
+        if st.busy or st.src is not None:
+            raise RuntimeError(f"shard {shard.index} ({shard.module_name or '<root>'}) got a second gradient in one "
+                               "optimizer step without accumulation (backward() called twice before step()?)")
+        st.src, st.event, st.norm = src, event, norm
+        if self._eager and self._window is not None:
+            self._hand(st, _Job(self._window, None))
+            self._handed_early += 1
+
+    def accumulate(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
+        """Adds one parameter's gradient (any device/dtype) into the shard's fp32 accumulator."""
+        st = self._by_shard.get(shard.index)
+        if st is None:
+            return
         if st.grad is None:
             st.grad = torch.empty(shard.numel, dtype=torch.float32)
         dst = st.grad[sl.offset:sl.offset + sl.numel]
@@ -242,17 +244,15 @@ class OffloadOptimizer:
         else:
             dst.copy_(g)
             st.written.add(sl.offset)
-        if win is not None:
-            st.fresh.add(sl.offset)
-            if len(st.fresh) == self._n_grad[shard.index]:
-                self._hand_off(st, win)
 
-    def probe_repeated_grads(self, on: bool) -> None:
-        """Starts (or ends) watching, per micro-batch, for a parameter whose gradient arrives more
-        than once (reentrant checkpointing of a reused layer, several backward() calls): with such a
-        model, a shard cannot be stepped when its gradients first look complete. Each call with
-        ``on`` starts a new micro-batch."""
-        self._seen = set() if on else None
+    def _add_flat(self, st: ShardOptimState, src: torch.Tensor) -> None:
+        if st.grad is None:
+            st.grad = torch.empty(st.numel, dtype=torch.float32)
+        if len(st.written) == len(st.shard.slices):
+            st.grad.add_(src)
+        else:
+            st.grad.copy_(src)
+            st.written.update(sl.offset for sl in st.shard.slices)
 
     def zero_grad(self) -> None:
         for st in self.states:
@@ -270,12 +270,59 @@ class OffloadOptimizer:
                     st.grad[sl.offset:sl.offset + sl.numel].zero_()
                     st.written.add(sl.offset)
 
+    def _norm_of(self, st: ShardOptimState) -> torch.Tensor:
+        """The L2 norm of a shard's gradient in this window (fp32 scalar; 0 when it got none)."""
+        if st.norm is not None:
+            return st.norm.float()
+        if st.src is not None:
+            if st.event is not None:
+                st.event.synchronize()
+            return torch.linalg.vector_norm(st.src, 2, dtype=torch.float32)
+        if st.grad is not None and st.written:
+            self._fill_unwritten([st])
+            return torch.linalg.vector_norm(st.grad, 2)
+        return torch.zeros((), dtype=torch.float32)
+
     def grad_norm(self) -> float:
-        """Global L2 norm over every shard's gradient (inf/nan if any is not finite)."""
-        norms = [torch.linalg.vector_norm(st.grad, 2) for st in self.states if st.grad is not None]
+        """Global L2 norm over every shard's gradient (inf/nan if any is not finite), combined in
+        shard order (the same in every path)."""
+        norms = [self._norm_of(st) for st in self.states]
         if not norms:
             return 0.0
-        return float(torch.linalg.vector_norm(torch.stack(norms), 2))
+        dev = next((n.device for n in norms if n.device.type != "cpu"), torch.device("cpu"))
+        return float(torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), 2))  # one sync
+
+    def gradient(self, shard: FlatShard) -> Optional[torch.Tensor]:
+        """A copy of the shard's gradient of this window in fp32 (None: frozen, or none yet)."""
+        st = self._by_shard.get(shard.index)
+        if st is None:
+            return None
+        if st.src is not None:
+            if st.event is not None:
+                st.event.synchronize()
+            return st.src.float()
+        return st.grad.clone() if st.grad is not None and st.written else None
+
+    def _grad32(self, st: ShardOptimState) -> torch.Tensor:
+        """The shard's gradient for the step, in fp32 on the host (consumes ``src``). The fp32
+        accumulator is completed (``_fill_unwritten``) by ``step`` before any shard is handed over:
+        the worker must not look at ``written``, which the caller resets for the next window."""
+        if st.src is not None:
+            if st.event is not None:
+                st.event.synchronize()
+            key = threading.get_ident()
+            buf = self._scratch.get(key)
+            if buf is None or buf.numel() < st.numel:
+                biggest = max(s.numel for s in self.states)
+                buf = self._scratch[key] = torch.empty(biggest, dtype=torch.float32)
+            g = buf[:st.numel]
+            g.copy_(st.src)
+            return g
+        if threading.current_thread() is not self._worker:
+            self._fill_unwritten([st])
+        if st.grad is None:  # a shard that never got a gradient: zero (weight decay still applies)
+            st.grad = torch.zeros(st.numel, dtype=torch.float32)
+        return st.grad
 
     # ------------------------------------------------------------------------- the step
     def _staging_buffers(self) -> list[torch.Tensor]:
@@ -291,8 +338,8 @@ class OffloadOptimizer:
                     ) -> Iterator[tuple[ShardOptimState, torch.Tensor]]:
         """Yields (state, flat [master|m|v]) for every shard (or those of ``states``), reading NVMe
         homes ahead of use and, if ``write_back``, writing each back after the caller is done with
-        it (pipelined)."""
-        self._check_no_window("iter_states")
+        it (pipelined). Waits for the background worker first."""
+        self.drain()
         all_states = list(self.states if states is None else states)
         staging = self._staging_buffers()
         nb = len(staging)
@@ -345,23 +392,25 @@ class OffloadOptimizer:
                 "eps": float(g["eps"])}
 
     def _adam(self, st: ShardOptimState, flat: torch.Tensor, hyper: dict, inv_factor: Optional[torch.Tensor],
-              k: int = 0) -> torch.Tensor:
-        """One fused Adam/AdamW step of one shard's [master|m|v] ``flat``; returns the new master
-        (on the host). ``k`` alternates the device buffer sets of a streamed step."""
+              k: int = 0, grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One fused Adam/AdamW step of one shard's [master|m|v] ``flat`` with ``grad`` (fp32, host;
+        default: the shard's gradient); returns the new master (on the host). ``k`` alternates the
+        device buffer sets of a streamed step."""
         n = st.numel
         dev = self.step_device
+        g32 = self._grad32(st) if grad is None else grad
         st.step += 1
-        work, grad = flat, st.grad
+        work, g = flat, g32
         if dev is not None:  # stream the state to the device, step there, bring it back
             dflat, dgrad = self._device_buffers(k % 2)
-            work, grad = dflat[:3 * n], dgrad[:n]
+            work, g = dflat[:3 * n], dgrad[:n]
             work.copy_(flat, non_blocking=True)
-            grad.copy_(st.grad, non_blocking=True)
+            g.copy_(g32, non_blocking=True)
         master, m, v = work[:n], work[n:2 * n], work[2 * n:]
         step_t = torch.tensor(float(st.step), device=dev)
         kernel = torch._fused_adamw_ if self.cfg.adam_w_mode else torch._fused_adam_
         # unscaling/clipping happens inside the kernel (it divides by grad_scale): no extra pass
-        kernel([master], [grad], [m], [v], [], [step_t], lr=hyper["lr"], beta1=hyper["beta1"],
+        kernel([master], [g], [m], [v], [], [step_t], lr=hyper["lr"], beta1=hyper["beta1"],
                beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
                amsgrad=False, maximize=False, grad_scale=inv_factor)
         if dev is not None:
@@ -369,14 +418,21 @@ class OffloadOptimizer:
             master = flat[:n]
         return master
 
+    def _finish(self, st: ShardOptimState) -> None:
+        """The shard's gradient is consumed and its new values are home (its norm stays for the
+        step's report until ``step`` has combined them)."""
+        st.src = st.event = None
+        st.shard.home_dirty = False
+
     def _step_states(self, states: Sequence[ShardOptimState], hyper: dict,
                      inv_factor: Optional[torch.Tensor]) -> None:
-        """Steps ``states`` in order through the pipelined read/step/write-back of ``iter_states``,
-        handing each new master to ``write_param``."""
+        """Steps ``states`` in order on this thread through the pipelined read/step/write-back of
+        ``iter_states``, handing each new master to ``write_param``."""
         if not states:
             return
         gen = self.iter_states(write_back=True, states=states)
         k = 0
+        done: list[ShardOptimState] = []
         try:
             item = gen.send(None)
             while True:
@@ -388,26 +444,51 @@ class OffloadOptimizer:
                     req = self.write_param(st.shard, master)
                     if req is not None:
                         extra.append(req)
+                done.append(st)
                 item = gen.send(extra)
         except StopIteration:
             pass
+        for st in done:  # every write has completed (iter_states waited for them)
+            self._finish(st)
+
+    def restore_homes(self) -> None:
+        """Writes the current master values home for every shard whose home holds a gradient (a
+        skipped or abandoned step): the parameters are as they were before the backward."""
+        dirty = [st for st in self.states if st.shard.home_dirty and not st.busy]
+        if not dirty:
+            return
+        for st, flat in self.iter_states(write_back=False, states=dirty):
+            if st.event is not None:
+                st.event.synchronize()  # the gradient copy must not land after the weights
+            if self.write_param is not None:
+                req = self.write_param(st.shard, flat[:st.numel])
+                if req is not None:
+                    req.wait()
+            st.src = st.event = st.norm = None
+            st.shard.home_dirty = False
 
     def step(self, grad_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = False) -> StepResult:
         """One Adam/AdamW step on every shard. Gradients are divided by ``grad_scale`` (fp16 loss
         scale) and clipped to global norm ``clip`` (0 = off), as torch's clip_grad_norm_ does.
-        In an overlap window: steps the shards the background thread did not, joins it and writes
-        the new values of the shards it stepped (its failure is raised here)."""
-        if self._window is not None:
-            if grad_scale != 1.0 or clip > 0 or check_overflow:
-                self.cancel_overlap()
-                raise RuntimeError("overlap_step: a step with loss scaling, clipping or an overflow check cannot "
-                                   "follow an overlapped backward (the engine turns overlap off for those)")
-            return self._finish_overlap(self._window)
+        With ``background``, the shards not yet handed to the worker are handed over and step()
+        returns; otherwise they are stepped here."""
         t0 = time.perf_counter()
-        self._fill_unwritten()
+        self._raise_error()
+        hyper = self._window if self._window is not None else self._hyper()
+        if hyper != self._hyper():  # every shard of a step uses one set: the one backward started with
+            log.warning("lr/betas/eps/weight_decay changed between backward() and step() (%s -> %s); this step "
+                        "used the values backward() started with: set them before backward()", hyper, self._hyper())
+        early = self._handed_early
+        if early and (grad_scale != 1.0 or clip > 0 or check_overflow):
+            raise RuntimeError("overlap_step: shards were stepped during backward, but this step needs loss "
+                               "scaling, clipping or an overflow check first")
         norm = self.grad_norm()
         raw_norm = norm / grad_scale if grad_scale != 1.0 else norm
+        self._window, self._eager, self._handed_early = None, False, 0
         if check_overflow and not math.isfinite(norm):
+            self.restore_homes()
+            for st in self.states:
+                st.norm = None
             dt = time.perf_counter() - t0
             return StepResult(grad_norm=raw_norm, skipped=True, seconds=dt, busy_seconds=dt)
         factor = 1.0 / grad_scale if grad_scale != 1.0 else 1.0
@@ -415,86 +496,90 @@ class OffloadOptimizer:
             coef = clip / (raw_norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
-        inv_factor = torch.tensor(1.0 / factor, device=self.step_device) if factor != 1.0 else None
-        self._step_states(self.states, self._hyper(), inv_factor)
+        inv_factor = torch.tensor(1.0 / factor) if factor != 1.0 else None
+        rest = [st for st in self.states if not st.handed]
+        self._fill_unwritten([st for st in rest if st.src is None])
+        if self.background and self.step_device is None:
+            job = _Job(hyper, inv_factor)
+            for st in rest:
+                self._hand(st, job)
+            busy = 0.0
+        else:
+            self._step_states(rest, hyper, inv_factor)
+            busy = time.perf_counter() - t0
+        for st in self.states:
+            st.handed = False
+            st.norm = None
+        with self._cond:
+            busy += self._busy_s
+            read_wait, self._busy_s, self._read_wait_s = self._read_wait_s, 0.0, 0.0
         dt = time.perf_counter() - t0
-        return StepResult(grad_norm=raw_norm, skipped=False, seconds=dt, busy_seconds=dt)
+        return StepResult(grad_norm=raw_norm, skipped=False, seconds=dt, read_wait_s=read_wait,
+                          busy_seconds=busy, overlapped_shards=early)
 
-    # ------------------------------------------------------------------------- step overlap
+    # ------------------------------------------------------------------------- the worker
     @property
     def overlap_open(self) -> bool:
-        """Whether a boundary backward's overlapped step is under way (``step`` completes it)."""
-        return self._window is not None
+        """Whether a boundary backward's step has begun (shards handed to the worker) and step()
+        has not been called yet."""
+        return self._handed_early > 0
 
-    def _check_no_window(self, what: str) -> None:
-        if self._window is not None:
-            raise RuntimeError(f"{what}: the optimizer is stepping shards in the background (overlap_step) "
-                               "between the boundary backward() and step(); call step() first")
+    def begin_overlap(self, eager: bool) -> None:
+        """The boundary micro-batch's backward begins: its hyperparameters are fixed now; with
+        ``eager`` (nothing global needed) each unit is handed to the worker as its gradient lands."""
+        self._window = self._hyper()
+        self._eager = eager and self.background and self.step_device is None
+        if self._eager:
+            self._start_worker()
 
-    def begin_overlap(self) -> None:
-        """Opens the overlap window of a boundary micro-batch (before its backward): from now on a
-        shard whose gradients are all in is stepped in the background with the hyperparameters
-        as they are now. Idempotent while open."""
-        if self._window is not None:
-            return
-        if self.step_device is not None:
-            raise RuntimeError("overlap_step: not supported with optimizer_step_device \"device\"")
-        staging = self._staging_buffers()  # allocated here, not in the worker
-        for st in self.states:
-            st.fresh.clear()
-            st.handed = False
-        self._window = _OverlapWindow(hyper=self._hyper(), held_cap=sum(b.numel() * 4 for b in staging))
+    def _start_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
-            self._worker_ready.clear()
-            self._worker = threading.Thread(target=self._work, name="pyinfinity-overlap-step", daemon=True)
+            ready = threading.Event()
+            self._worker = threading.Thread(target=self._work, args=(ready,), name="pyinfinity-optimizer",
+                                            daemon=True)
             self._worker.start()
-            if not self._worker_ready.wait(OVERLAP_STUCK_S):
-                raise RuntimeError(f"overlap_step: the background step thread did not start in {OVERLAP_STUCK_S:.0f}s")
-            if self.overlap_threads is not None:
-                # torch.set_num_threads also set the default of threads started later: put it back
-                # (this thread keeps its own count, the worker keeps overlap_threads)
+            if not ready.wait(WAIT_STUCK_S):
+                raise RuntimeError(f"the optimizer's worker thread did not start in {WAIT_STUCK_S:.0f}s")
+            if self.threads is not None:
+                # torch.set_num_threads in the worker also set the default of threads started later:
+                # put it back (this thread keeps its own count, the worker keeps ``threads``)
                 torch.set_num_threads(torch.get_num_threads())
 
-    def _hand_off(self, st: ShardOptimState, win: _OverlapWindow) -> None:
-        if win.error is not None:
-            return  # no more work after a failure: the step raises it
-        if st.home.tier == Tier.NVME:
-            nbytes = st.numel * st.shard.dtype.itemsize
-            if win.held_bytes + nbytes > win.held_cap:
-                return  # stepped by step() instead: bounded host memory for the kept values
-            win.held_bytes += nbytes
-        st.handed = True
-        self._fill_unwritten([st])  # its frozen slices
-        with win.lock:
-            win.queued += 1
-        self._queue.put((st, win))
+    def _hand(self, st: ShardOptimState, job: _Job) -> None:
+        self._start_worker()
+        with self._cond:
+            st.busy = True
+            st.handed = True
+            st.shard.home_dirty = True  # its home is rewritten: a fetch waits for the worker (wait_shard)
+        self._queue.put((st, job))
 
-    def _work(self) -> None:
-        """The background thread: steps handed shards in order, one at a time, reading the NVMe
-        states of the shards queued behind the current one ahead of use (one staging buffer each)."""
-        if self.overlap_threads is not None:
+    def _work(self, ready: threading.Event) -> None:
+        """The worker: steps handed shards in order, reading the NVMe states of the shards queued
+        behind the current one ahead of use (one staging buffer each)."""
+        if self.threads is not None:
             torch.get_num_threads()  # the thread's lazy init first, or its first op would redo it from the default
-            torch.set_num_threads(self.overlap_threads)  # this thread's team (begin_overlap restores the default)
-        self._worker_ready.set()
-        nb = max(1, len(self._staging))
-        counter = 0  # NVMe-tier shards taken so far: consecutive ones get distinct staging buffers
+            torch.set_num_threads(self.threads)
+        ready.set()
+        staging = self._staging_buffers()
+        nb = max(1, len(staging))
+        counter = 0
         pending: dict[int, Any] = {}  # staging buffer -> write-back in flight
-        ahead: collections.deque = collections.deque()  # [state, window, buffer, read request, submit error]
+        ahead: collections.deque = collections.deque()  # [state, job, buffer, read request, submit error]
         stop = False
 
         def take(item: tuple) -> None:
             nonlocal counter
-            st, win = item
-            entry = [st, win, None, None, None]
-            if st.home.tier == Tier.NVME and win.error is None:
+            st, job = item
+            entry = [st, job, None, None, None]
+            if st.home.tier == Tier.NVME and self._error is None:
                 b = counter % nb
                 counter += 1
                 entry[2] = b
                 try:
                     w = pending.pop(b, None)
                     if w is not None:
-                        w.wait()  # the shard that used this buffer nb shards ago: written back first
-                    entry[3] = self.swapper.read(st.home, self._staging[b][:3 * st.numel])
+                        w.wait()
+                    entry[3] = self.swapper.read(st.home, staging[b][:3 * st.numel])
                 except BaseException as exc:  # noqa: BLE001 - raised when this shard's turn comes
                     entry[4] = exc
             ahead.append(entry)
@@ -507,7 +592,7 @@ class OffloadOptimizer:
                 if item is None:
                     return
                 take(item)
-            while not stop and len(ahead) < nb:  # read ahead what is already queued
+            while not stop and len(ahead) < nb:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -516,10 +601,10 @@ class OffloadOptimizer:
                     stop = True
                     break
                 take(item)
-            st, win, b, req, submit_error = ahead.popleft()
-            with win.lock:
-                win.current, win.since = st, time.perf_counter()
-                failed = win.error is not None
+            st, job, b, req, submit_error = ahead.popleft()
+            with self._cond:
+                self._current = st
+                failed = self._error is not None
             t0 = time.perf_counter()
             try:
                 if submit_error is not None:
@@ -528,118 +613,113 @@ class OffloadOptimizer:
                     if req is not None:
                         req.wait()  # its buffer must be free before anyone reuses it
                 else:
-                    self._step_in_background(st, win, pending, b, req)
-                if win.queued == win.finished + 1:  # the last one for now: its writes are done too
+                    self._step_one(st, job, staging[b][:3 * st.numel] if b is not None else None, req, pending, b)
+                if not ahead and self._queue.empty():
                     for w in pending.values():
                         w.wait()
                     pending.clear()
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, raised there
-                for w in pending.values():  # the staging buffers must be free before anyone reuses them
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                for w in pending.values():
                     try:
                         w.wait()
                     except BaseException as exc2:  # noqa: BLE001 - the first failure is the one raised
-                        log.debug("overlap_step: a write-back after the failure also failed: %r", exc2)
+                        log.debug("optimizer worker: a write-back after the failure also failed: %r", exc2)
                 pending.clear()
-                with win.lock:
-                    if win.error is None:
-                        win.error = exc
-                log.debug("overlap_step: stepping shard %d failed: %r", st.shard.index, exc)
+                with self._cond:
+                    if self._error is None:
+                        self._error = exc
+                log.debug("optimizer worker: stepping shard %d failed: %r", st.shard.index, exc)
             finally:
-                with win.lock:
-                    win.busy_s += time.perf_counter() - t0
-                    win.finished += 1
-                    win.current = None
-                    win.idle.notify_all()
+                with self._cond:
+                    self._busy_s += time.perf_counter() - t0
+                    st.busy = False
+                    self._current = None
+                    self._cond.notify_all()
 
-    def _step_in_background(self, st: ShardOptimState, win: _OverlapWindow, pending: dict[int, Any],
-                            b: Optional[int], req: Any) -> None:
-        norm = torch.linalg.vector_norm(st.grad, 2)
-        n = st.numel
+    def _step_one(self, st: ShardOptimState, job: _Job, buf: Optional[torch.Tensor], req: Any,
+                  pending: dict[int, Any], b: Optional[int]) -> None:
         if st.home.tier == Tier.CPU:
-            new = self._adam(st, st.home.tensor, win.hyper, None)  # a view of the home: written at step()
+            flat = st.home.tensor
         else:
-            assert b is not None and req is not None
-            buf = self._staging[b][:3 * n]
             t0 = time.perf_counter()
-            req.wait()  # started when the shard was taken from the queue
-            win.read_wait_s += time.perf_counter() - t0
-            master = self._adam(st, buf, win.hyper, None)
-            new = aligned_empty(n, st.shard.dtype)  # the values write_param gets at step()
-            new.copy_(master)
+            req.wait()
+            with self._cond:
+                self._read_wait_s += time.perf_counter() - t0
+            flat = buf
+        master = self._adam(st, flat, job.hyper, job.inv_factor)
+        if self.write_param is not None:
+            r = self.write_param(st.shard, master)
+            if r is not None:
+                r.wait()  # a fetch of this shard may come right after: its home must be complete
+        if st.home.tier == Tier.NVME:
             pending[b] = self.swapper.write(st.home, buf)
-        with win.lock:
-            win.done.append((st, new, norm))
+        self._finish(st)
 
-    def _wait_idle(self, win: _OverlapWindow) -> None:
-        """Waits until the worker has finished everything handed to it (bounded; says what it waits for)."""
+    def _raise_error(self) -> None:
+        err = self._error
+        if err is not None:
+            self._error = None
+            raise err
+
+    def wait_shard(self, shard: FlatShard) -> float:
+        """Waits until the worker has written the shard's new values home if it was handed to it
+        (a fetch is about to read the home); returns the seconds waited. Raises the worker's
+        failure. A home may still hold a gradient after this (no step() yet): see ``master_values``."""
+        st = self._by_shard.get(shard.index)
+        t0 = time.perf_counter()
+        if st is not None:
+            self._wait(lambda: not st.busy, f"shard {shard.index} ({shard.module_name or '<root>'})")
+        self._raise_error()
+        return time.perf_counter() - t0
+
+    def master_values(self, shard: FlatShard, dst: torch.Tensor) -> None:
+        """Writes the shard's current weights (its fp32 master, cast) into ``dst``: the values of a
+        home that holds a gradient while no step has consumed it (a forward between backward()
+        and step(), e.g. an evaluation)."""
+        st = self._by_shard[shard.index]
+        if st.home.tier == Tier.CPU:
+            dst.copy_(st.home.tensor[:st.numel])
+            return
+        buf = aligned_empty(3 * st.numel, torch.float32)
+        self.swapper.read(st.home, buf).wait()
+        dst.copy_(buf[:st.numel])
+
+    def drain(self) -> None:
+        """Waits until the worker has finished everything handed to it; raises its failure."""
+        self._wait(lambda: not any(st.busy for st in self.states), "the optimizer step")
+        self._raise_error()
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
         t_start = time.perf_counter()
-        with win.lock:
-            while win.finished < win.queued:
+        with self._cond:
+            while not done():
                 if self._worker is None or not self._worker.is_alive():
-                    raise RuntimeError(f"overlap_step: the background step thread died with "
-                                       f"{win.queued - win.finished} shards handed to it")
-                if not win.idle.wait(OVERLAP_WARN_S):
-                    cur = win.current
-                    what = (f"shard {cur.shard.index} ({cur.shard.module_name or '<root>'}, "
-                            f"{cur.home.tier.value} tier)" if cur is not None else "the next queued shard")
-                    stuck = time.perf_counter() - (win.since if cur is not None else t_start)
-                    msg = (f"overlap_step: waited {time.perf_counter() - t_start:.0f}s for the background "
-                           f"step; it has been on {what} for {stuck:.0f}s, {win.queued - win.finished} "
-                           "shards left")
-                    if stuck >= OVERLAP_STUCK_S:
+                    raise RuntimeError(f"the optimizer's worker thread died while {what} was pending")
+                if not self._cond.wait(WAIT_WARN_S):
+                    cur = self._current
+                    on = (f"shard {cur.shard.index} ({cur.shard.module_name or '<root>'}, {cur.home.tier.value} tier)"
+                          if cur is not None else "the next queued shard")
+                    waited = time.perf_counter() - t_start
+                    msg = f"waited {waited:.0f}s for {what}; the optimizer's worker is on {on}"
+                    if waited >= WAIT_STUCK_S:
                         raise TimeoutError(msg + "; giving up (the optimizer state is partly stepped)")
                     log.warning("%s", msg)
 
-    def overlap_error(self) -> Optional[BaseException]:
-        """The failure of the open window so far (the worker's exception, or a late gradient)."""
-        win = self._window
-        return None if win is None else win.error
-
-    def _finish_overlap(self, win: _OverlapWindow) -> StepResult:
-        t0 = time.perf_counter()
-        self._wait_idle(win)
-        waited = time.perf_counter() - t0
-        if win.error is not None:
-            self._window = None
-            raise win.error
-        self._window = None  # the worker is idle: the rest runs here
-        if self._hyper() != win.hyper:  # every shard of a step uses one set: the one backward started with
-            log.warning("overlap_step: lr/betas/eps/weight_decay changed between backward() and step() (%s -> %s); "
-                        "this step used the values backward() started with: set them before backward()",
-                        win.hyper, self._hyper())
-        handed = {id(st): (new, norm) for st, new, norm in win.done}
-        rest = [st for st in self.states if id(st) not in handed]
-        self._fill_unwritten(rest)
-        norms = {id(st): torch.linalg.vector_norm(st.grad, 2) for st in rest}
-        norms.update({k: v[1] for k, v in handed.items()})
-        self._step_states(rest, win.hyper, None)
-        reqs = []
-        if self.write_param is not None:
-            for st, new, _ in win.done:  # the engine has released every shard: homes may change now
-                req = self.write_param(st.shard, new)
-                if req is not None:
-                    reqs.append(req)
-        for r in reqs:
-            r.wait()
-        stacked = [norms[id(st)] for st in self.states if st.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack(stacked), 2)) if stacked else 0.0
-        dt = time.perf_counter() - t0
-        return StepResult(grad_norm=norm, skipped=False, seconds=dt, read_wait_s=win.read_wait_s,
-                          busy_seconds=win.busy_s + (dt - waited), overlapped_shards=len(win.done))
-
-    def cancel_overlap(self) -> int:
-        """Closes the window without completing the step (a failed backward, close, a checkpoint
-        load): waits until the worker has stepped what it was handed (after a failure of its own
-        it skips the rest), writes no parameter. Returns how many shards were handed to it (0: the
-        optimizer state is as before the window; else it is partly stepped)."""
-        win = self._window
-        if win is None:
-            return 0
+    def cancel(self) -> int:
+        """Abandons the step in progress (a failed backward, close, a checkpoint load): waits for
+        what the worker was handed (it skips the rest after a failure of its own), forgets the
+        gradients not consumed. Returns how many shards were stepped since the last step() (0: the
+        optimizer state is as before)."""
+        stepped = sum(1 for st in self.states if st.handed)
         try:
-            self._wait_idle(win)
+            self._wait(lambda: not any(st.busy for st in self.states), "the optimizer step")
         finally:
-            self._window = None
-        return win.queued
+            self._window, self._eager, self._handed_early = None, False, 0
+            self._error = None
+            for st in self.states:
+                st.handed = False
+                st.norm = None
+        return stepped
 
     def _device_buffers(self, which: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two sets of device buffers ([master|m|v] and grad) for the streamed step, sized for the
@@ -656,6 +736,8 @@ class OffloadOptimizer:
         """Overwrites a shard's [master|m|v] home (checkpoint load)."""
         st = self._by_shard[shard.index]
         st.step = step
+        st.src = st.event = st.norm = None
+        shard.home_dirty = False  # the caller writes the loaded values home next
         self.swapper.write(st.home, flat.contiguous()).wait()
 
     @property
@@ -670,17 +752,19 @@ class OffloadOptimizer:
         return sum(st.grad.numel() * 4 for st in self.states if st.grad is not None)
 
     def close(self) -> None:
-        """Stops the background step thread (after the shard it is on) and frees the buffers."""
+        """Stops the worker (after the shard it is on) and frees the buffers."""
         try:
-            self.cancel_overlap()
+            self.cancel()
         finally:
             if self._worker is not None:
                 self._queue.put(None)
-                self._worker.join(OVERLAP_STUCK_S)
+                self._worker.join(WAIT_STUCK_S)
                 if self._worker.is_alive():
-                    log.warning("overlap_step: the background step thread did not stop within %.0fs", OVERLAP_STUCK_S)
+                    log.warning("the optimizer's worker thread did not stop within %.0fs", WAIT_STUCK_S)
                 self._worker = None
         self._staging.clear()
         self._dev_bufs.clear()
+        self._scratch.clear()
         for st in self.states:
             st.grad = None
+            st.src = None

@@ -1,7 +1,8 @@
-"""Partitioning: a module's own parameters become one flat shard per dtype, in the compute dtype.
+"""Partitioning: each unit's parameters (a block of modules, ``pyinfinity.units``) become one flat
+shard per dtype and requires_grad, in the compute dtype.
 
-With one process a ZeRO-3 "shard" is the whole flat buffer of a module's own parameters
-(``recurse=False``); each parameter keeps its ``nn.Parameter`` object (so optimizers, tied
+With one process a ZeRO-3 "shard" is the whole flat buffer of one unit's parameters of one dtype
+(a decoder layer, say, or one module's own parameters); each parameter keeps its ``nn.Parameter`` object (so optimizers, tied
 weights and user references stay valid) but its ``.data`` is a 0-element placeholder except while
 the coordinator has the shard resident, when it is a view into the shard's device buffer.
 
@@ -59,6 +60,15 @@ class FlatShard:
     backward_held: bool = False  # fetched by backward; released when its grads are in
     prefetched: bool = False  # fetched ahead of use and not used yet
     grads_seen: int = 0  # trainable slices whose grad arrived in this backward
+    owner: Optional[nn.Module] = None  # the module rooting the shard's unit
+    shared: bool = False  # also needed by a module outside its unit (tied / external parameters)
+    calls: int = 0  # calls of the owner in this forward (several: its gradient is complete only at the end)
+    grad_dev: Optional[torch.Tensor] = None  # the unit's gradient on the compute device during backward
+    grad_done: bool = False  # the gradient of this backward was handed off
+    home_dirty: bool = False  # the home holds the gradient (or a step is pending): wait before reading it
+    ready: Any = None  # a CUDA event the compute stream waits for before the next use (resident update)
+    backward_done: Any = None  # a CUDA event after this backward's last use of the unit
+    grads_in: set = field(default_factory=set)  # slices (by offset) with a gradient in this backward
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +98,7 @@ class Partition:
     shards: list[FlatShard] = field(default_factory=list)
     module_shards: dict[nn.Module, list[FlatShard]] = field(default_factory=dict)
     param_slice: dict[int, tuple[FlatShard, ParamSlice]] = field(default_factory=dict)  # id(param) ->
+    units: int = 0  # blocks of modules (a unit has one shard per dtype and requires_grad)
 
     @property
     def numel(self) -> int:
@@ -161,40 +172,57 @@ def partition_model(
     persistence_threshold: int = 0,
     on_shard: Callable[[FlatShard, torch.Tensor, torch.Tensor], None],
     device: torch.device = torch.device("cpu"),
+    unit_bytes: int = 0,
+    materialize: Callable[[nn.Module, Optional[nn.Module], dict[int, nn.Parameter]], None] = materialize_module,
 ) -> Partition:
-    """Turns every module's own parameters into flat shards.
+    """Turns the model's parameters into flat shards, one per unit and (dtype, requires_grad).
 
+    Units (``pyinfinity.units``): a module whose subtree holds at most ``unit_bytes`` of parameters
+    (in the compute dtype) is one unit with all of its subtree's parameters; other modules with
+    parameters of their own are a unit of those alone (``unit_bytes`` 0: one unit per module).
     For each shard, ``on_shard(shard, flat_compute, flat_fp32)`` is called once with the shard's
     data in the compute dtype and in fp32 (the master copy, taken before any cast); the callback
     places them in their tiers. Afterwards every parameter's ``.data`` is a placeholder, so the
-    model's own copy is freed module by module. Meta parameters (``init_empty``) are
-    materialised one module at a time just before being partitioned.
+    model's own copy is freed unit by unit. Meta parameters (``init_empty``) are given storage
+    by ``materialize`` one module at a time, just before their unit is partitioned.
     """
+    from pyinfinity.units import unit_members, unit_roots
+
     part = Partition()
     names = {id(m): n for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}  # meta parameter -> its materialised replacement
+
+    def isz(p: nn.Parameter) -> int:
+        return _itemsize(compute_dtype_for(p.dtype, fp16, bf16))
+
+    roots = unit_roots(model, unit_bytes, isz)
+    members = unit_members(model, roots)
     for module in model.modules():
-        materialize_module(module, model, replaced)
-        needed: list[FlatShard] = []
-        own: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-        for pname, p in module.named_parameters(recurse=False):
-            if id(p) in part.param_slice:  # tied: owned by an earlier module
-                shard = part.param_slice[id(p)][0]
-                if shard not in needed:
-                    needed.append(shard)
-                continue
-            dtype = compute_dtype_for(p.dtype, fp16, bf16)
-            own.setdefault(dtype, []).append((pname, p))
-        mname = names.get(id(module), "")
-        for dtype, plist in own.items():
+        if id(module) in members and members[id(module)] is not module:
+            continue  # partitioned with its unit's root
+        mods = list(module.modules()) if id(module) in roots else [module]
+        for m in mods:
+            materialize(m, model, replaced)
+        own: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+        listed: set[int] = set()
+        for m in mods:
+            mname = names.get(id(m), "")
+            for pname, p in m.named_parameters(recurse=False):
+                if id(p) in part.param_slice or id(p) in listed:
+                    continue  # tied: owned by an earlier unit (or listed already in this one)
+                listed.add(id(p))
+                key = (compute_dtype_for(p.dtype, fp16, bf16), bool(p.requires_grad))
+                own.setdefault(key, []).append((f"{mname}.{pname}" if mname else pname, p))
+        uname = names.get(id(module), "")
+        made: list[FlatShard] = []
+        for (dtype, _), plist in own.items():
             slices, offset = [], 0
-            for pname, p in plist:
+            for qual, p in plist:
                 n = p.numel()
-                qual = f"{mname}.{pname}" if mname else pname
                 slices.append(ParamSlice(qual, p, offset, n, p.shape, p.dtype, p.requires_grad))
                 offset += n
-            shard = FlatShard(index=len(part.shards), module_name=mname, dtype=dtype, slices=slices,
-                              numel=offset, persistent=0 < offset <= persistence_threshold)
+            shard = FlatShard(index=len(part.shards), module_name=uname, dtype=dtype, slices=slices,
+                              numel=offset, persistent=0 < offset <= persistence_threshold, owner=module)
             if offset == 0:
                 for s in slices:
                     part.param_slice[id(s.param)] = (shard, s)
@@ -214,12 +242,21 @@ def partition_model(
             on_shard(shard, flat, flat32)
             del flat, flat32
             part.shards.append(shard)
-            needed.append(shard)
-        if needed:
-            part.module_shards[module] = needed
+            made.append(shard)
+        for m in mods:  # what each module's call needs: its unit's shards and what it shares with others
+            needed = list(made) if (m is module or any(True for _ in m.parameters(recurse=False))) else []
+            for p in m.parameters(recurse=False):
+                sh = part.param_slice.get(id(p), (None,))[0]
+                if sh is not None and sh.numel and sh not in needed:
+                    needed.append(sh)
+                    sh.shared = True  # used by a module outside the unit that owns it
+            if needed:
+                part.module_shards[m] = needed
+        if made:
+            part.units += 1
     if part.shards:
-        log.info("partitioned %d parameters into %d flat shards (%.1f MiB in compute dtype)",
-                 part.numel, len(part.shards), part.nbytes / 2**20)
+        log.info("partitioned %d parameters into %d units, %d flat shards (%.1f MiB in compute dtype)",
+                 part.numel, part.units, len(part.shards), part.nbytes / 2**20)
     return part
 
 

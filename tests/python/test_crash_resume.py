@@ -71,8 +71,10 @@ _TRAIN = textwrap.dedent("""
         if i == stall_at and stall_in == "step":
             with stalled("step"):
                 eng.step()
+                eng.synchronize()  # the step's writes run in the background: inside the stall
         else:
             eng.step()
+            eng.synchronize()
         if i % every == 0:
             if i == stall_at and stall_in == "save":
                 with stalled("save"):

@@ -20,9 +20,11 @@ def engine_grads(engine):
     """name -> accumulated fp32 gradient, read back from the engine's optimizer."""
     out = {}
     for sh in engine.partition.shards:
-        st = engine.optimizer.state_of(sh)
+        g = engine.optimizer.gradient(sh)
+        if g is None:  # no gradient in this backward (a branch not taken)
+            continue
         for sl in sh.slices:
-            out[sl.name] = st.grad[sl.offset:sl.offset + sl.numel].view(sl.shape).clone()
+            out[sl.name] = g[sl.offset:sl.offset + sl.numel].view(sl.shape).clone()
     return out
 
 
