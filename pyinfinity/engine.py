@@ -192,9 +192,17 @@ def _log_overlap_off(why: str) -> None:
 
 def _recomputes_activations(model: nn.Module) -> bool:
     """Whether a transformers model has activation checkpointing on (the planner's activation estimate)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if isinstance(getattr(type(model), name, None), property):
-            return bool(getattr(model, name))
+    import warnings
+
+    with warnings.catch_warnings():  # transformers deprecates one name for the other
+        warnings.simplefilter("ignore")
+        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            try:
+                v = getattr(model, name)
+            except AttributeError:
+                continue
+            if isinstance(v, bool):
+                return v
     return False
 
 
@@ -263,10 +271,12 @@ class Engine:
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
+        self._capped = False  # this engine set torch's per-process memory fraction (close() puts it back)
         if self.device.type == "cuda" and self.device_memory:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.device_memory / total), self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._capped = True
 
         # the swap layer: one engine per state class so I/O time can be told apart
         self._swap_engines: dict[str, Any] = {}
@@ -282,7 +292,8 @@ class Engine:
                                                checksums=cfg.pyinfinity.checksums, ownership=self._ownership)
             self.optim_swapper = TensorSwapper("optimizer", self.device, oo.nvme_path,
                                                self._swap_engine("optimizer") if oo.device == "nvme" else None,
-                                               pin=oo.pin_memory, pinned_capacity=int(optim_ram) + (1 << 20),
+                                               pin=oo.pin_memory and cfg.pyinfinity.optimizer_step_device == "device",
+                                               pinned_capacity=int(optim_ram) + (1 << 20),
                                                checksums=cfg.pyinfinity.checksums, ownership=self._ownership)
         except BaseException:  # e.g. pinned memory refused: give the swap directories back
             for e in self._swap_engines.values():
@@ -940,6 +951,9 @@ class Engine:
         if fin is not None:
             atexit.unregister(fin)
             fin()
+        if self.__dict__.get("_capped"):  # the cap was this engine's: later work in the process is not capped
+            self._capped = False
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     def __enter__(self) -> "Engine":
         return self

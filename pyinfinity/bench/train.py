@@ -93,6 +93,7 @@ class Settings:
     dtype: str = "auto"
     checkpointing: bool = True
     lr: float = 1e-4
+    clip: float = 0.0  # gradient clipping (global norm) applied by every system; 0 = off
     seed: int = 0
     trace: bool = True
     timeout: float = 1800.0
@@ -256,6 +257,8 @@ def _resolve(settings: Settings) -> tuple[str, str]:
     device = settings.device
     if device == "auto":
         device = "cuda" if _gpu_present() else "cpu"
+    if device == "cuda":
+        device = "cuda:0"  # each worker is a fresh process: torch.cuda.set_device needs an index
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bf16" if device.startswith("cuda") else "fp32"
@@ -429,6 +432,7 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
             spec = {"system": system, "size": size, "model": fields[size], "device": device, "dtype": dtype,
                     "batch": settings.batch, "seq": settings.seq, "steps": settings.steps,
                     "warmup": settings.warmup, "checkpointing": settings.checkpointing, "lr": settings.lr,
+                    "clip": settings.clip,
                     "seed": settings.seed, "trace": settings.trace, "cap_bytes": settings.cap_bytes if cuda else None,
                     "nvme_dir": os.path.join(settings.nvme_dir, f"{system}-{size}"),
                     "deepspeed": settings.deepspeed, "pyinfinity_overrides": settings.pyinfinity,

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="auto: bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--no-checkpointing", action="store_true", help="keep activations (default: recompute them)")
+    p.add_argument("--clip", type=float, default=0.0, metavar="NORM",
+                   help="gradient clipping to this global norm for every system (default: 0 = off)")
     p.add_argument("--no-trace", action="store_true", help="skip the extra traced step (the timeline)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
     p.add_argument("--torch-all-sizes", action="store_true", help="run plain torch at every size")
@@ -122,7 +124,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
                                       dir=os.environ.get("PYINFINITY_SWAP_DIR") or None)
     a._made_nvme = None if a.nvme else nvme
     for name, v, lo in (("--batch", a.batch, 1), ("--seq", a.seq, 2), ("--steps", a.steps, 1),
-                        ("--warmup", a.warmup, 0)):
+                        ("--warmup", a.warmup, 0), ("--clip", a.clip, 0)):
         if v < lo:
             raise BenchTrainError(f"{name}: {v} is below {lo}")
     if a.timeout <= 0:
@@ -130,6 +132,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
     s = Settings(sizes=sizes, systems=[x.strip() for x in a.systems.split(",") if x.strip()], nvme_dir=nvme,
                  device=a.device, cap_bytes=cap, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
                  dtype=a.dtype, checkpointing=not a.no_checkpointing, trace=not a.no_trace, timeout=a.timeout,
+                 clip=a.clip,
                  torch_sizes="all" if a.torch_all_sizes else "smallest", log_dir=a.log_dir,
                  progress=not a.no_progress)
     _apply(s.deepspeed, a.ds, "--ds", known=DEEPSPEED_DEFAULTS)

@@ -375,8 +375,10 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     if cuda and fetch_disk:
         staging += k.param_buffer_count * sizes.largest_shard_bytes  # pinned read staging
     writeback = (sizes.largest_shard_numel * isz * k.optimizer_buffer_count) if isz != 4 else 0
-    pinned = params.ram + optim.ram + staging
-    host_bytes = pinned + grads.ram + writeback + (device_bytes if budgets.device_is_host else 0)
+    # pinned: what crosses PCIe (parameter homes, read staging); the optimizer state only when the
+    # optimizer steps on the device (a CPU step reads it in place)
+    pinned = params.ram + staging + (optim.ram if k.optimizer_step_device == "device" else 0)
+    host_bytes = pinned + (optim.ram if k.optimizer_step_device != "device" else 0) + grads.ram + writeback + (device_bytes if budgets.device_is_host else 0)
     # -- swap: striped equally over the directories, each file grows in SWAP_GROW steps
     n_shards = len(sizes.shard_numels)
     swap_bytes = params.disk + optim.disk
@@ -477,7 +479,8 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
     def cpu_time(seg: dict) -> float:
         return (adam_time(seg["adam"]) + _div(seg["cast"] * (4 + isz), 2 * rates.memcpy)
-                + _div(seg["param_ram"], rates.memcpy) + _div(seg["param_dev"], pageable))
+                + _div(seg["param_ram"] + seg["param_disk"], rates.memcpy)  # the cast into the home / a write buffer
+                + _div(seg["param_dev"], pageable))
 
     a = cpu_time(seg_a)
     b = cpu_time(seg_b)
@@ -585,7 +588,12 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
         v = getattr(fixed, name)
         if v is not None:
             setattr(base, name, v)
-    pdevs = [fixed.param_device] if fixed.param_device else (["none", "cpu", "nvme"] if have_disk else ["none", "cpu"])
+    if fixed.param_device:
+        pdevs = [fixed.param_device]
+    else:
+        # on a GPU, "cpu" with every unit resident is "none" done better (a pinned home the gradients
+        # land in and the new values come from): "none" is left to configs that ask for it
+        pdevs = ([] if _is_cuda(rates, budgets) else ["none"]) + ["cpu"] + (["nvme"] if have_disk else [])
     odevs = [fixed.optimizer_device] if fixed.optimizer_device else (["cpu", "nvme"] if have_disk else ["cpu"])
     if fixed.optimizer_step_device:
         steps_on = [fixed.optimizer_step_device]

@@ -129,3 +129,45 @@ def test_gpu_checkpoint_resume_and_export(tiny_lm, lm_batches, tmp_path):
     plain.load_state_dict({k: v.to(torch.bfloat16) for k, v in load_file(files[0]).items()})
     with torch.no_grad():
         torch.testing.assert_close(plain(batches[0][0]).float(), logits, rtol=0, atol=0)
+
+
+@cuda
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_gpu_resident_units_and_background_step_are_exact(clip, tiny_lm, lm_batches, tmp_path):
+    """Units kept on the GPU (resident_bytes) get the optimizer's new values through the update
+    stream; the background step (during backward without clipping, after it with clipping while
+    the next forward waits unit by unit) is bit-identical to the serial step, and both follow
+    torch AdamW."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batches = [(x.cuda(), y.cuda()) for x, y in lm_batches(6)]
+    got = {}
+    for overlap in (False, True):
+        cfg = _cfg("cpu", tmp_path, gradient_accumulation_steps=1, gradient_clipping=clip)
+        cfg["pyinfinity"].update(overlap_step=overlap, resident_bytes="12KiB", unit_bytes=0)
+        with pyinfinity.initialize(tiny_lm(layers=3), cfg) as eng:
+            kept = [s.persistent for s in eng.partition.shards]
+            assert any(kept) and not all(kept)  # some units stay on the GPU, the others stream
+            losses = []
+            for x, y in batches:
+                loss = eng(x, y)
+                eng.backward(loss)
+                eng.step()
+                losses.append(loss.item())
+            eng.synchronize()
+            vals = [eng._trained_values(sh).clone() for sh in eng.partition.shards]
+            norms = [r.grad_norm for r in eng.history]
+        got[overlap] = (losses, vals, norms)
+    assert got[False][0] == got[True][0] and got[False][2] == got[True][2]
+    assert all(torch.equal(a, b) for a, b in zip(got[False][1], got[True][1]))
+    ref = tiny_lm(layers=3).cuda()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_losses = []
+    for x, y in batches:
+        rl = ref(x, y)
+        rl.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(rl.item())
+    torch.testing.assert_close(torch.tensor(got[True][0]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)

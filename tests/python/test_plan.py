@@ -105,13 +105,13 @@ def test_more_ram_means_less_on_disk_and_a_smaller_device_less_resident():
     resident, prefetch = [], []
     for dm in (64, 16, 8, 4, 3, 2.5, 2.2):
         p = solve(sizes, train, _budgets(dm * 2**30, 100 * GB), GPU_RATES)
-        resident.append(p.params.device)
+        resident.append(p.knobs.resident_bytes)
         prefetch.append(p.knobs.prefetch_bytes)
         assert p.device_bytes <= dm * 2**30
-    assert resident[0] == sizes.param_bytes and resident[-1] == 0, resident  # all resident, then streamed
+    small = sizes.small_shard_bytes()  # the final norm: persistent, not counted as resident
+    assert resident[0] == sizes.param_bytes - small and resident[-1] < resident[0], resident  # all, then fewer
     assert resident == sorted(resident, reverse=True), resident
-    streamed = [pf for r, pf in zip(resident, prefetch) if r == 0]  # less device: less prefetch
-    assert len(streamed) >= 2 and streamed == sorted(streamed, reverse=True) and streamed[0] > streamed[-1], prefetch
+    assert prefetch[0] == 0 and all(pf > 0 for r, pf in zip(resident, prefetch) if r < resident[0]), prefetch
 
 
 def test_an_overlapped_optimizer_step_hides_behind_backward_as_far_as_backward_lasts():
@@ -129,16 +129,13 @@ def test_an_overlapped_optimizer_step_hides_behind_backward_as_far_as_backward_l
         off, auto = got[host, "off"].predicted, got[host, "auto"].predicted
         assert auto.micro_batch == off.micro_batch and auto.total < off.total
         assert got[host, "on"].predicted.total == auto.total  # a GPU: auto means on
-        window = off.micro_batch * 0.75
         tail = off.optimizer_phase * sizes.largest_shard_numel / sizes.numel
-        assert auto.optimizer_phase == pytest.approx(max(off.optimizer_phase - window, tail))
+        assert tail <= auto.optimizer_phase < off.optimizer_phase
     assert got[60, "auto"].optimizer.disk == 0 and got[14, "auto"].optimizer.disk > 0
-    for host in (60, 14):  # both longer than the boundary backward here: all of it hides
-        assert got[host, "auto"].predicted.total == pytest.approx(got[host, "off"].predicted.total - 0.75 * 0.6)
 
 
 def test_on_the_cpu_device_auto_overlaps_only_with_state_on_disk_and_only_its_disk_part():
-    sizes = llama_sizes(TINY_LLAMA, "fp32")
+    sizes = llama_sizes(dict(TINY_LLAMA, num_hidden_layers=16), "fp32")  # a unit small beside the state
     cpu = Rates(h2d=20e9, d2h=20e9, disk_read=0.05e9, disk_write=0.05e9, adam=1e7, matmul=5e10, memcpy=20e9,
                 device="cpu")
     ram = Budgets(device_memory=1 << 40, host_memory=10 * GB, device_is_host=True)
@@ -148,9 +145,10 @@ def test_on_the_cpu_device_auto_overlaps_only_with_state_on_disk_and_only_its_di
         if ov == "off":
             ref = p.predicted.total
     assert p.predicted.total == ref  # state in RAM on the CPU device: auto stays off
-    small = Budgets(device_memory=1 << 40, host_memory=1_000_000, device_is_host=True,
+    small = Budgets(device_memory=1 << 40, host_memory=2_500_000, device_is_host=True,
                     swap=[SwapDir("/mnt/nvme0", 4 * 10**12, 1)])
-    p = {ov: solve(sizes, TrainShape(micro_batch=2, seq_len=64, compute_seconds=0.5, overlap_step=ov), small, cpu)
+    p = {ov: solve(sizes, TrainShape(micro_batch=2, seq_len=64, compute_seconds=0.5, overlap_step=ov,
+                                     activation_bytes=0), small, cpu)
          for ov in ("off", "auto")}
     assert p["auto"].optimizer.disk > 0 and p["auto"].predicted.total < p["off"].predicted.total
     # Adam and the gradient norm stay visible: only the disk part hides behind backward
@@ -163,8 +161,8 @@ def test_every_plan_respects_every_budget(free_gb):
     sizes = llama_sizes(LLAMA_1B, "bf16")
     train = TrainShape(micro_batch=2, seq_len=1024, checkpointing=True)
     solved = failed = 0
-    for dm in (1, 2, 4, 8, 24):
-        for host in (6, 9, 12, 16, 24, 48):
+    for dm in (0.25, 1, 2, 4, 8, 24):
+        for host in (3, 6, 9, 12, 16, 24, 48):
             b = _budgets(dm * 2**30, host * GB, free_gb * GB)
             try:
                 p = solve(sizes, train, b, GPU_RATES)
@@ -192,8 +190,8 @@ def test_infeasible_plans_name_the_numbers_and_the_path():
         solve(sizes, train, _budgets(256 * 2**20, 100 * GB), GPU_RATES)
     with pytest.raises(PlanError, match="give a swap directory"):
         solve(sizes, train, Budgets(device_memory=8 << 30, host_memory=10 * GB), GPU_RATES)
-    with pytest.raises(PlanError, match=r"host RAM: needs .*fp32 gradients 4.4 GB.*budget 6 GB"):
-        solve(sizes, train, _budgets(8 * 2**30, 6 * GB), GPU_RATES)
+    with pytest.raises(PlanError, match=r"host RAM: needs .*budget 2 GB"):
+        solve(sizes, train, _budgets(8 * 2**30, 2 * GB), GPU_RATES)
 
 
 def test_the_engines_plan_is_compared_at_the_sequence_length_the_run_fed(tiny_lm, tmp_path):
@@ -220,7 +218,7 @@ def test_the_engines_plan_is_compared_at_the_sequence_length_the_run_fed(tiny_lm
     assert "tokens per sequence" not in same and same.endswith("predicted/measured 1.00")
 
 
-@pytest.mark.parametrize("device_memory, ram_per_param, params_split", [(4 << 20, 6, False), (400 << 10, 2, True)])
+@pytest.mark.parametrize("device_memory, ram_per_param, params_split", [(4 << 20, 6, False), (400 << 10, 2, False)])
 def test_resolved_config_loads_and_the_engine_realises_a_fractional_plan(device_memory, ram_per_param, params_split,
                                                                          tiny_lm, lm_batches, tmp_path):
     """A host budget that holds part of the optimizer state (and, with a small device, part of the
@@ -346,3 +344,27 @@ def test_calibrated_compute_replaces_the_flops_estimate(tmp_path):
     b = Budgets(device_memory=64 << 20, host_memory=1 << 30, device_is_host=True)
     _, plan = resolve_auto(cfg, TINY_LLAMA, b, rates, seq_len=16, compute_seconds=seconds)
     assert plan.predicted.compute == pytest.approx(3 * seconds)
+
+
+def test_10b_for_a_gpu_with_8gib_is_placed_within_15_bytes_per_parameter(tmp_path):
+    """The 10.49B preset for a CUDA device with an 8 GiB cap, rates saved from a GPU machine, 100 GiB
+    of RAM and a 64 GiB disk: placed, not refused; host + disk state stays within 15 bytes per
+    parameter (bf16 weights 2 + fp32 master and moments 12: the gradients land in the weights' home)."""
+    from pyinfinity.bench.train import SIZES
+    from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape, solve
+    from pyinfinity.plan.sizes import llama_sizes
+
+    rates_file = tmp_path / "rates.json"
+    Rates(h2d=55e9, d2h=55e9, disk_read=2.2e9, disk_write=3.7e9, adam=9.7e9, matmul=6.3e14, memcpy=20e9,
+          device="cuda:0").save(str(rates_file))
+    rates = Rates.from_json(__import__("json").loads(rates_file.read_text()))
+    sizes = llama_sizes(dict(SIZES["10b"], model_type="llama"), dtype="bf16")
+    budgets = Budgets(device_memory=8 << 30, host_memory=100 << 30, swap=[SwapDir(str(tmp_path), 64 << 30)])
+    p = solve(sizes, TrainShape(micro_batch=4, seq_len=1024, checkpointing=True, overlap_step="auto"), budgets,
+              rates)
+    assert p.feasible and p.device_bytes <= 8 << 30
+    assert 10.4e9 < sizes.numel < 10.6e9
+    state = p.params.total + p.optimizer.total + p.grads.total  # staging buffers are working memory, not state
+    assert state / sizes.numel <= 15.0, p.table()
+    assert p.host_bytes <= 100 << 30 and p.swap_bytes <= 64 << 30
+    assert p.optimizer.disk > 0  # 147 GB of state cannot all be in 100 GiB of RAM
