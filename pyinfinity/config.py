@@ -821,6 +821,14 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
                                 "host budget left after optimizer states"))
     if e.host_memory == AUTO:
         e.host_memory = host
+    if e.resident_bytes == AUTO:
+        e.resident_bytes = 0
+        out.append(AutoDecision("pyinfinity.resident_bytes", 0, "the heuristic keeps no unit resident"))
+    if e.unit_bytes == AUTO:
+        from pyinfinity.units import auto_unit_bytes
+
+        e.unit_bytes = auto_unit_bytes(sizes.param_bytes, sizes.largest_module_bytes, dev_budget)
+        out.append(AutoDecision("pyinfinity.unit_bytes", e.unit_bytes, "a quarter of the model, an eighth of the device"))
     if z.offload_param.device == "nvme" or z.offload_optimizer.device == "nvme":
         need = (sizes.param_bytes if z.offload_param.device == "nvme" else 0) + \
                (int(sizes.numel * 12 * z.offload_optimizer.ratio) if z.offload_optimizer.device == "nvme" else 0)

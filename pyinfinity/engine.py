@@ -72,6 +72,10 @@ class StepRecord:
     optimizer_seconds: float  # time step() spent on the optimizer (with overlap_step: the wait after backward)
     optimizer_busy_seconds: float = 0.0  # optimizer time in all threads (with overlap_step: hidden part included)
     overlapped_shards: int = 0  # shards stepped in the background during the boundary backward
+    # seconds of the optimizer's per-shard work since the last record, by part: gradient (wait for its
+    # copy + convert to fp32), adam, write (new values home and to resident units), read_wait (NVMe)
+    optimizer_phases: Optional[dict] = None
+    step_wait_seconds: float = 0.0  # time forward/backward waited for the optimizer to write a unit's values
 
 
 @dataclass
@@ -658,7 +662,9 @@ class Engine:
                          bytes_moved=moved, overlap_fraction=overlap,
                          prefetch_hits=f1.prefetch_hits - f0.prefetch_hits,
                          on_demand_fetches=f1.on_demand - f0.on_demand, optimizer_seconds=res.seconds,
-                         optimizer_busy_seconds=res.busy_seconds, overlapped_shards=res.overlapped_shards)
+                         optimizer_busy_seconds=res.busy_seconds, overlapped_shards=res.overlapped_shards,
+                         optimizer_phases=getattr(res, "phases", None) or None,
+                         step_wait_seconds=f1.step_wait_seconds - f0.step_wait_seconds)
         self._mark = cur
         self._losses.clear()
         self._tokens = 0

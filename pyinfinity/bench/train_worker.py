@@ -405,6 +405,13 @@ def run(spec: dict) -> dict:
             ov = [rec.overlap_fraction for rec in recs if rec.overlap_fraction is not None]
             res["overlap_fraction"] = sum(ov) / len(ov) if ov else None
             res["optimizer_seconds"] = sum(rec.optimizer_seconds for rec in recs) / len(recs) if recs else None
+            phases: dict[str, float] = {}
+            for rec in recs:
+                for k, v in (rec.optimizer_phases or {}).items():
+                    phases[k] = phases.get(k, 0.0) + v / len(recs)
+            res["optimizer_phases"] = {k: round(v, 4) for k, v in phases.items()}
+            res["optimizer_busy_seconds"] = sum(rec.optimizer_busy_seconds for rec in recs) / len(recs) if recs else None
+            res["step_wait_seconds"] = sum(rec.step_wait_seconds for rec in recs) / len(recs) if recs else None
             rep = r.engine.memory_report()
             res["placement"] = {"params": rep.params, "optimizer": rep.optimizer, "grads": rep.grads}
         if spec.get("trace"):

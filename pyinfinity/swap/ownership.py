@@ -561,13 +561,18 @@ def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
     ratio = oo.ratio if oo.device == "nvme" else 0.0
     optim_nvme = min(sizes.numel * 12, int(sizes.numel * 12 * ratio) + 6 * sizes.largest_shard_bytes) if ratio else 0
     optim_ram = sizes.numel * 12 - int(sizes.numel * 12 * ratio)
-    grads = sizes.numel * 4
+    # gradients on the host: they land in the parameter homes in RAM (the step rewrites those); homes
+    # on NVMe or on the device need a buffer of their own; accumulation keeps an fp32 sum
+    if int(cfg.gradient_accumulation_steps) > 1:
+        grads = sizes.numel * 4
+    else:
+        grads = param_nvme + (sizes.param_bytes if op.device == "none" else 0)
     missing = []
     host = cfg.pyinfinity.host_memory
     ram_need = param_ram + optim_ram + grads
     if isinstance(host, int) and ram_need > host:
         missing.append(f"host RAM: {_fmt(ram_need)} (parameters {_fmt(param_ram)}, optimizer states "
-                       f"{_fmt(optim_ram)}, fp32 gradients {_fmt(grads)}) but pyinfinity.host_memory is "
+                       f"{_fmt(optim_ram)}, gradients {_fmt(grads)}) but pyinfinity.host_memory is "
                        f"{_fmt(host)}: {_fmt(ram_need - host)} missing; put more on NVMe "
                        "(offload_param/offload_optimizer device \"nvme\", offload_optimizer.ratio) or raise "
                        "pyinfinity.host_memory")

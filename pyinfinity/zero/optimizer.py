@@ -112,6 +112,7 @@ class StepResult:
     read_wait_s: float = 0.0
     busy_seconds: float = 0.0  # optimizer time in all threads since the last step (the hidden part included)
     overlapped_shards: int = 0  # shards handed to the background worker during backward
+    phases: dict = field(default_factory=dict)  # seconds per part of the per-shard step (gradient, adam, write, read_wait)
 
 
 @dataclass
@@ -159,7 +160,12 @@ class OffloadOptimizer:
         self.threads: Optional[int] = None  # intra-op threads of the worker (None: torch's default)
         self._window: Optional[dict] = None  # hyperparameters fixed when the boundary backward began
         self._eager = False  # hand units over during backward (nothing global needed)
-        self._queue: "queue.SimpleQueue[Optional[tuple[ShardOptimState, _Job]]]" = queue.SimpleQueue()
+        # the worker takes the lowest unit index first (forward order): after backward, the units the
+        # next forward needs first are stepped first, so it overlaps the rest of the step
+        self._queue: "queue.PriorityQueue[tuple[float, int, Optional[tuple[ShardOptimState, _Job]]]]" = \
+            queue.PriorityQueue()
+        self._seq = 0
+        self._phase_s: dict[str, float] = {}  # seconds per phase of the per-shard step since the last report
         self._worker: Optional[threading.Thread] = None
         self._cond = threading.Condition()
         self._error: Optional[BaseException] = None
@@ -398,7 +404,9 @@ class OffloadOptimizer:
         device buffer sets of a streamed step."""
         n = st.numel
         dev = self.step_device
+        t0 = time.perf_counter()
         g32 = self._grad32(st) if grad is None else grad
+        t1 = time.perf_counter()
         st.step += 1
         work, g = flat, g32
         if dev is not None:  # stream the state to the device, step there, bring it back
@@ -416,7 +424,13 @@ class OffloadOptimizer:
         if dev is not None:
             flat.copy_(work)  # device -> host; waits for the kernel (the write-back needs it)
             master = flat[:n]
+        self._count(gradient=t1 - t0, adam=time.perf_counter() - t1)
         return master
+
+    def _count(self, **seconds: float) -> None:
+        with self._cond:
+            for k, v in seconds.items():
+                self._phase_s[k] = self._phase_s.get(k, 0.0) + v
 
     def _finish(self, st: ShardOptimState) -> None:
         """The shard's gradient is consumed and its new values are home (its norm stays for the
@@ -440,10 +454,12 @@ class OffloadOptimizer:
                 master = self._adam(st, flat, hyper, inv_factor, k)
                 k += 1
                 extra: list = []
+                t0 = time.perf_counter()
                 if self.write_param is not None:
                     req = self.write_param(st.shard, master)
                     if req is not None:
                         extra.append(req)
+                self._count(write=time.perf_counter() - t0)
                 done.append(st)
                 item = gen.send(extra)
         except StopIteration:
@@ -513,9 +529,11 @@ class OffloadOptimizer:
         with self._cond:
             busy += self._busy_s
             read_wait, self._busy_s, self._read_wait_s = self._read_wait_s, 0.0, 0.0
+            phases, self._phase_s = self._phase_s, {}
         dt = time.perf_counter() - t0
         return StepResult(grad_norm=raw_norm, skipped=False, seconds=dt, read_wait_s=read_wait,
-                          busy_seconds=busy, overlapped_shards=early)
+                          busy_seconds=busy, overlapped_shards=early,
+                          phases={k: round(v, 6) for k, v in phases.items()})
 
     # ------------------------------------------------------------------------- the worker
     @property
@@ -551,7 +569,9 @@ class OffloadOptimizer:
             st.busy = True
             st.handed = True
             st.shard.home_dirty = True  # its home is rewritten: a fetch waits for the worker (wait_shard)
-        self._queue.put((st, job))
+            self._seq += 1
+            seq = self._seq
+        self._queue.put((st.shard.index, seq, (st, job)))
 
     def _work(self, ready: threading.Event) -> None:
         """The worker: steps handed shards in order, reading the NVMe states of the shards queued
@@ -588,13 +608,13 @@ class OffloadOptimizer:
             if not ahead:
                 if stop:
                     return
-                item = self._queue.get()
+                item = self._queue.get()[2]
                 if item is None:
                     return
                 take(item)
             while not stop and len(ahead) < nb:
                 try:
-                    item = self._queue.get_nowait()
+                    item = self._queue.get_nowait()[2]
                 except queue.Empty:
                     break
                 if item is None:
@@ -645,12 +665,15 @@ class OffloadOptimizer:
             req.wait()
             with self._cond:
                 self._read_wait_s += time.perf_counter() - t0
+                self._phase_s["read_wait"] = self._phase_s.get("read_wait", 0.0) + time.perf_counter() - t0
             flat = buf
         master = self._adam(st, flat, job.hyper, job.inv_factor)
+        t0 = time.perf_counter()
         if self.write_param is not None:
             r = self.write_param(st.shard, master)
             if r is not None:
                 r.wait()  # a fetch of this shard may come right after: its home must be complete
+        self._count(write=time.perf_counter() - t0)
         if st.home.tier == Tier.NVME:
             pending[b] = self.swapper.write(st.home, buf)
         self._finish(st)
@@ -757,7 +780,7 @@ class OffloadOptimizer:
             self.cancel()
         finally:
             if self._worker is not None:
-                self._queue.put(None)
+                self._queue.put((math.inf, 0, None))
                 self._worker.join(WAIT_STUCK_S)
                 if self._worker.is_alive():
                     log.warning("the optimizer's worker thread did not stop within %.0fs", WAIT_STUCK_S)

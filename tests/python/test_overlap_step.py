@@ -78,7 +78,7 @@ def test_overlap_is_bit_identical_to_the_serial_step(tier, ratio, gas, persisten
     assert all(r.overlapped_shards > 0 for r in h1)  # the mechanism ran (not the serial fallback)
     assert l0 == l1
     assert [r.grad_norm for r in h0] == [r.grad_norm for r in h1]  # telemetry unchanged
-    assert all(r.optimizer_busy_seconds > 0 for r in h1)
+    assert sum(r.optimizer_busy_seconds for r in h1) > 0  # reported as the worker gets through it
     assert s0.keys() == s1.keys()
     for k in s0:
         assert torch.equal(s0[k], s1[k]), k
