@@ -132,6 +132,7 @@ def test_a_failed_read_ahead_surfaces_and_nothing_hangs(tiny_lm, lm_batches, eng
             with pytest.raises(OSError) as ei:
                 eng.backward(eng(x2, y2))
                 eng.step()
+                eng.synchronize()
         assert ei.value.errno == errno.EIO
         assert not eng.optimizer.overlap_open
         with pytest.raises(RuntimeError, match="partly stepped"):
@@ -342,6 +343,7 @@ def test_the_background_steps_own_exception_is_raised_as_itself(tiny_lm, lm_batc
         with pytest.raises(ValueError) as ei:
             eng.backward(eng(x, y))
             eng.step()
+            eng.synchronize()  # step() returns before the worker is done: its failure surfaces at the next wait
         assert ei.value is boom
     finally:
         _close_quickly(eng)
