@@ -1,0 +1,248 @@
+"""Nothing silently wrong after a failure: damaged checkpoint metadata, failed saves, SIGTERM,
+Ctrl-C during a stuck wait, and misuse. Each case is refused with an error naming what is wrong,
+or completes correctly; none loads or trains on wrong state."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import pyinfinity
+from pyinfinity import checkpoint
+from pyinfinity.checkpoint import CHECKSUMS_NAME, CheckpointError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _train(eng, batches):
+    losses = []
+    for x, y in batches:
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _snapshot(eng):
+    """What a load changes: counters, learning rates, scaler, RNG, trained values of every shard."""
+    return (eng.global_steps, eng.micro_steps, [g["lr"] for g in eng.optimizer.param_groups],
+            dict(eng.scaler.state_dict()), torch.get_rng_state().clone(),
+            [eng._trained_values(sh).clone() for sh in eng.partition.shards])
+
+
+def _same(a, b):
+    return a[:4] == b[:4] and torch.equal(a[4], b[4]) and all(torch.equal(x, y) for x, y in zip(a[5], b[5]))
+
+
+# ----------------------------------------------------------------------------------- checkpoint metadata
+
+FLIPS = 100  # random bit flips per file
+
+
+@pytest.fixture
+def saved(tiny_lm, lm_batches, engine_config, tmp_path):
+    """An engine trained 2 steps with a checkpoint of step 2, then trained one step more."""
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5}}
+    eng = pyinfinity.initialize(tiny_lm(), engine_config("nvme", scheduler=sched))
+    batches = lm_batches(4)
+    _train(eng, batches[:2])
+    path = eng.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 1})
+    _train(eng, batches[2:3])
+    yield eng, path, batches
+    eng.close()
+
+
+def _bad_copy(path, tmp_path, name, mutate):
+    d = tmp_path / "bad" / os.path.basename(path)
+    shutil.rmtree(d.parent, ignore_errors=True)
+    shutil.copytree(path, d)
+    p = d / name
+    data = bytearray(p.read_bytes())
+    mutate(data)
+    p.write_bytes(bytes(data))
+    return str(d.parent), d
+
+
+@pytest.mark.parametrize("name", ["meta.json", "rng.pt"])
+def test_random_bit_flips_in_metadata_are_refused_before_any_state_changes(name, saved, tmp_path):
+    eng, path, batches = saved
+    rnd = random.Random(16)
+    before = _snapshot(eng)
+    refused = 0
+    for _ in range(FLIPS):
+        size = os.path.getsize(os.path.join(path, name))
+        at, bit = rnd.randrange(size), rnd.randrange(8)
+
+        def flip(data):
+            data[at] ^= 1 << bit
+        load_dir, d = _bad_copy(path, tmp_path, name, flip)
+        with pytest.raises(CheckpointError) as ei:
+            eng.load_checkpoint(load_dir, tag=d.name)
+        assert name in str(ei.value) and str(d) in str(ei.value)
+        refused += 1
+        assert _same(_snapshot(eng), before), f"flip of bit {bit} at byte {at} of {name} changed the engine"
+    assert refused == FLIPS
+    # the engine still trains, and a good load gives the checkpoint's state
+    _train(eng, batches[3:])
+    _, client = eng.load_checkpoint(os.path.dirname(path))
+    assert client == {"epoch": 1} and eng.global_steps == 2
+
+
+def _edit_meta(path, tmp_path, edit, fix_checksum):
+    def mutate(data):
+        meta = json.loads(data)
+        edit(meta)
+        data[:] = json.dumps(meta).encode()
+    load_dir, d = _bad_copy(path, tmp_path, "meta.json", mutate)
+    if fix_checksum:  # a deliberate edit with its checksum recomputed: the metadata checks must catch it
+        sums = json.loads((d / CHECKSUMS_NAME).read_text())
+        raw = (d / "meta.json").read_bytes()
+        sums["files"]["meta.json"] = {"nbytes": len(raw), "crc32c": checkpoint._crc32c_bytes(raw)}
+        (d / CHECKSUMS_NAME).write_text(json.dumps(sums))
+    return load_dir, d
+
+
+def _set(key, value):
+    def edit(meta):
+        obj = meta
+        *parts, last = key
+        for p in parts:
+            obj = obj[p]
+        obj[last] = value
+    return edit
+
+
+EDITS = {  # id: (edit, message when the checksum is recomputed)
+    "shard 2->3": (_set(("entries", 2, "shard"), 3), r"entries\[2\]: numel \d+, nbytes \d+; shard 3 needs"),
+    "shard out of range": (_set(("entries", 0, "shard"), 999), r"entries\[0\]\.shard: 999 is out of range"),
+    "step above global_steps": (_set(("entries", 1, "step"), 7), r"entries\[1\]\.step: 7 is above global_steps"),
+    "step negative": (_set(("entries", 1, "step"), -1), r"entries\[1\]\.step: expected an integer >= 0"),
+    "lr list length": (_set(("lr",), [0.1, 0.2]), r"lr: expected a list of 1 learning rate"),
+    "lr a string": (_set(("lr",), ["0.1"]), r"lr\[0\]: expected a finite number"),
+    "global_steps a float": (_set(("global_steps",), 2.5), r"global_steps: expected an integer"),
+    "micro_steps below global": (_set(("micro_steps",), 1), r"micro_steps: 1 is below global_steps"),
+    "offset outside": (_set(("entries", 0, "offset"), 1 << 40), r"entries\[0\]\.offset: .* inside data_bytes"),
+    "offset overlapping": (_set(("entries", 1, "offset"), 0), r"entries\[\d\]\.offset: 0 overlaps"),
+    "key missing": (lambda m: m.pop("scaler"), r"missing keys \['scaler'\]"),
+    "entry missing": (lambda m: m["entries"].pop(), r"entries: no entry for shard"),
+    "scheduler garbage": (_set(("scheduler",), {"x": 1}), r"scheduler: keys \['x'\]"),
+}
+
+
+@pytest.mark.parametrize("fix_checksum", [False, True], ids=["as-is", "checksum-recomputed"])
+@pytest.mark.parametrize("what", list(EDITS))
+def test_targeted_metadata_edits_are_refused(what, fix_checksum, saved, tmp_path):
+    eng, path, _ = saved
+    edit, message = EDITS[what]
+    before = _snapshot(eng)
+    load_dir, d = _edit_meta(path, tmp_path, edit, fix_checksum)
+    with pytest.raises(CheckpointError, match="meta.json") as ei:
+        eng.load_checkpoint(load_dir, tag=d.name)
+    assert str(d) in str(ei.value)
+    if fix_checksum:
+        assert ei.match(message)
+    else:
+        assert ei.match("fails its checksum")
+    assert _same(_snapshot(eng), before)
+
+
+def test_a_different_model_says_which_shard_differs(saved, tiny_lm, engine_config, tmp_path):
+    _, path, _ = saved
+    cfg = engine_config("cpu")
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path / "swap2")
+    with pyinfinity.initialize(tiny_lm(d=32), cfg) as other:
+        with pytest.raises(CheckpointError, match=r"different model/partition \(\d+ shards there, \d+ here\); the "
+                           r"first difference is at shard 0: checkpoint has shard 0 of module 'embed': 1152 "
+                           r"elements of torch.float32, this model has shard 0 of module 'embed': 1536 elements"):
+            other.load_checkpoint(os.path.dirname(path))
+
+
+def test_a_state_bin_entry_failing_its_checksum_refuses_training_until_a_good_load(saved, tmp_path):
+    eng, path, batches = saved
+    meta = json.loads(open(os.path.join(path, "meta.json")).read())
+    e = meta["entries"][-1]  # the last one: the others were loaded already
+
+    def flip(data):
+        data[e["offset"] + 5] ^= 0x10
+    load_dir, d = _bad_copy(path, tmp_path, "state.bin", flip)
+    with pytest.raises(CheckpointError, match=r"state\.bin bytes .* fail their checksum"):
+        eng.load_checkpoint(load_dir, tag=d.name)
+    for call in (lambda: eng.backward(eng(*batches[0])), eng.step,
+                 lambda: eng.save_checkpoint(str(tmp_path / "other"))):
+        with pytest.raises(RuntimeError, match="failed part-way"):
+            call()
+    eng.load_checkpoint(os.path.dirname(path))
+    _train(eng, batches[3:])
+    assert eng.global_steps == 3
+
+
+def test_a_version_1_checkpoint_without_checksums_still_loads(saved, tmp_path):
+    eng, path, _ = saved
+
+    def v1(data):
+        meta = json.loads(data)
+        meta["version"] = 1
+        data[:] = json.dumps(meta).encode()
+    load_dir, d = _bad_copy(path, tmp_path, "meta.json", v1)
+    os.unlink(d / CHECKSUMS_NAME)
+    eng.load_checkpoint(load_dir, tag=d.name)
+    assert eng.global_steps == 2
+    os.unlink(os.path.join(path, CHECKSUMS_NAME))  # a version 2 checkpoint must have it
+    with pytest.raises(CheckpointError, match=f"{CHECKSUMS_NAME} missing"):
+        eng.load_checkpoint(os.path.dirname(path))
+
+
+# ----------------------------------------------------------------------------------- failed saves
+
+
+def test_a_save_that_runs_out_of_space_names_the_file_and_leaves_nothing(tiny_lm, lm_batches, engine_config,
+                                                                          tiny_tmpfs_dir, monkeypatch):
+    with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
+        _train(eng, lm_batches(1))
+        # fill the 1 MiB filesystem so that state.bin fits and meta.json does not
+        big = os.path.join(tiny_tmpfs_dir, "filler")
+        st = os.statvfs(tiny_tmpfs_dir)
+        state_bytes = sum(-(-(3 * sh.numel * 4) // 4096) * 4096 for sh in eng.partition.shards)
+        with open(big, "wb") as f:
+            f.write(b"\0" * (st.f_bavail * st.f_frsize - state_bytes - 8192))
+        save_dir = os.path.join(tiny_tmpfs_dir, "ckpt")
+        with pytest.raises(OSError) as ei:
+            eng.save_checkpoint(save_dir)
+        assert ei.value.errno == 28
+        assert ei.value.filename and os.path.basename(ei.value.filename) in ("state.bin", "meta.json", "rng.pt")
+        assert os.listdir(save_dir) == []  # no temporary directory left for the rest of the run
+        os.unlink(big)
+        path = eng.save_checkpoint(save_dir)  # space back: the next save works
+        assert sorted(os.listdir(save_dir)) == ["global_step1", "latest"]
+        assert sorted(os.listdir(path)) == [CHECKSUMS_NAME, "meta.json", "rng.pt", "state.bin"]
+
+
+def test_meta_json_out_of_space_names_the_file(tiny_lm, lm_batches, engine_config, tmp_path, monkeypatch):
+    real_open = os.open
+
+    def open_full(path, flags, *args, **kw):  # meta.json lands on /dev/full: ENOSPC at its first write
+        if str(path).endswith("meta.json") and flags & os.O_WRONLY:
+            return real_open("/dev/full", os.O_WRONLY)
+        return real_open(path, flags, *args, **kw)
+    with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
+        _train(eng, lm_batches(1))
+        monkeypatch.setattr(os, "open", open_full)
+        with pytest.raises(OSError, match=r"No space left on device: writing checkpoint file meta\.json") as ei:
+            eng.save_checkpoint(str(tmp_path / "ckpt"))
+        monkeypatch.undo()
+        assert ei.value.errno == 28 and ei.value.filename.endswith("meta.json")
+        assert os.listdir(tmp_path / "ckpt") == []
