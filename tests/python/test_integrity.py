@@ -246,3 +246,87 @@ def test_meta_json_out_of_space_names_the_file(tiny_lm, lm_batches, engine_confi
         monkeypatch.undo()
         assert ei.value.errno == 28 and ei.value.filename.endswith("meta.json")
         assert os.listdir(tmp_path / "ckpt") == []
+
+
+# ----------------------------------------------------------------------------------- signals
+
+_SIGTERM_RUN = textwrap.dedent("""
+    import signal, sys, torch, pyinfinity
+    swap, mode = sys.argv[1], sys.argv[2]
+    if mode == "handler":
+        def on_term(signum, frame):
+            print("app handler", flush=True)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, on_term)
+    elif mode == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap},
+           "offload_optimizer": {"device": "nvme", "nvme_path": swap}}, "pyinfinity": {"device": "cpu"}}
+    eng = pyinfinity.initialize(m, cfg)
+    x = torch.randn(4, 64)
+    i = 0
+    while i < (300 if mode == "ignore" else 10**9):
+        eng.backward(eng(x).square().mean())
+        eng.step()
+        i += 1
+        if i == 2:
+            print("ready", flush=True)
+    eng.close()
+    print("finished", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode, rc", [("default", -signal.SIGTERM), ("handler", 3), ("ignore", 0)])
+def test_sigterm_removes_swap_files_and_keeps_the_previous_disposition(mode, rc, tmp_path):
+    swap = tmp_path / "swap"
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_RUN, str(swap), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert len(list(swap.glob("*.swp"))) == 2
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == rc, err
+    if mode == "handler":
+        assert out.strip() == "app handler"
+    if mode == "ignore":
+        assert out.strip() == "finished"  # SIGTERM ignored: the run went on to its end
+    assert os.listdir(swap) == []  # swap files, manifest and lock
+
+
+_STALL_RUN = textwrap.dedent("""
+    import os, sys, time, torch
+    from pyinfinity.swap import SwapEngine, fault_injection
+    eng = SwapEngine(backend="posix")
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    with fault_injection(op="write", action="stall", value=4000):
+        req = eng.write(buf, sys.argv[1], 0)
+        print("waiting", flush=True)
+        t0 = time.perf_counter()
+        try:
+            req.wait()
+            print("finished", time.perf_counter() - t0, flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", time.perf_counter() - t0, flush=True)
+        req.wait()  # the transfer itself goes on; its buffer stays owned until it is done
+""")
+
+
+def test_ctrl_c_interrupts_a_stuck_wait_promptly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _STALL_RUN, str(tmp_path / "f.bin")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    what, seconds = out.split()
+    assert what == "interrupted" and float(seconds) < 0.5 + 1.0, out
