@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from pyinfinity import checkpoint
+from pyinfinity import checkpoint, guards
 from pyinfinity.config import AUTO, Config, ConfigError, ModelSizes, format_size, load_config, overlap_step_blocker
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
@@ -223,6 +223,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Union[dict, str, os.PathLike, Config],
                  lr_scheduler: Any = None) -> None:
         self._closed = True
+        guards.check_not_wrapped(model)
         cfg = load_config(config)
         self.device = _resolve_device(cfg.pyinfinity.device)
         z = cfg.zero_optimization
@@ -329,6 +330,7 @@ class Engine:
         self._tokens = 0
         self._losses: list[torch.Tensor] = []
         self._mark = self._counters()
+        guards.attach(self, model)
         log.info("engine ready on %s: %s params (%s), params on %s, optimizer on %s%s", self.device,
                  f"{self.partition.numel:,}", format_size(self.partition.nbytes), op.device, oo.device,
                  f", device budget {format_size(self.device_memory)}" if self.device_memory else "")
@@ -618,7 +620,9 @@ class Engine:
         os.makedirs(out_dir, exist_ok=True)
         names: dict[int, list[str]] = {}
         buffers: dict[str, torch.Tensor] = {}
-        for key, val in self.module.state_dict(keep_vars=True).items():
+        with guards.engine_state_dict():
+            sd = self.module.state_dict(keep_vars=True)
+        for key, val in sd.items():
             if isinstance(val, nn.Parameter) and id(val) in self.partition.param_slice:
                 names.setdefault(id(val), []).append(key)
             else:

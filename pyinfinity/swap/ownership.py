@@ -225,7 +225,7 @@ class SwapOwnership:
     by garbage collection or at interpreter exit, whichever comes first."""
 
     def __init__(self, dirs: Sequence[str] = (), plans: Sequence[SpacePlan] = ()) -> None:
-        self.dirs = list(dict.fromkeys(os.path.abspath(os.fspath(d)) for d in dirs))
+        self.dirs = list(dict.fromkeys(os.path.realpath(os.fspath(d)) for d in dirs))  # a symlink is its target
         self.plans = {p.name: p for p in plans}
         self.owner = Owner.current()
         self._lock = threading.Lock()
@@ -351,7 +351,7 @@ class SwapOwnership:
 
     def _refuse_foreign(self, d: str) -> None:
         for plan in self.plans.values():
-            if d in plan.dirs:
+            if d in (os.path.realpath(p) for p in plan.dirs):
                 self._check_no_file(os.path.join(d, f"{plan.name}.swp"))
 
     @staticmethod
@@ -385,7 +385,7 @@ class SwapOwnership:
     def open_space(self, name: str, dirs: Sequence[str], make: Callable[..., Any]) -> Any:
         """Lists ``<dir>/<name>.swp`` in the manifests (before the files exist, so a crash leaves
         them claimed), then ``make(grow_bytes=...)`` opens the SwapSpace; records the files' ids."""
-        dirs = [os.path.abspath(os.fspath(d)) for d in dirs]
+        dirs = [os.path.realpath(os.fspath(d)) for d in dirs]
         missing = [d for d in dirs if d not in self._files]
         if missing:
             raise ValueError(f"dirs: {missing} are not swap directories owned by this engine ({self.dirs})")

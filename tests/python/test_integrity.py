@@ -330,3 +330,111 @@ def test_ctrl_c_interrupts_a_stuck_wait_promptly(tmp_path):
     assert proc.returncode == 0, err
     what, seconds = out.split()
     assert what == "interrupted" and float(seconds) < 0.5 + 1.0, out
+
+
+# ----------------------------------------------------------------------------------- misuse
+
+
+def test_a_regular_file_as_nvme_path_is_not_a_directory(tiny_lm, engine_config, tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    cfg = engine_config("nvme")
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(f)
+    with pytest.raises(pyinfinity.config.ConfigError, match="is not a directory"):
+        pyinfinity.initialize(tiny_lm(), cfg)
+
+
+@pytest.mark.parametrize("how", ["symlink", "trailing slash"])
+def test_one_directory_named_twice_is_one_swap_directory(how, tiny_lm, lm_batches, engine_config, tmp_path):
+    d = tmp_path / "swap"
+    d.mkdir()
+    cfg = engine_config("nvme")
+    if how == "symlink":
+        os.symlink(d, tmp_path / "link")
+        cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(d)
+        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "link")
+    else:
+        cfg["zero_optimization"]["offload_param"]["nvme_path"] = [str(d), str(d) + "/"]
+        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(d) + "/"
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+        _train(eng, lm_batches(2))
+        assert eng.global_steps == 2
+    assert os.listdir(d) == []
+
+
+def test_a_wrapped_model_refuses_state_dict_and_a_second_wrap(tiny_lm, lm_batches, engine_config, tmp_path):
+    model = tiny_lm()
+    eng = pyinfinity.initialize(model, engine_config("cpu"))
+    _train(eng, lm_batches(1))
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) while a pyinfinity engine trains it.*engine\.export"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match="state_dict"):
+        model.blocks[0].state_dict()
+    cfg2 = engine_config("cpu")
+    with pytest.raises(ValueError, match=r"already wrapped by a pyinfinity engine \(open\)"):
+        pyinfinity.initialize(model, cfg2)
+    files = eng.export(str(tmp_path / "out"))  # the engine's own read passes
+    assert files
+    eng.close()
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) after engine\.close\(\)"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match=r"model\(\.\.\.\) after engine\.close\(\).*engine\.export"):
+        model(lm_batches(1)[0][0])
+    with pytest.raises(ValueError, match=r"already wrapped by a pyinfinity engine \(closed\)"):
+        pyinfinity.initialize(model, engine_config("cpu"))
+    # the exported weights load into a fresh model
+    from safetensors.torch import load_file
+
+    fresh = tiny_lm(seed=5)
+    fresh.load_state_dict(load_file(files[0]))
+
+
+def test_save_pretrained_of_a_wrapped_transformers_model_refuses(engine_config, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    with pyinfinity.initialize(model, engine_config("cpu")):
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) while a pyinfinity engine trains it"):
+            model.save_pretrained(str(tmp_path / "hf"))
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------- for the step rewrite
+
+
+@pytest.mark.xfail(strict=True, reason="a serial step() that fails part-way does not refuse yet "
+                   "(the optimizer step is being rewritten; switch this on with it)")
+def test_a_step_failing_part_way_refuses_until_a_load(tiny_lm, lm_batches, engine_config, tmp_path):
+    from pyinfinity.swap import fault_injection
+
+    cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "overlap_step": False})
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+        batches = lm_batches(3)
+        _train(eng, batches[:1])
+        ckpt = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        eng.backward(eng(*batches[1]))
+        with fault_injection(op="write", nth=3, action="errno", value="EIO"):
+            with pytest.raises(OSError):
+                eng.step()
+        for call in (eng.step, lambda: eng.save_checkpoint(str(tmp_path / "other"))):
+            with pytest.raises(RuntimeError, match="load_checkpoint"):
+                call()
+        eng.load_checkpoint(os.path.dirname(ckpt))
+        _train(eng, batches[2:])
+
+
+@pytest.mark.xfail(strict=True, reason="per-parameter hooks hold the engine strongly (being rewritten with the "
+                   "coordinator; switch this on with it)")
+def test_an_engine_dropped_without_close_is_collected(tiny_lm, lm_batches, engine_config, tmp_path):
+    import gc
+
+    cfg = engine_config("nvme")
+    model = tiny_lm()
+    eng = pyinfinity.initialize(model, cfg)
+    _train(eng, lm_batches(1))
+    del eng, model
+    gc.collect()
+    assert os.listdir(tmp_path / "swap") == []
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng2:  # a rebuild in the same process
+        _train(eng2, lm_batches(1))
