@@ -343,7 +343,8 @@ def _paths(v: Any, key: str) -> Optional[list[str]]:
         v = [v]
     if not isinstance(v, list) or not v or not all(isinstance(p, str) and p for p in v):
         raise ConfigError(f"{key}: expected a directory or a non-empty list of directories, got {v!r}")
-    return [os.path.abspath(os.path.expanduser(p)) for p in v]
+    # one directory reached twice (through a symlink, or "d" and "d/") is one swap directory
+    return list(dict.fromkeys(os.path.realpath(os.path.expanduser(p)) for p in v))
 
 
 def _names(cls: type) -> list[str]:
@@ -641,6 +642,8 @@ def _validate(c: Config) -> None:
 
 def check_swap_dir(path: str, key: str = "nvme_path") -> None:
     """Create ``path`` if needed and check that files can be created in it (a clear error otherwise)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} is not a directory (a swap path must be a directory)")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -27,6 +28,38 @@ namespace {
 
 // A request plus the Python object owning its memory. If dropped before completion, waits
 // (without the GIL) so the memory is never freed under an in-flight transfer.
+// How long a wait blocks without the GIL before it checks for signals (Ctrl-C acts within it).
+constexpr double kSignalCheckSeconds = 0.1;
+
+// Runs the signal handlers of the main thread; a handler that raised (KeyboardInterrupt) ends
+// the wait with that exception. The transfer itself goes on; its request still owns the memory.
+void check_signals() {
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+// One slice of a wait without the GIL: true once finished.
+inline bool wait_slice(const Request& r, double timeout, std::int64_t started) {
+  return r.wait_slice(kSignalCheckSeconds, timeout, started);
+}
+inline bool wait_slice(const StageRequest& r, double timeout, std::int64_t started) {
+  // a staged transfer's wait has no progress clock: the timeout is measured from the start
+  if (timeout >= 0) {
+    const double left = timeout - static_cast<double>(Request::clock_ns() - started) / 1e9;
+    if (left <= kSignalCheckSeconds) {
+      r.wait(std::max(0.0, left));  // TimeoutError when it runs out
+      return true;
+    }
+  }
+  try {
+    r.wait(kSignalCheckSeconds);
+  } catch (const TimeoutError&) {
+    return false;
+  }
+  return true;
+}
+
+// A request plus the Python object owning its memory. If dropped before completion, waits
+// (without the GIL) so the memory is never freed under an in-flight transfer.
 template <typename R>
 struct Pending {
   R req;
@@ -44,10 +77,19 @@ struct Pending {
       }
     }
   }
+  // Blocks without the GIL in slices, checking for signals between them (on the main thread a
+  // Ctrl-C raises KeyboardInterrupt within kSignalCheckSeconds, even when the I/O is stuck).
   void wait(std::optional<double> timeout) {
-    {
-      py::gil_scoped_release nogil;
-      req.wait(timeout ? *timeout : -1.0);
+    const double t = timeout ? *timeout : -1.0;
+    const std::int64_t started = Request::clock_ns();
+    for (;;) {
+      bool finished;
+      {
+        py::gil_scoped_release nogil;
+        finished = wait_slice(req, t, started);
+      }
+      if (finished) return;
+      check_signals();
     }
   }
 };

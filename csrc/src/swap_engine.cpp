@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -410,15 +411,24 @@ bool Request::done() const {
 }
 
 void Request::wait(double timeout_s) const {
+  const std::int64_t started = detail::now_ns();
+  while (!wait_slice(-1, timeout_s, started)) {
+  }
+}
+
+std::int64_t Request::clock_ns() { return detail::now_ns(); }
+
+bool Request::wait_slice(double slice_s, double timeout_s, std::int64_t started_ns) const {
   const double limit = timeout_s < 0 ? defaults::wait_timeout_s() : timeout_s;
   const auto limit_ns = static_cast<std::int64_t>(limit * 1e9);
-  const std::int64_t started = detail::now_ns();
+  const std::int64_t slice_end = slice_s < 0 ? std::numeric_limits<std::int64_t>::max()
+                                              : detail::now_ns() + static_cast<std::int64_t>(slice_s * 1e9);
   std::unique_lock<std::mutex> lk(op_->mu);
   while (!op_->finished) {
-    op_->cv.wait_for(lk, std::chrono::milliseconds(timeout_s == 0 ? 0 : 50));
+    op_->cv.wait_for(lk, std::chrono::milliseconds(timeout_s == 0 || slice_s == 0 ? 0 : 50));
     if (op_->finished) break;
     const std::int64_t now = detail::now_ns();
-    const std::int64_t last = std::max(started, op_->lane->last_progress_ns());
+    const std::int64_t last = std::max(started_ns, op_->lane->last_progress_ns());
     if (now - last >= limit_ns) {
       throw TimeoutError("wait(): no I/O progress for " + std::to_string(limit) + " s on " +
                          (op_->write ? "write" : "read") + " of " + std::to_string(op_->nbytes) +
@@ -426,10 +436,12 @@ void Request::wait(double timeout_s) const {
                          op_->file->path() + " (" + std::to_string(op_->bytes_done.load()) +
                          " bytes done)");
     }
+    if (now >= slice_end) return false;
   }
   if (op_->err != 0) {
     throw SystemError(op_->err, op_->err_what, op_->file->path(), __FILE__, __LINE__);
   }
+  return true;
 }
 
 std::size_t Request::nbytes() const { return op_->nbytes; }

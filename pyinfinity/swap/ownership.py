@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -224,7 +225,7 @@ class SwapOwnership:
     by garbage collection or at interpreter exit, whichever comes first."""
 
     def __init__(self, dirs: Sequence[str] = (), plans: Sequence[SpacePlan] = ()) -> None:
-        self.dirs = list(dict.fromkeys(os.path.abspath(os.fspath(d)) for d in dirs))
+        self.dirs = list(dict.fromkeys(os.path.realpath(os.fspath(d)) for d in dirs))  # a symlink is its target
         self.plans = {p.name: p for p in plans}
         self.owner = Owner.current()
         self._lock = threading.Lock()
@@ -234,8 +235,13 @@ class SwapOwnership:
         self._warned: set[str] = set()
         self.cleaned: list[str] = []  # stale files removed at start (for callers and tests)
         self._state = {"fds": self._lock_fds, "files": self._files, "dirs": self.dirs, "released": False,
-                       "manifests": set()}  # dirs whose manifest is ours (never remove another's)
+                       "manifests": set(),  # dirs whose manifest is ours (never remove another's)
+                       "pid": os.getpid()}  # a forked child never removes its parent's files
         self._finalizer = weakref.finalize(self, SwapOwnership._release, self._state)
+        if self.dirs:
+            _live.difference_update([f for f in _live if not f.alive])
+            _live.add(self._finalizer)
+            _install_sigterm_cleanup()
 
     # -- start ---------------------------------------------------------------------------------
     @classmethod
@@ -345,7 +351,7 @@ class SwapOwnership:
 
     def _refuse_foreign(self, d: str) -> None:
         for plan in self.plans.values():
-            if d in plan.dirs:
+            if d in (os.path.realpath(p) for p in plan.dirs):
                 self._check_no_file(os.path.join(d, f"{plan.name}.swp"))
 
     @staticmethod
@@ -379,7 +385,7 @@ class SwapOwnership:
     def open_space(self, name: str, dirs: Sequence[str], make: Callable[..., Any]) -> Any:
         """Lists ``<dir>/<name>.swp`` in the manifests (before the files exist, so a crash leaves
         them claimed), then ``make(grow_bytes=...)`` opens the SwapSpace; records the files' ids."""
-        dirs = [os.path.abspath(os.fspath(d)) for d in dirs]
+        dirs = [os.path.realpath(os.fspath(d)) for d in dirs]
         missing = [d for d in dirs if d not in self._files]
         if missing:
             raise ValueError(f"dirs: {missing} are not swap directories owned by this engine ({self.dirs})")
@@ -473,7 +479,7 @@ class SwapOwnership:
 
     @staticmethod
     def _release(state: dict) -> None:
-        if state["released"]:
+        if state["released"] or state["pid"] != os.getpid():
             return
         state["released"] = True
         for d in state["dirs"]:
@@ -490,6 +496,44 @@ class SwapOwnership:
             except OSError:
                 pass
         state["fds"].clear()
+
+
+# ----------------------------------------------------------------------------------- SIGTERM
+
+_live: set[Any] = set()  # finalizers of ownerships (they do not keep them alive); dead ones pruned
+_sigterm_previous: Any = None  # the disposition before ours (None: ours is not installed)
+
+
+def _install_sigterm_cleanup() -> None:
+    """SIGTERM removes the swap files, manifests and locks as SIGINT does (via KeyboardInterrupt
+    and interpreter exit), then acts as the previous disposition would: the application's
+    handler is called, SIG_IGN ignores it, SIG_DFL ends the process by SIGTERM. Installed once,
+    from the main thread (signal handlers cannot be set from another)."""
+    global _sigterm_previous
+    if _sigterm_previous is not None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        prev = signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError) as exc:  # e.g. an embedded interpreter without signal support
+        log.debug("SIGTERM cleanup not installed: %s", exc)
+        return
+    _sigterm_previous = prev if prev is not None else signal.SIG_DFL
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    prev = _sigterm_previous
+    if prev == signal.SIG_IGN:
+        return  # ignored before us: the run goes on and keeps its files
+    if callable(prev):
+        prev(signum, frame)  # the application's handler decides (an exit runs the cleanup at exit)
+        return
+    for fin in list(_live):  # SIG_DFL: the process ends now, without exit handlers
+        try:
+            fin()
+        except Exception as exc:  # noqa: BLE001 - the process ends anyway
+            log.warning("SIGTERM cleanup: %s", exc)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _unlink_quiet(path: str) -> None:

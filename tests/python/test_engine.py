@@ -121,9 +121,9 @@ def test_offload_is_real_rss_and_corrupted_swap_file(tiny_lm, lm_batches, engine
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_checkpoint_resume_gives_identical_losses(tier, tiny_lm, lm_batches, engine_config, tmp_path,
                                                   monkeypatch):
-    import pyinfinity.engine as engine_module
+    import pyinfinity.checkpoint as checkpoint_module
 
-    monkeypatch.setattr(engine_module, "CHECKPOINT_INFLIGHT", 4096)  # exercise the bounded writer
+    monkeypatch.setattr(checkpoint_module, "CHECKPOINT_INFLIGHT", 4096)  # exercise the bounded writer
     sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5}}
     cfg = engine_config(tier, scheduler=sched, gradient_clipping=1.0)
     batches = lm_batches(6)

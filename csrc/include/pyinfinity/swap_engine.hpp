@@ -34,6 +34,13 @@ class Request {
   /// Blocks until the transfer finished; throws its SystemError. TimeoutError when the engine
   /// made no progress for timeout_s seconds (< 0: PYINFINITY_WAIT_TIMEOUT).
   void wait(double timeout_s = -1) const;
+  /// One bounded slice of wait(), for callers that act between slices (the Python binding checks
+  /// for signals): true once the transfer finished (throwing its error as wait() does), false
+  /// after slice_s seconds (< 0: no bound); TimeoutError as wait() when the engine made no
+  /// progress for timeout_s seconds since started_ns (a clock_ns() value taken when the wait began).
+  bool wait_slice(double slice_s, double timeout_s, std::int64_t started_ns) const;
+  /// The monotonic clock wait_slice() measures with, in nanoseconds.
+  static std::int64_t clock_ns();
   std::size_t nbytes() const;
   std::int64_t offset() const;
   bool is_write() const;

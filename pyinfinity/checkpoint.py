@@ -1,0 +1,477 @@
+"""Checkpoints of an offloaded engine: the full training state (NVMe-resident tensors included)
+written to ``save_dir/tag`` under a temporary name, fsynced, then renamed; read back and checked.
+
+A checkpoint directory holds ``state.bin`` (the tensors; a CRC-32C per entry), ``meta.json`` (what
+is where, counters, scaler, scheduler, learning rates, client state), ``rng.pt`` (RNG states) and,
+written last, ``checksums.json`` (size and CRC-32C of ``meta.json`` and ``rng.pt``). A load checks
+the checksums, then every metadata key and value against this engine, then the RNG states, before
+it changes anything; an error names the checkpoint, the file and the key. Only a ``state.bin``
+entry failing its checksum (or an I/O error) can stop a load part-way: the engine then refuses to
+train, save or export until a load succeeds."""
+
+from __future__ import annotations
+
+import collections
+import io as _io
+import json
+import math
+import logging
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from pyinfinity.config import format_size
+from pyinfinity.swap.ownership import clean_checkpoint_leftovers
+from pyinfinity.swap.tensor_swapper import aligned_empty
+
+if TYPE_CHECKING:
+    from pyinfinity.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this engine: the message names the checkpoint, the
+    file (and the key) and what is wrong."""
+
+CHECKPOINT_VERSION = 2  # 2: checksums.json; version 1 checkpoints (no checksums.json) still load
+CHECKSUMS_NAME = "checksums.json"
+CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
+ALIGN = 4096
+CHECKPOINT_INFLIGHT = 1 << 30  # bytes of checkpoint copies in flight to the disk at most
+
+
+def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
+         client_state: Optional[dict] = None) -> str:
+    """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
+    written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
+    engine._check_trainable("save_checkpoint()")
+    engine._check_no_overlap("save_checkpoint()")
+    if engine.micro_steps % engine.gradient_accumulation_steps:
+        log.warning("save_checkpoint inside a gradient-accumulation window: the partial "
+                    "gradients are not saved")
+    engine.coordinator.release_all()
+    tag = tag or f"global_step{engine.global_steps}"
+    os.makedirs(save_dir, exist_ok=True)
+    clean_checkpoint_leftovers(save_dir)  # of a save a crash cut short
+    final = os.path.join(save_dir, tag)
+    tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        offset = _write_tmp(engine, tmp, client_state)
+    except BaseException:  # ENOSPC, EIO, Ctrl-C: nothing of this save stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(final):
+        old = final + f".old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
+    try:
+        _write_file(latest_tmp, tag.encode())
+        os.rename(latest_tmp, os.path.join(save_dir, "latest"))
+    except BaseException:
+        _unlink_quiet(latest_tmp)
+        raise
+    _fsync_path(save_dir)
+    log.info("checkpoint saved: %s (%s)", final, format_size(offset))
+    return final
+
+
+def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
+    """Writes the checkpoint's files into ``tmp`` (fsynced); returns the size of state.bin's data."""
+    data_path = os.path.join(tmp, "state.bin")
+    io = engine._io()
+    entries, offset = [], 0
+    pending: collections.deque = collections.deque()  # (request, buffer), oldest first
+
+    def submit(buf: torch.Tensor, at: int) -> None:
+        # bounded: at most CHECKPOINT_INFLIGHT bytes of copies wait for the disk at once
+        pending.append((io.write(buf, data_path, at), buf))
+        while sum(b.numel() * b.element_size() for _, b in pending) > CHECKPOINT_INFLIGHT:
+            pending.popleft()[0].wait()
+
+    try:
+        for st, flat in engine.optimizer.iter_states(write_back=False):
+            n = flat.numel() * 4
+            buf = aligned_empty(flat.numel(), torch.float32)
+            buf.copy_(flat)
+            submit(buf, offset)
+            entries.append({"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step,
+                            "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
+            offset += -(-n // ALIGN) * ALIGN
+        for sh in engine.partition.shards:
+            if engine.optimizer.state_of(sh) is None:  # frozen: its values are the state
+                buf = engine._shard_param_values(sh)
+                n = buf.numel() * buf.element_size()
+                submit(buf, offset)
+                entries.append({"shard": sh.index, "kind": "param", "numel": sh.numel, "dtype": str(sh.dtype),
+                                "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
+                offset += -(-n // ALIGN) * ALIGN
+        while pending:
+            pending.popleft()[0].wait()
+    finally:
+        for req, _ in pending:  # a failed write: the others finish before their buffers go
+            try:
+                req.wait()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+    meta = {
+        "version": CHECKPOINT_VERSION, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "shards": [{"index": s.index, "module": s.module_name, "numel": s.numel, "dtype": str(s.dtype)}
+                   for s in engine.partition.shards],
+        "entries": entries, "data_bytes": offset,
+        "scaler": engine.scaler.state_dict(),
+        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "lr": [g["lr"] for g in engine.optimizer.param_groups],
+        "client_state": client_state or {},
+    }
+    if os.path.exists(data_path):
+        _fsync_path(data_path)
+    try:
+        meta_bytes = json.dumps(meta).encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"client_state: must be JSON-serialisable ({exc})") from exc
+    rng = _io.BytesIO()
+    torch.save({"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, rng)
+    files = {"meta.json": meta_bytes, "rng.pt": rng.getvalue()}
+    for name, data in files.items():
+        _write_file(os.path.join(tmp, name), data)
+    sums = {"format": CHECKSUMS_FORMAT, "version": CHECKPOINT_VERSION,
+            "files": {name: {"nbytes": len(data), "crc32c": _crc32c_bytes(data)} for name, data in files.items()}}
+    _write_file(os.path.join(tmp, CHECKSUMS_NAME), json.dumps(sums).encode())  # last: its presence says done
+    _fsync_path(tmp)
+    return offset
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Writes and fsyncs ``path``; an OSError (ENOSPC...) names the file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, f"{exc.strerror}: writing checkpoint file {os.path.basename(path)} "
+                      f"({len(data)} bytes)", path) from exc
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
+    """Restores a state written by ``save_checkpoint``; returns (path, client_state). Everything
+    but state.bin's tensors is read and checked before the engine changes (see the module doc)."""
+    engine._check_open()
+    clean_checkpoint_leftovers(load_dir)  # puts back a tag a crash left renamed away
+    if tag is None:
+        try:
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        except OSError as exc:
+            raise FileNotFoundError(f"load_dir: no 'latest' file in {load_dir!r}; pass tag=") from exc
+    path = os.path.join(load_dir, tag)
+    raw = {name: _read_file(path, name) for name in ("meta.json", "rng.pt")}
+    sums = _read_checksums(path)
+    if sums is not None:
+        for name, data in raw.items():
+            want = sums[name]
+            if len(data) != want["nbytes"] or _crc32c_bytes(data) != want["crc32c"]:
+                raise CheckpointError(f"checkpoint {path!r}: {name} fails its checksum ({len(data)} bytes, CRC-32C "
+                                      f"{_crc32c_bytes(data):#010x}; {CHECKSUMS_NAME} lists {want['nbytes']} bytes, "
+                                      f"{want['crc32c']:#010x}): changed or torn on disk; nothing was loaded")
+    try:
+        meta = json.loads(raw["meta.json"])
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path!r}: meta.json missing or torn ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path!r}: meta.json: expected a JSON object, got {type(meta).__name__}")
+    version = meta.get("version")
+    if sums is None and version != 1:
+        raise CheckpointError(f"checkpoint {path!r}: {CHECKSUMS_NAME} missing (a version {version!r} checkpoint "
+                              "has one: the save was cut short or the file was removed); nothing was loaded")
+    if sums is not None and version != CHECKPOINT_VERSION:
+        raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected {CHECKPOINT_VERSION})")
+    if sums is None:
+        log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified", path,
+                    CHECKSUMS_NAME)
+    entries = _validate_meta(engine, path, meta)
+    rng = _load_rng(path, raw["rng.pt"])
+    data_path = os.path.join(path, "state.bin")
+    have = os.path.getsize(data_path) if os.path.exists(data_path) else 0
+    need = max((e["offset"] + e["nbytes"] for e in entries), default=0)
+    if have < need:
+        raise CheckpointError(f"checkpoint {path!r}: state.bin has {have} bytes, {need} expected (torn)")
+
+    # from here on the engine changes: a failure part-way leaves it refusing to train until a load succeeds
+    engine.optimizer.cancel()  # the loaded state replaces whatever a pending step did
+    engine._pending_backward = False
+    engine.coordinator.release_all()
+    try:
+        _load_tensors(engine, path, data_path, entries)
+    except BaseException as exc:
+        engine._poisoned = (f"load_checkpoint({path!r}) failed part-way ({exc!r}): some shards hold the "
+                            "checkpoint's state, the others the previous one")
+        log.error("%s; load a checkpoint before training on", engine._poisoned)
+        raise
+    engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+    engine.scaler.load_state_dict(meta["scaler"])
+    for g, lr in zip(engine.optimizer.param_groups, meta["lr"]):
+        g["lr"] = lr
+    if engine.lr_scheduler is not None and meta["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["scheduler"])
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    engine.optimizer.zero_grad()
+    engine.coordinator.refresh_persistent()
+    engine._poisoned = None  # every shard's state and values are the checkpoint's now
+    log.info("checkpoint loaded: %s (step %d)", path, engine.global_steps)
+    return path, meta["client_state"]
+
+
+def _load_tensors(engine: "Engine", path: str, data_path: str, entries: list[dict]) -> None:
+    io = engine._io()
+    shards = engine.partition.shards
+    for e in entries:
+        sh = shards[e["shard"]]
+        if e["kind"] == "optim":
+            buf = aligned_empty(3 * sh.numel, torch.float32)
+            io.read(buf, data_path, e["offset"]).wait()
+            _check_entry(path, e, buf)
+            engine.optimizer.load_shard_state(sh, buf, e["step"])
+            engine._write_param(sh, buf[:sh.numel]).wait()
+        else:
+            buf = aligned_empty(sh.numel, sh.dtype)
+            io.read(buf, data_path, e["offset"]).wait()
+            _check_entry(path, e, buf)
+            engine.param_swapper.write(sh.home, buf).wait()
+
+
+def _read_file(path: str, name: str) -> bytes:
+    try:
+        with open(os.path.join(path, name), "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path!r}: {name} missing or torn ({exc})") from exc
+
+
+def _read_checksums(path: str) -> Optional[dict]:
+    """checksums.json's file records, None when there is none (a version 1 checkpoint)."""
+    fp = os.path.join(path, CHECKSUMS_NAME)
+    if not os.path.lexists(fp):
+        return None
+    data = _read_file(path, CHECKSUMS_NAME)
+    where = f"checkpoint {path!r}: {CHECKSUMS_NAME}"
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: torn or changed ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != CHECKSUMS_FORMAT or not isinstance(doc.get("files"), dict):
+        raise CheckpointError(f"{where}: not a pyinfinity checkpoint checksum file (torn or changed)")
+    files = doc["files"]
+    for name in ("meta.json", "rng.pt"):
+        rec = files.get(name)
+        if not (isinstance(rec, dict) and _is_int(rec.get("nbytes")) and _is_int(rec.get("crc32c"))):
+            raise CheckpointError(f"{where}: files.{name}: expected {{\"nbytes\": int, \"crc32c\": int}}, got {rec!r}")
+    return files
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
+    """Every key of meta.json checked against this engine before anything is loaded; returns the
+    entries (one per shard) in file order."""
+    where = f"checkpoint {path!r}: meta.json"
+
+    def bad(key: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {key}: {what}")
+
+    keys = {"version", "global_steps", "micro_steps", "shards", "entries", "data_bytes", "scaler", "scheduler",
+            "lr", "client_state"}
+    missing, extra = keys - meta.keys(), meta.keys() - keys
+    if missing or extra:
+        raise CheckpointError(f"{where}: " + "; ".join(
+            ([f"missing keys {sorted(missing)}"] if missing else []) + ([f"unknown keys {sorted(extra)}"] if extra else [])))
+    for k in ("global_steps", "micro_steps", "data_bytes"):
+        if not _is_int(meta[k]):
+            raise bad(k, f"expected an integer >= 0, got {meta[k]!r}")
+    if meta["micro_steps"] < meta["global_steps"]:
+        raise bad("micro_steps", f"{meta['micro_steps']} is below global_steps ({meta['global_steps']})")
+    # the model and partition
+    shards = meta["shards"]
+    if not isinstance(shards, list):
+        raise bad("shards", f"expected a list, got {type(shards).__name__}")
+    mine = engine.partition.shards
+    for i in range(max(len(shards), len(mine))):
+        s = shards[i] if i < len(shards) else None
+        if s is not None and not (isinstance(s, dict) and _is_int(s.get("index")) and _is_int(s.get("numel"))
+                                  and isinstance(s.get("dtype"), str) and isinstance(s.get("module"), str)):
+            raise bad(f"shards[{i}]", f"expected {{index, module, numel, dtype}}, got {s!r}")
+        m = mine[i] if i < len(mine) else None
+        if s is None or m is None or (s["index"], s["numel"], s["dtype"]) != (m.index, m.numel, str(m.dtype)):
+            theirs = (f"shard {s['index']} of module {s['module']!r}: {s['numel']} elements of {s['dtype']}"
+                      if s is not None else "no such shard")
+            here = (f"shard {m.index} of module {m.module_name!r}: {m.numel} elements of {m.dtype}"
+                    if m is not None else "no such shard")
+            raise CheckpointError(f"checkpoint {path!r}: was saved from a different model/partition "
+                                  f"({len(shards)} shards there, {len(mine)} here); the first difference is at "
+                                  f"shard {i}: checkpoint has {theirs}, this model has {here} (meta.json shards[{i}])")
+    # one entry per shard, of the right kind and size, inside state.bin, not overlapping
+    entries = meta["entries"]
+    if not isinstance(entries, list):
+        raise bad("entries", f"expected a list, got {type(entries).__name__}")
+    seen: dict[int, int] = {}
+    spans = []
+    for i, e in enumerate(entries):
+        k = f"entries[{i}]"
+        if not isinstance(e, dict):
+            raise bad(k, f"expected an object, got {e!r}")
+        want = {"shard", "kind", "numel", "offset", "nbytes", "crc32c"} | (
+            {"step"} if e.get("kind") == "optim" else {"dtype"})
+        if e.keys() != want:
+            raise bad(k, f"keys {sorted(e.keys())}, expected {sorted(want)}")
+        for f in want - {"kind", "dtype"}:
+            if not _is_int(e[f]):
+                raise bad(f"{k}.{f}", f"expected an integer >= 0, got {e[f]!r}")
+        if e["shard"] >= len(mine):
+            raise bad(f"{k}.shard", f"{e['shard']} is out of range ({len(mine)} shards)")
+        if e["shard"] in seen:
+            raise bad(f"{k}.shard", f"shard {e['shard']} is listed twice (entries[{seen[e['shard']]}] too)")
+        seen[e["shard"]] = i
+        sh = mine[e["shard"]]
+        trainable = engine.optimizer.state_of(sh) is not None
+        if e["kind"] not in ("optim", "param") or (e["kind"] == "optim") != trainable:
+            raise bad(f"{k}.kind", f"{e['kind']!r}, but shard {sh.index} ({sh.module_name!r}) is "
+                      f"{'trainable: expected optim' if trainable else 'frozen: expected param'}")
+        nbytes = 3 * sh.numel * 4 if trainable else sh.numel * sh.dtype.itemsize
+        if e["numel"] != sh.numel or e["nbytes"] != nbytes:
+            raise bad(k, f"numel {e['numel']}, nbytes {e['nbytes']}; shard {sh.index} needs numel {sh.numel}, "
+                      f"nbytes {nbytes}")
+        if not trainable and e["dtype"] != str(sh.dtype):
+            raise bad(f"{k}.dtype", f"{e['dtype']!r}, shard {sh.index} is {sh.dtype}")
+        if trainable and e["step"] > meta["global_steps"]:
+            raise bad(f"{k}.step", f"{e['step']} is above global_steps ({meta['global_steps']})")
+        if e["crc32c"] >= 1 << 32:
+            raise bad(f"{k}.crc32c", f"{e['crc32c']} is not a CRC-32C")
+        if e["offset"] % ALIGN or e["offset"] + e["nbytes"] > meta["data_bytes"]:
+            raise bad(f"{k}.offset", f"{e['offset']} (+ {e['nbytes']} bytes) is not {ALIGN}-aligned inside "
+                      f"data_bytes ({meta['data_bytes']})")
+        spans.append((e["offset"], e["offset"] + e["nbytes"], i))
+    absent = [sh.index for sh in mine if sh.index not in seen]
+    if absent:
+        raise bad("entries", f"no entry for shard(s) {absent[:8]}{' ...' if len(absent) > 8 else ''}")
+    spans.sort()
+    for (a0, a1, ai), (b0, _, bi) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise bad(f"entries[{bi}].offset", f"{b0} overlaps entries[{ai}] (bytes [{a0}, {a1}))")
+    # counters, scaler, scheduler, learning rates, client state
+    scaler, ref = meta["scaler"], engine.scaler.state_dict()
+    if not isinstance(scaler, dict) or scaler.keys() != ref.keys():
+        raise bad("scaler", f"expected keys {sorted(ref)}, got {scaler!r}")
+    if not (_is_num(scaler["scale"]) and scaler["scale"] > 0):
+        raise bad("scaler.scale", f"expected a finite number > 0, got {scaler['scale']!r}")
+    for key in ref.keys() - {"scale"}:
+        if not _is_int(scaler[key]):
+            raise bad(f"scaler.{key}", f"expected an integer >= 0, got {scaler[key]!r}")
+    sched = meta["scheduler"]
+    if sched is not None and not isinstance(sched, dict):
+        raise bad("scheduler", f"expected an object or null, got {type(sched).__name__}")
+    if engine.lr_scheduler is not None and sched is not None:
+        ref = engine.lr_scheduler.state_dict()
+        if set(sched) != set(ref):
+            raise bad("scheduler", f"keys {sorted(sched)}, this engine's scheduler has {sorted(ref)}")
+        for key, v in ref.items():
+            if _is_num(v) and not _is_num(sched[key]):
+                raise bad(f"scheduler.{key}", f"expected a number, got {sched[key]!r}")
+    lrs = meta["lr"]
+    groups = engine.optimizer.param_groups
+    if not isinstance(lrs, list) or len(lrs) != len(groups):
+        raise bad("lr", f"expected a list of {len(groups)} learning rate(s), got {lrs!r}")
+    for i, v in enumerate(lrs):
+        if not (_is_num(v) and v >= 0):
+            raise bad(f"lr[{i}]", f"expected a finite number >= 0, got {v!r}")
+    if not isinstance(meta["client_state"], dict):
+        raise bad("client_state", f"expected an object, got {type(meta['client_state']).__name__}")
+    return entries
+
+
+def _load_rng(path: str, data: bytes) -> dict:
+    """rng.pt's states, checked (a CPU generator accepts them) without touching the process's RNG."""
+    where = f"checkpoint {path!r}: rng.pt"
+    try:
+        rng = torch.load(_io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling error means a torn or changed file
+        raise CheckpointError(f"{where}: torn or changed ({exc})") from exc
+    if not isinstance(rng, dict) or set(rng) != {"cpu", "cuda"}:
+        raise CheckpointError(f"{where}: expected {{'cpu', 'cuda'}} RNG states, got {type(rng).__name__}")
+    cpu = rng["cpu"]
+    ref = torch.get_rng_state()
+    if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8 and cpu.shape == ref.shape):
+        raise CheckpointError(f"{where}: cpu: expected a uint8 tensor of {ref.numel()} bytes")
+    try:
+        torch.Generator().set_state(cpu)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{where}: cpu: not a valid CPU RNG state ({exc})") from exc
+    cuda = rng["cuda"]
+    if cuda is not None and not (isinstance(cuda, list) and all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
+        raise CheckpointError(f"{where}: cuda: expected null or a list of uint8 tensors")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) != torch.cuda.device_count():
+        raise CheckpointError(f"{where}: cuda: {len(cuda)} device states, this process has "
+                              f"{torch.cuda.device_count()} devices")
+    return rng
+
+
+def _crc32c(t: torch.Tensor) -> int:
+    from pyinfinity import _C
+
+    return int(_C.crc32c(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _crc32c_bytes(data: bytes) -> int:
+    import numpy as np
+
+    from pyinfinity import _C
+
+    return int(_C.crc32c(np.frombuffer(data, dtype=np.uint8)))
+
+
+def _check_entry(path: str, entry: dict, buf: torch.Tensor) -> None:
+    """A checkpoint entry read back must have the CRC-32C it was saved with (older ones have none)."""
+    want = entry.get("crc32c")
+    if want is not None and _crc32c(buf) != want:
+        raise CheckpointError(f"checkpoint {path!r}: state.bin bytes [{entry['offset']}, {entry['offset'] + entry['nbytes']})"
+                         f" (shard {entry['shard']}, {entry['kind']}) fail their checksum (torn or changed on disk); "
+                         "the engine's state is now partly loaded: load another checkpoint before training")
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,440 @@
+"""Nothing silently wrong after a failure: damaged checkpoint metadata, failed saves, SIGTERM,
+Ctrl-C during a stuck wait, and misuse. Each case is refused with an error naming what is wrong,
+or completes correctly; none loads or trains on wrong state."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import pyinfinity
+from pyinfinity import checkpoint
+from pyinfinity.checkpoint import CHECKSUMS_NAME, CheckpointError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _train(eng, batches):
+    losses = []
+    for x, y in batches:
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _snapshot(eng):
+    """What a load changes: counters, learning rates, scaler, RNG, trained values of every shard."""
+    return (eng.global_steps, eng.micro_steps, [g["lr"] for g in eng.optimizer.param_groups],
+            dict(eng.scaler.state_dict()), torch.get_rng_state().clone(),
+            [eng._trained_values(sh).clone() for sh in eng.partition.shards])
+
+
+def _same(a, b):
+    return a[:4] == b[:4] and torch.equal(a[4], b[4]) and all(torch.equal(x, y) for x, y in zip(a[5], b[5]))
+
+
+# ----------------------------------------------------------------------------------- checkpoint metadata
+
+FLIPS = 100  # random bit flips per file
+
+
+@pytest.fixture
+def saved(tiny_lm, lm_batches, engine_config, tmp_path):
+    """An engine trained 2 steps with a checkpoint of step 2, then trained one step more."""
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5}}
+    eng = pyinfinity.initialize(tiny_lm(), engine_config("nvme", scheduler=sched))
+    batches = lm_batches(4)
+    _train(eng, batches[:2])
+    path = eng.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 1})
+    _train(eng, batches[2:3])
+    yield eng, path, batches
+    eng.close()
+
+
+def _bad_copy(path, tmp_path, name, mutate):
+    d = tmp_path / "bad" / os.path.basename(path)
+    shutil.rmtree(d.parent, ignore_errors=True)
+    shutil.copytree(path, d)
+    p = d / name
+    data = bytearray(p.read_bytes())
+    mutate(data)
+    p.write_bytes(bytes(data))
+    return str(d.parent), d
+
+
+@pytest.mark.parametrize("name", ["meta.json", "rng.pt"])
+def test_random_bit_flips_in_metadata_are_refused_before_any_state_changes(name, saved, tmp_path):
+    eng, path, batches = saved
+    rnd = random.Random(16)
+    before = _snapshot(eng)
+    refused = 0
+    for _ in range(FLIPS):
+        size = os.path.getsize(os.path.join(path, name))
+        at, bit = rnd.randrange(size), rnd.randrange(8)
+
+        def flip(data):
+            data[at] ^= 1 << bit
+        load_dir, d = _bad_copy(path, tmp_path, name, flip)
+        with pytest.raises(CheckpointError) as ei:
+            eng.load_checkpoint(load_dir, tag=d.name)
+        assert name in str(ei.value) and str(d) in str(ei.value)
+        refused += 1
+        assert _same(_snapshot(eng), before), f"flip of bit {bit} at byte {at} of {name} changed the engine"
+    assert refused == FLIPS
+    # the engine still trains, and a good load gives the checkpoint's state
+    _train(eng, batches[3:])
+    _, client = eng.load_checkpoint(os.path.dirname(path))
+    assert client == {"epoch": 1} and eng.global_steps == 2
+
+
+def _edit_meta(path, tmp_path, edit, fix_checksum):
+    def mutate(data):
+        meta = json.loads(data)
+        edit(meta)
+        data[:] = json.dumps(meta).encode()
+    load_dir, d = _bad_copy(path, tmp_path, "meta.json", mutate)
+    if fix_checksum:  # a deliberate edit with its checksum recomputed: the metadata checks must catch it
+        sums = json.loads((d / CHECKSUMS_NAME).read_text())
+        raw = (d / "meta.json").read_bytes()
+        sums["files"]["meta.json"] = {"nbytes": len(raw), "crc32c": checkpoint._crc32c_bytes(raw)}
+        (d / CHECKSUMS_NAME).write_text(json.dumps(sums))
+    return load_dir, d
+
+
+def _set(key, value):
+    def edit(meta):
+        obj = meta
+        *parts, last = key
+        for p in parts:
+            obj = obj[p]
+        obj[last] = value
+    return edit
+
+
+EDITS = {  # id: (edit, message when the checksum is recomputed)
+    "shard 2->3": (_set(("entries", 2, "shard"), 3), r"entries\[2\]: numel \d+, nbytes \d+; shard 3 needs"),
+    "shard out of range": (_set(("entries", 0, "shard"), 999), r"entries\[0\]\.shard: 999 is out of range"),
+    "step above global_steps": (_set(("entries", 1, "step"), 7), r"entries\[1\]\.step: 7 is above global_steps"),
+    "step negative": (_set(("entries", 1, "step"), -1), r"entries\[1\]\.step: expected an integer >= 0"),
+    "lr list length": (_set(("lr",), [0.1, 0.2]), r"lr: expected a list of 1 learning rate"),
+    "lr a string": (_set(("lr",), ["0.1"]), r"lr\[0\]: expected a finite number"),
+    "global_steps a float": (_set(("global_steps",), 2.5), r"global_steps: expected an integer"),
+    "micro_steps below global": (_set(("micro_steps",), 1), r"micro_steps: 1 is below global_steps"),
+    "offset outside": (_set(("entries", 0, "offset"), 1 << 40), r"entries\[0\]\.offset: .* inside data_bytes"),
+    "offset overlapping": (_set(("entries", 1, "offset"), 0), r"entries\[\d\]\.offset: 0 overlaps"),
+    "key missing": (lambda m: m.pop("scaler"), r"missing keys \['scaler'\]"),
+    "entry missing": (lambda m: m["entries"].pop(), r"entries: no entry for shard"),
+    "scheduler garbage": (_set(("scheduler",), {"x": 1}), r"scheduler: keys \['x'\]"),
+}
+
+
+@pytest.mark.parametrize("fix_checksum", [False, True], ids=["as-is", "checksum-recomputed"])
+@pytest.mark.parametrize("what", list(EDITS))
+def test_targeted_metadata_edits_are_refused(what, fix_checksum, saved, tmp_path):
+    eng, path, _ = saved
+    edit, message = EDITS[what]
+    before = _snapshot(eng)
+    load_dir, d = _edit_meta(path, tmp_path, edit, fix_checksum)
+    with pytest.raises(CheckpointError, match="meta.json") as ei:
+        eng.load_checkpoint(load_dir, tag=d.name)
+    assert str(d) in str(ei.value)
+    if fix_checksum:
+        assert ei.match(message)
+    else:
+        assert ei.match("fails its checksum")
+    assert _same(_snapshot(eng), before)
+
+
+def test_a_different_model_says_which_shard_differs(saved, tiny_lm, engine_config, tmp_path):
+    _, path, _ = saved
+    cfg = engine_config("cpu")
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path / "swap2")
+    with pyinfinity.initialize(tiny_lm(d=32), cfg) as other:
+        with pytest.raises(CheckpointError, match=r"different model/partition \(\d+ shards there, \d+ here\); the "
+                           r"first difference is at shard 0: checkpoint has shard 0 of module 'embed': 1152 "
+                           r"elements of torch.float32, this model has shard 0 of module 'embed': 1536 elements"):
+            other.load_checkpoint(os.path.dirname(path))
+
+
+def test_a_state_bin_entry_failing_its_checksum_refuses_training_until_a_good_load(saved, tmp_path):
+    eng, path, batches = saved
+    meta = json.loads(open(os.path.join(path, "meta.json")).read())
+    e = meta["entries"][-1]  # the last one: the others were loaded already
+
+    def flip(data):
+        data[e["offset"] + 5] ^= 0x10
+    load_dir, d = _bad_copy(path, tmp_path, "state.bin", flip)
+    with pytest.raises(CheckpointError, match=r"state\.bin bytes .* fail their checksum"):
+        eng.load_checkpoint(load_dir, tag=d.name)
+    for call in (lambda: eng.backward(eng(*batches[0])), eng.step,
+                 lambda: eng.save_checkpoint(str(tmp_path / "other"))):
+        with pytest.raises(RuntimeError, match="failed part-way"):
+            call()
+    eng.load_checkpoint(os.path.dirname(path))
+    _train(eng, batches[3:])
+    assert eng.global_steps == 3
+
+
+def test_a_version_1_checkpoint_without_checksums_still_loads(saved, tmp_path):
+    eng, path, _ = saved
+
+    def v1(data):
+        meta = json.loads(data)
+        meta["version"] = 1
+        data[:] = json.dumps(meta).encode()
+    load_dir, d = _bad_copy(path, tmp_path, "meta.json", v1)
+    os.unlink(d / CHECKSUMS_NAME)
+    eng.load_checkpoint(load_dir, tag=d.name)
+    assert eng.global_steps == 2
+    os.unlink(os.path.join(path, CHECKSUMS_NAME))  # a version 2 checkpoint must have it
+    with pytest.raises(CheckpointError, match=f"{CHECKSUMS_NAME} missing"):
+        eng.load_checkpoint(os.path.dirname(path))
+
+
+# ----------------------------------------------------------------------------------- failed saves
+
+
+def test_a_save_that_runs_out_of_space_names_the_file_and_leaves_nothing(tiny_lm, lm_batches, engine_config,
+                                                                          tiny_tmpfs_dir, monkeypatch):
+    with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
+        _train(eng, lm_batches(1))
+        # fill the 1 MiB filesystem so that state.bin fits and meta.json does not
+        big = os.path.join(tiny_tmpfs_dir, "filler")
+        st = os.statvfs(tiny_tmpfs_dir)
+        state_bytes = sum(-(-(3 * sh.numel * 4) // 4096) * 4096 for sh in eng.partition.shards)
+        with open(big, "wb") as f:
+            f.write(b"\0" * (st.f_bavail * st.f_frsize - state_bytes - 8192))
+        save_dir = os.path.join(tiny_tmpfs_dir, "ckpt")
+        with pytest.raises(OSError) as ei:
+            eng.save_checkpoint(save_dir)
+        assert ei.value.errno == 28
+        assert ei.value.filename and os.path.basename(ei.value.filename) in ("state.bin", "meta.json", "rng.pt")
+        assert os.listdir(save_dir) == []  # no temporary directory left for the rest of the run
+        os.unlink(big)
+        path = eng.save_checkpoint(save_dir)  # space back: the next save works
+        assert sorted(os.listdir(save_dir)) == ["global_step1", "latest"]
+        assert sorted(os.listdir(path)) == [CHECKSUMS_NAME, "meta.json", "rng.pt", "state.bin"]
+
+
+def test_meta_json_out_of_space_names_the_file(tiny_lm, lm_batches, engine_config, tmp_path, monkeypatch):
+    real_open = os.open
+
+    def open_full(path, flags, *args, **kw):  # meta.json lands on /dev/full: ENOSPC at its first write
+        if str(path).endswith("meta.json") and flags & os.O_WRONLY:
+            return real_open("/dev/full", os.O_WRONLY)
+        return real_open(path, flags, *args, **kw)
+    with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
+        _train(eng, lm_batches(1))
+        monkeypatch.setattr(os, "open", open_full)
+        with pytest.raises(OSError, match=r"No space left on device: writing checkpoint file meta\.json") as ei:
+            eng.save_checkpoint(str(tmp_path / "ckpt"))
+        monkeypatch.undo()
+        assert ei.value.errno == 28 and ei.value.filename.endswith("meta.json")
+        assert os.listdir(tmp_path / "ckpt") == []
+
+
+# ----------------------------------------------------------------------------------- signals
+
+_SIGTERM_RUN = textwrap.dedent("""
+    import signal, sys, torch, pyinfinity
+    swap, mode = sys.argv[1], sys.argv[2]
+    if mode == "handler":
+        def on_term(signum, frame):
+            print("app handler", flush=True)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, on_term)
+    elif mode == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap},
+           "offload_optimizer": {"device": "nvme", "nvme_path": swap}}, "pyinfinity": {"device": "cpu"}}
+    eng = pyinfinity.initialize(m, cfg)
+    x = torch.randn(4, 64)
+    i = 0
+    while i < (300 if mode == "ignore" else 10**9):
+        eng.backward(eng(x).square().mean())
+        eng.step()
+        i += 1
+        if i == 2:
+            print("ready", flush=True)
+    eng.close()
+    print("finished", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode, rc", [("default", -signal.SIGTERM), ("handler", 3), ("ignore", 0)])
+def test_sigterm_removes_swap_files_and_keeps_the_previous_disposition(mode, rc, tmp_path):
+    swap = tmp_path / "swap"
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_RUN, str(swap), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert len(list(swap.glob("*.swp"))) == 2
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == rc, err
+    if mode == "handler":
+        assert out.strip() == "app handler"
+    if mode == "ignore":
+        assert out.strip() == "finished"  # SIGTERM ignored: the run went on to its end
+    assert os.listdir(swap) == []  # swap files, manifest and lock
+
+
+_STALL_RUN = textwrap.dedent("""
+    import os, sys, time, torch
+    from pyinfinity.swap import SwapEngine, fault_injection
+    eng = SwapEngine(backend="posix")
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    with fault_injection(op="write", action="stall", value=4000):
+        req = eng.write(buf, sys.argv[1], 0)
+        print("waiting", flush=True)
+        t0 = time.perf_counter()
+        try:
+            req.wait()
+            print("finished", time.perf_counter() - t0, flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", time.perf_counter() - t0, flush=True)
+        req.wait()  # the transfer itself goes on; its buffer stays owned until it is done
+""")
+
+
+def test_ctrl_c_interrupts_a_stuck_wait_promptly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _STALL_RUN, str(tmp_path / "f.bin")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    what, seconds = out.split()
+    assert what == "interrupted" and float(seconds) < 0.5 + 1.0, out
+
+
+# ----------------------------------------------------------------------------------- misuse
+
+
+def test_a_regular_file_as_nvme_path_is_not_a_directory(tiny_lm, engine_config, tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    cfg = engine_config("nvme")
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(f)
+    with pytest.raises(pyinfinity.config.ConfigError, match="is not a directory"):
+        pyinfinity.initialize(tiny_lm(), cfg)
+
+
+@pytest.mark.parametrize("how", ["symlink", "trailing slash"])
+def test_one_directory_named_twice_is_one_swap_directory(how, tiny_lm, lm_batches, engine_config, tmp_path):
+    d = tmp_path / "swap"
+    d.mkdir()
+    cfg = engine_config("nvme")
+    if how == "symlink":
+        os.symlink(d, tmp_path / "link")
+        cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(d)
+        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "link")
+    else:
+        cfg["zero_optimization"]["offload_param"]["nvme_path"] = [str(d), str(d) + "/"]
+        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(d) + "/"
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+        _train(eng, lm_batches(2))
+        assert eng.global_steps == 2
+    assert os.listdir(d) == []
+
+
+def test_a_wrapped_model_refuses_state_dict_and_a_second_wrap(tiny_lm, lm_batches, engine_config, tmp_path):
+    model = tiny_lm()
+    eng = pyinfinity.initialize(model, engine_config("cpu"))
+    _train(eng, lm_batches(1))
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) while a pyinfinity engine trains it.*engine\.export"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match="state_dict"):
+        model.blocks[0].state_dict()
+    cfg2 = engine_config("cpu")
+    with pytest.raises(ValueError, match=r"already wrapped by a pyinfinity engine \(open\)"):
+        pyinfinity.initialize(model, cfg2)
+    files = eng.export(str(tmp_path / "out"))  # the engine's own read passes
+    assert files
+    eng.close()
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) after engine\.close\(\)"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match=r"model\(\.\.\.\) after engine\.close\(\).*engine\.export"):
+        model(lm_batches(1)[0][0])
+    with pytest.raises(ValueError, match=r"already wrapped by a pyinfinity engine \(closed\)"):
+        pyinfinity.initialize(model, engine_config("cpu"))
+    # the exported weights load into a fresh model
+    from safetensors.torch import load_file
+
+    fresh = tiny_lm(seed=5)
+    fresh.load_state_dict(load_file(files[0]))
+
+
+def test_save_pretrained_of_a_wrapped_transformers_model_refuses(engine_config, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    with pyinfinity.initialize(model, engine_config("cpu")):
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) while a pyinfinity engine trains it"):
+            model.save_pretrained(str(tmp_path / "hf"))
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------- for the step rewrite
+
+
+@pytest.mark.xfail(strict=True, reason="a serial step() that fails part-way does not refuse yet "
+                   "(the optimizer step is being rewritten; switch this on with it)")
+def test_a_step_failing_part_way_refuses_until_a_load(tiny_lm, lm_batches, engine_config, tmp_path):
+    from pyinfinity.swap import fault_injection
+
+    cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "overlap_step": False})
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+        batches = lm_batches(3)
+        _train(eng, batches[:1])
+        ckpt = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        eng.backward(eng(*batches[1]))
+        with fault_injection(op="write", nth=3, action="errno", value="EIO"):
+            with pytest.raises(OSError):
+                eng.step()
+        for call in (eng.step, lambda: eng.save_checkpoint(str(tmp_path / "other"))):
+            with pytest.raises(RuntimeError, match="load_checkpoint"):
+                call()
+        eng.load_checkpoint(os.path.dirname(ckpt))
+        _train(eng, batches[2:])
+
+
+@pytest.mark.xfail(strict=True, reason="per-parameter hooks hold the engine strongly (being rewritten with the "
+                   "coordinator; switch this on with it)")
+def test_an_engine_dropped_without_close_is_collected(tiny_lm, lm_batches, engine_config, tmp_path):
+    import gc
+
+    cfg = engine_config("nvme")
+    model = tiny_lm()
+    eng = pyinfinity.initialize(model, cfg)
+    _train(eng, lm_batches(1))
+    del eng, model
+    gc.collect()
+    assert os.listdir(tmp_path / "swap") == []
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng2:  # a rebuild in the same process
+        _train(eng2, lm_batches(1))
