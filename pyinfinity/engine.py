@@ -191,6 +191,21 @@ def _log_overlap_off(why: str) -> None:
         log.info("auto: pyinfinity.overlap_step = false (%s)", why)
 
 
+def _weakly(method: Any) -> Any:
+    """A callable for the engine's parts (hooks, the optimizer's worker) that does not keep the engine
+    alive: an engine dropped without close() is collected (its finalizer removes the swap files
+    and the hooks)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        m = ref()
+        if m is None:
+            raise RuntimeError("the pyinfinity Engine this belongs to was garbage-collected without close(); "
+                               "build a new engine")
+        return m(*args, **kwargs)
+    return call
+
+
 def _recomputes_activations(model: nn.Module) -> bool:
     """Whether a transformers model has activation checkpointing on (the planner's activation estimate)."""
     import warnings
@@ -306,7 +321,7 @@ class Engine:
                                           nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
                                           buffer_count=oo.buffer_count,
                                           pipeline=oo.pipeline_read or oo.pipeline_write,
-                                          write_param=self._write_param,
+                                          write_param=_weakly(self._write_param),
                                           step_device=self.device if cfg.pyinfinity.optimizer_step_device
                                           == "device" else None,
                                           accumulate_steps=cfg.gradient_accumulation_steps)
@@ -329,8 +344,9 @@ class Engine:
         self._grad_staging: Optional[torch.Tensor] = None
         self.coordinator: Optional[ParameterCoordinator] = None
         self._closed = False
+        self._held: list[Any] = [self.optimizer]  # what the finalizer stops: the worker, later the hooks
         self._finalizer = weakref.finalize(self, Engine._cleanup, self.param_swapper, self.optim_swapper,
-                                           self._swap_engines, self._ownership)
+                                           self._swap_engines, self._ownership, self._held)
         atexit.register(self._finalizer)
         try:
             t0 = time.perf_counter()
@@ -346,7 +362,7 @@ class Engine:
                 model, self.partition, self.param_swapper, self.device,
                 device_memory=self.device_memory,
                 prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
-                on_grad=self.optimizer.grad_ready, grad_dest=self._grad_dest, wait_home=self._wait_home,
+                on_grad=self.optimizer.grad_ready, grad_dest=_weakly(self._grad_dest), wait_home=_weakly(self._wait_home),
                 master_values=self.optimizer.master_values,
                 fixed_bytes=buf_bytes,
                 max_live_elements=int(z.stage3_max_live_parameters),
@@ -354,6 +370,7 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        self._held.append(self.coordinator)  # a dropped engine takes its hooks off the model
         self.scaler = DynamicLossScaler(cfg.fp16)
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
@@ -781,7 +798,12 @@ class Engine:
 
     @staticmethod
     def _cleanup(param_swapper: TensorSwapper, optim_swapper: TensorSwapper, engines: dict,
-                 ownership: Any = None) -> None:
+                 ownership: Any = None, held: Optional[list] = None) -> None:
+        for obj in reversed(held or []):  # the coordinator's hooks off the model, the optimizer's worker stopped
+            try:
+                obj.close()
+            except Exception as exc:  # noqa: BLE001 - best effort: the swap files still go
+                log.warning("closing %s: %r", type(obj).__name__, exc)
         for sw in (param_swapper, optim_swapper):
             try:
                 sw.close()

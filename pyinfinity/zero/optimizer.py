@@ -226,9 +226,12 @@ class OffloadOptimizer:
                 self._hand(st, _Job(self._window, None))
                 self._handed_early += 1
             return
-        if st.busy or st.src is not None:
+        if st.src is not None:
             raise RuntimeError(f"shard {shard.index} ({shard.module_name or '<root>'}) got a second gradient in one "
                                "optimizer step without accumulation (backward() called twice before step()?)")
+        # the worker may still be writing the last step's state of this shard back (its new values
+        # are home already): the new gradient waits for that
+        self._wait(lambda: not st.busy, f"shard {shard.index} ({shard.module_name or '<root>'})")
         st.src, st.event, st.norm = src, event, norm
         if self._eager and self._window is not None:
             self._hand(st, _Job(self._window, None))
@@ -452,6 +455,7 @@ class OffloadOptimizer:
             while True:
                 st, flat = item
                 master = self._adam(st, flat, hyper, inv_factor, k)
+                st.handed = True  # stepped in this step (a failure after this leaves the state partly stepped)
                 k += 1
                 extra: list = []
                 t0 = time.perf_counter()
@@ -584,6 +588,7 @@ class OffloadOptimizer:
         nb = max(1, len(staging))
         counter = 0
         pending: dict[int, Any] = {}  # staging buffer -> write-back in flight
+        written: dict[int, Any] = {}  # shard index -> its state's write-back in flight (read it only after)
         ahead: collections.deque = collections.deque()  # [state, job, buffer, read request, submit error]
         stop = False
 
@@ -598,6 +603,9 @@ class OffloadOptimizer:
                 try:
                     w = pending.pop(b, None)
                     if w is not None:
+                        w.wait()
+                    w = written.pop(st.shard.index, None)
+                    if w is not None:  # its last step's state is still on its way to the disk
                         w.wait()
                     entry[3] = self.swapper.read(st.home, staging[b][:3 * st.numel])
                 except BaseException as exc:  # noqa: BLE001 - raised when this shard's turn comes
@@ -634,10 +642,13 @@ class OffloadOptimizer:
                         req.wait()  # its buffer must be free before anyone reuses it
                 else:
                     self._step_one(st, job, staging[b][:3 * st.numel] if b is not None else None, req, pending, b)
+                    if b is not None:
+                        written[st.shard.index] = pending[b]
                 if not ahead and self._queue.empty():
                     for w in pending.values():
                         w.wait()
                     pending.clear()
+                    written.clear()
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
                 for w in pending.values():
                     try:
@@ -645,6 +656,7 @@ class OffloadOptimizer:
                     except BaseException as exc2:  # noqa: BLE001 - the first failure is the one raised
                         log.debug("optimizer worker: a write-back after the failure also failed: %r", exc2)
                 pending.clear()
+                written.clear()
                 with self._cond:
                     if self._error is None:
                         self._error = exc

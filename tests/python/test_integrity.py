@@ -403,8 +403,6 @@ def test_save_pretrained_of_a_wrapped_transformers_model_refuses(engine_config, 
 # ----------------------------------------------------------------------------------- for the step rewrite
 
 
-@pytest.mark.xfail(strict=True, reason="a serial step() that fails part-way does not refuse yet "
-                   "(the optimizer step is being rewritten; switch this on with it)")
 def test_a_step_failing_part_way_refuses_until_a_load(tiny_lm, lm_batches, engine_config, tmp_path):
     from pyinfinity.swap import fault_injection
 
@@ -424,8 +422,6 @@ def test_a_step_failing_part_way_refuses_until_a_load(tiny_lm, lm_batches, engin
         _train(eng, batches[2:])
 
 
-@pytest.mark.xfail(strict=True, reason="per-parameter hooks hold the engine strongly (being rewritten with the "
-                   "coordinator; switch this on with it)")
 def test_an_engine_dropped_without_close_is_collected(tiny_lm, lm_batches, engine_config, tmp_path):
     import gc
 
