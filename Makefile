@@ -23,15 +23,22 @@ TRAIN_ARGS ?= --model-size small --steps 20 --seq 128 --batch 4 --offload nvme -
 
 .PHONY: train test venv build test-cpp test-asan test-tsan test-python clean
 
+# What the extension is built from: `make build` reinstalls it only when one of these is newer
+# than the stamp (a second `make build` with nothing changed does nothing).
+EXT_SOURCES := $(shell find csrc -type f 2>/dev/null) CMakeLists.txt setup.py pyproject.toml
+
 $(VENV)/.bootstrapped: .ci/requirements.txt .ci/bootstrap.sh
 	bash .ci/bootstrap.sh $(PYTHON) $(VENV)
 	touch $@
 
 venv: $(VENV)/.bootstrapped
 
-build: venv
+$(VENV)/.built: $(VENV)/.bootstrapped $(EXT_SOURCES)
 	PYINFINITY_WERROR=$(if $(filter ON,$(WERROR)),1,0) CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
 	  PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(VENV)/.built
 
 train: build
 	mkdir -p $(SWAP_DIR)
@@ -59,4 +66,4 @@ test-python: build
 	$(PY) -m pytest -q -p no:cacheprovider tests/python
 
 clean:
-	rm -rf build build-tests build-asan build-tsan pyinfinity/_C*.so *.egg-info
+	rm -rf build build-tests build-asan build-tsan pyinfinity/_C*.so *.egg-info $(VENV)/.built

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-3 NVMe offload with pyinfinity's I/O backend vs DeepSpeed's own aio, on one GPU.
 
-The model and budget of the ZeRO-3 baseline measured on the lent H200 (Llama architecture,
+The model and budget of the ZeRO-3 baseline measured on one H200 SXM (Llama architecture,
 hidden 2048, 22 layers, ~1.1B parameters, bf16, batch 4 x 1024 tokens, gradient checkpointing,
 GPU memory capped at 8 GiB). Each configuration runs in its own process (DeepSpeed's state is
 process-global); results go to a table on stdout and to JSON (written after every configuration,
@@ -18,9 +18,9 @@ so a job cut short keeps what it finished):
     python examples/deepspeed_backend_h200.py --device cpu --tiny --optimizer torch \\
         --configs pyinf-nvme-nvme                                # a CPU smoke test of this script
 
-On the H200 box DeepSpeed, hjson and pydantic travel as wheels and libaio as .debs (see
-docs/deepspeed.md, "Measuring on the H200"). If DeepSpeed's async_io op cannot be built, its row
-records the build error and the other rows still run.
+It needs DeepSpeed and libaio-dev on the GPU machine (docs/deepspeed.md, "Measuring on a GPU
+machine"). If DeepSpeed's async_io op cannot be built, its row records the build error and the
+other rows still run.
 """
 from __future__ import annotations
 

@@ -1,12 +1,30 @@
 """pyinfinity: train models far larger than one GPU's memory by streaming ZeRO-3 shards from
-pinned host memory and NVMe (see ARCHITECTURE.md)."""
+pinned host memory and NVMe. The design: docs/architecture.md in the repository."""
 from __future__ import annotations
 
 import logging
+import sys
 
 __version__ = "0.1.0"
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+class _UnconfiguredWarnings(logging.StreamHandler):
+    """WARNING and above to stderr while the application has configured no logging (the root logger
+    has no handler), like ``logging.lastResort``; once it has, records go its way only. INFO stays
+    quiet either way: a user must see e.g. that stale swap files were removed, not every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setLevel(logging.WARNING)
+        self.setFormatter(logging.Formatter("pyinfinity %(levelname)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            self.stream = sys.stderr  # the current one (pytest and others replace it after import)
+            super().emit(record)
+
+
+logging.getLogger(__name__).addHandler(_UnconfiguredWarnings())
 
 
 def __getattr__(name: str):

@@ -50,6 +50,9 @@ IGNORED_FP16 = {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_
 IGNORED_AIO = {"single_submit", "overlap_events", "use_gds"}
 
 
+_said: dict[str, bool] = {}  # notes logged once per process
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key (dotted path)."""
 
@@ -451,7 +454,8 @@ def _parse_zero(d: dict) -> ZeroConfig:
             buffer_size=_int(op.get("buffer_size", 100_000_000), f"{w}.buffer_size", 1, True),
             max_in_cpu=_int(op.get("max_in_cpu", 0), f"{w}.max_in_cpu", 0, True),
         )
-        if "buffer_size" in op:
+        if "buffer_size" in op and not _said.get("buffer_size"):
+            _said["buffer_size"] = True  # once per process: plan and the engine load configs several times
             log.info("%s.buffer_size: accepted for DeepSpeed compatibility and not used (shards are read "
                      "into buffers of their own size, within pyinfinity.device_memory)", w)
     oo = d.get("offload_optimizer")

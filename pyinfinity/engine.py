@@ -384,8 +384,9 @@ class Engine:
         self._losses: list[torch.Tensor] = []
         self._mark = self._counters()
         guards.attach(self, model)
-        log.info("engine ready on %s: %s params (%s), params on %s, optimizer on %s%s", self.device,
-                 f"{self.partition.numel:,}", format_size(self.partition.nbytes), op.device, oo.device,
+        log.info("engine ready on %s: %s params (%s), params %s, optimizer on %s%s", self.device,
+                 f"{self.partition.numel:,}", format_size(self.partition.nbytes),
+                 f"resident on {self.device}" if op.device == "none" else f"on {op.device}", oo.device,
                  f", device budget {format_size(self.device_memory)}" if self.device_memory else "")
 
     # ------------------------------------------------------------------------- construction

@@ -20,7 +20,7 @@ import torch
 
 from pyinfinity.bench import machine as mach
 from pyinfinity.bench.pattern import fill_pattern, fill_poison, same
-from pyinfinity.bench.peers import (FIO_ENGINES, DdRunner, DeepSpeedRunner, FioRunner, Runner,
+from pyinfinity.bench.peers import (FIO_ENGINES, DdRunner, DeepSpeedRunner, FioRunner, Runner, flag_suspect_peers,
                                     Sample, fio_engine_works, fio_status)
 from pyinfinity.bench.records import (CACHE_CACHED, CACHE_DIRECT, CACHE_DROPPED, CACHE_MEMORY,
                                       SCHEMA, PeerStatus, Result)
@@ -457,6 +457,8 @@ def run_io_bench(s: IoBenchSettings, progress: Optional[ProgressFn] = None,
                 os.unlink(path)
             except OSError:
                 pass
+    for line in flag_suspect_peers(run.results):
+        log.warning("peer result flagged: %s", line)
     run.seconds = time.perf_counter() - t_start
     run.load_avg = [load0, os.getloadavg()[0]]
     return run

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from pyinfinity.bench.records import PeerStatus
+from pyinfinity.bench.records import PeerStatus, Result
 from pyinfinity.bench.workload import IoConfig
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,18 @@ def fio_engine_works(engine: str, directory: str, direct: bool) -> Optional[str]
         os.unlink(path)
 
 
+SUSPECT_BELOW_DD = 0.8
+"""A peer below this fraction of dd (one block in flight) on the same file, size, block and
+direction was run wrongly or disturbed: it is flagged, never divided by."""
+SUSPECT_NOTE = "suspect"
+
+
 class FioRunner:
     """fio on the same file: ``--bs`` = block size (file) or tensor size (small tensors),
-    ``--iodepth`` = queue depth, ``--numjobs`` = threads, each job on its own slice of the file."""
+    ``--iodepth`` = queue depth, ``--numjobs`` = threads, each job on its own slice of the file;
+    ``--direct=1`` whenever pyinfinity's rows use O_DIRECT. Every configuration starts with an
+    untimed warm-up pass of the same job (fio's process start, file open and the drive's first
+    touch stay out of the figures)."""
 
     tool = "fio"
 
@@ -111,10 +120,14 @@ class FioRunner:
             cmd.append("--end_fsync=1")
         if verify:
             cmd += ["--verify=crc32c", "--do_verify=1", "--verify_fatal=1"]
-        cmd.append("--name=rep0")
-        for i in range(1, jobs):
+        cmd.append("--name=warmup")  # untimed: its group is dropped (see _timed_jobs)
+        for i in range(jobs):
             cmd += [f"--name=rep{i}", "--stonewall", "--new_group"]
         return cmd
+
+    @staticmethod
+    def _timed_jobs(data: dict[str, Any]) -> list[dict[str, Any]]:
+        return [j for j in data["jobs"] if j.get("jobname") != "warmup"]
 
     def _exec(self, cmd: list[str]) -> dict[str, Any]:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -139,10 +152,10 @@ class FioRunner:
         if self.batch_reps > 1:
             if not self._batched.get(key):
                 data = self._exec(self._cmd(cfg, path, verify=False, jobs=self.batch_reps))
-                self._batched[key] = [self._sample(j, cfg.op) for j in data["jobs"]]
+                self._batched[key] = [self._sample(j, cfg.op) for j in self._timed_jobs(data)]
             smp = self._batched[key].pop(0)
         else:
-            smp = self._sample(self._exec(self._cmd(cfg, path, verify=False))["jobs"][0], cfg.op)
+            smp = self._sample(self._timed_jobs(self._exec(self._cmd(cfg, path, verify=False)))[0], cfg.op)
         smp.verified = verified
         return smp
 
@@ -157,6 +170,26 @@ class FioRunner:
 
     def close(self) -> None:
         pass
+
+
+def flag_suspect_peers(results: list[Result]) -> list[str]:
+    """Marks every peer (fio, DeepSpeed) result below SUSPECT_BELOW_DD x dd's median on the same
+    file, size, block and direction as suspect (its note says why; ratios skip it). dd keeps one
+    block in flight, so any peer at the same block size should reach it. Returns the notes."""
+    out = []
+    for r in results:
+        if r.tool in ("pyinfinity", "dd") or not r.seconds or r.workload != "file":
+            continue
+        dd = next((d for d in results if d.tool == "dd" and d.seconds and d.verified is not False
+                   and (d.workload, d.op, d.nbytes, d.block_size) == (r.workload, r.op, r.nbytes, r.block_size)),
+                  None)
+        if dd is None or r.gbps_median >= SUSPECT_BELOW_DD * dd.gbps_median:
+            continue
+        r.note = (f"{SUSPECT_NOTE}: {r.gbps_median:.2f} GB/s is below {SUSPECT_BELOW_DD}x dd's "
+                  f"{dd.gbps_median:.2f} GB/s on the same file and size; not used as a reference"
+                  + (f"; {r.note}" if r.note else ""))
+        out.append(f"{r.label()} {r.op} bs {r.block_size} qd {r.queue_depth}: {r.note}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- dd

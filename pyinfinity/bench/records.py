@@ -95,7 +95,7 @@ def best_peer(results: list[Result], r: Result) -> Optional[Result]:
         return next((p for p in results if p.tool == "pyinfinity" and p.backend.startswith("disk-only")
                      and p.workload == r.workload and p.op == r.op and p.seconds), None)
     peers = [p for p in results if p.tool != "pyinfinity" and p.tool != r.tool and p.key() == r.key()
-             and p.seconds and p.verified is not False]
+             and p.seconds and p.verified is not False and not p.note.startswith("suspect")]
     return max(peers, key=lambda p: p.gbps_median, default=None)
 
 

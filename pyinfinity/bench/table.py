@@ -98,6 +98,8 @@ def failed_lines(results: Sequence[Result]) -> list[str]:
     for r in results:
         if r.verified is False:
             out.append(f"DATA MISMATCH: {r.label()} {r.workload} {r.op} {_where(r)}")
+        if r.note.startswith("suspect"):
+            out.append(f"suspect peer: {r.label()} {r.workload} {r.op} {_where(r)}: {r.note}")
         if r.seconds and r.note.startswith("failed"):
             out.append(f"partly failed: {r.label()} {r.workload} {r.op}: {r.note}")
         elif not r.seconds and r.note.startswith("failed"):

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SCHEMA = "pyinfinity.bench.train/1"
 
 _LLAMA = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
-# name -> LlamaConfig fields. "1.1b" is shared/device's DeepSpeed baseline model exactly.
+# name -> LlamaConfig fields. "1.1b" is TinyLlama-1.1B's shape.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(_LLAMA, vocab_size=1024, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4),
@@ -66,7 +66,7 @@ TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "
 PEERS = {"pyinfinity-cpu": "deepspeed-cpu", "pyinfinity-nvme": "deepspeed-nvme",
          "pyinfinity-nvme-all": "deepspeed-nvme-all"}
 
-# shared/device/ds_zero3_baseline.py's settings, the ones its published figures were measured with
+# DeepSpeed ZeRO-3 offload settings as commonly used for one GPU (BENCHMARKS.md lists them)
 DEEPSPEED_DEFAULTS: dict[str, Any] = {
     "prefetch_bucket_size": 5e7, "max_live_parameters": 1e8, "param_persistence_threshold": 1e5,
     "buffer_count": 6, "buffer_size": 1.5e8, "max_in_cpu": 1e9, "pipeline": False, "optimizer_buffer_count": 4,

@@ -1,5 +1,5 @@
 """`pyinfinity bench io [DIR]` (plain `bench` means `bench io`) and `bench train` (pyinfinity vs DeepSpeed
-ZeRO-3 vs PyTorch training steps; its options live in :mod:`pyinfinity.cli.bench_train`)."""
+ZeRO-3 vs PyTorch training steps; `pyinfinity bench train --help` lists its options)."""
 from __future__ import annotations
 
 import argparse
@@ -214,9 +214,10 @@ def run_io(args: argparse.Namespace) -> int:
         run = run_io_bench(s, progress=bar, argv=["pyinfinity", *sys.argv[1:]])
     except OSError as exc:
         bar.close()
-        print(f"pyinfinity bench io: cannot benchmark {directory}: {exc}\n"
-              f"  `pyinfinity report --path {directory}` says what is wrong and how to fix it",
-              file=sys.stderr)
+        from pyinfinity.cli.errors import one_line
+
+        print(f"pyinfinity bench io: error: cannot benchmark {directory}: {one_line(exc)} "
+              f"(`pyinfinity report --path {directory}` says what is wrong and how to fix it)", file=sys.stderr)
         return 2
     finally:
         bar.close()

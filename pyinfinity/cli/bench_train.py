@@ -30,7 +30,8 @@ systems: {', '.join(SYSTEMS)}
   torch                                  plain PyTorch under the cap (the smallest size only, unless --torch-all-sizes)
   torch-nocap                            plain PyTorch without the cap (the compute reference)
 sizes: {', '.join(f'{k}' for k in SIZES)}, or a Llama config.json path
-DeepSpeed settings (defaults: the shared baseline script's): {json.dumps(DEEPSPEED_DEFAULTS)}
+DeepSpeed settings (defaults: DeepSpeed ZeRO-3 offload as commonly configured for one GPU):
+  {json.dumps(DEEPSPEED_DEFAULTS)}
 """
 
 
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(default: the largest pyinfinity run)")
     p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
     p.add_argument("--report-only", action="store_true", help="run nothing: table and plot from --json")
-    p.add_argument("--log-dir", metavar="DIR", help="keep each run's log there (default: a temp dir)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="keep each run's log there (default: a temp dir, removed at the end)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -120,28 +122,35 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
 
         gpu = a.device.startswith("cuda") or (a.device == "auto" and torch.cuda.is_available())
         sizes = list(DEFAULT_SIZES_GPU if gpu else DEFAULT_SIZES_CPU)
-    nvme = a.nvme or tempfile.mkdtemp(prefix="pyinfinity-bench-train-",
-                                      dir=os.environ.get("PYINFINITY_SWAP_DIR") or None)
-    a._made_nvme = None if a.nvme else nvme
     for name, v, lo in (("--batch", a.batch, 1), ("--seq", a.seq, 2), ("--steps", a.steps, 1),
                         ("--warmup", a.warmup, 0), ("--clip", a.clip, 0)):
         if v < lo:
             raise BenchTrainError(f"{name}: {v} is below {lo}")
     if a.timeout <= 0:
         raise BenchTrainError(f"--timeout: {a.timeout} must be positive")
+    # temporary directories last, once the flags are known good; main() removes them (made_dirs)
+    nvme = a.nvme or _temp_dir(a, dir=os.environ.get("PYINFINITY_SWAP_DIR") or None)
+    log_dir = a.log_dir or _temp_dir(a)
     s = Settings(sizes=sizes, systems=[x.strip() for x in a.systems.split(",") if x.strip()], nvme_dir=nvme,
                  device=a.device, cap_bytes=cap, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
                  dtype=a.dtype, checkpointing=not a.no_checkpointing, trace=not a.no_trace, timeout=a.timeout,
                  clip=a.clip,
-                 torch_sizes="all" if a.torch_all_sizes else "smallest", log_dir=a.log_dir,
+                 torch_sizes="all" if a.torch_all_sizes else "smallest", log_dir=log_dir,
                  progress=not a.no_progress)
     _apply(s.deepspeed, a.ds, "--ds", known=DEEPSPEED_DEFAULTS)
     _apply(s.pyinfinity, a.pyinfinity, "--pyinfinity")
     return s
 
 
+def _temp_dir(a: argparse.Namespace, dir: Optional[str] = None) -> str:
+    d = tempfile.mkdtemp(prefix="pyinfinity-bench-train-", dir=dir)
+    a.made_dirs.append(d)
+    return d
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     a = build_parser().parse_args(argv)
+    a.made_dirs = []  # temporary swap and log directories, removed at the end whatever happens
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -150,12 +159,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise BenchTrainError("--report-only needs --json FILE with earlier results")
             data = load_results(a.json)
         else:
-            settings = settings_from_args(a)
             try:
-                data = run_bench(settings, a.json)
+                data = run_bench(settings_from_args(a), a.json)
             finally:
-                if a._made_nvme:
-                    shutil.rmtree(a._made_nvme, ignore_errors=True)
+                for d in a.made_dirs:
+                    shutil.rmtree(d, ignore_errors=True)
         print()
         print(report(data))
         if a.markdown:

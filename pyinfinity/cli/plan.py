@@ -22,12 +22,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--config", metavar="JSON",
                    help="a DeepSpeed-format config whose \"auto\" values are decided (default: all auto)")
     p.add_argument("--gpu-memory", "--device-memory", dest="device_memory", default=None,
-                   help="device memory budget, e.g. 8GiB (default: measured)")
+                   help="device memory budget, e.g. 8GiB (default: measured); without --device it means "
+                        "--device cuda")
     p.add_argument("--cpu-memory", dest="host_memory", default=None,
                    help="host RAM budget, e.g. 64GiB (default: 80%% of what is available)")
     p.add_argument("--nvme", action="append", metavar="DIR", default=None,
                    help="swap directory (repeat to stripe over several drives)")
-    p.add_argument("--device", default=None, help="compute device: cpu, cuda, cuda:N (default: cuda if present)")
+    p.add_argument("--device", default=None,
+                   help="compute device: cpu, cuda, cuda:N (default: cuda if present, or when --gpu-memory is "
+                        "given); a GPU that is not on this machine is planned for from presets, never touched")
     p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default: the config's, else 1)")
     p.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation steps")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
@@ -37,6 +40,20 @@ def add_parser(subparsers: Any) -> None:
                    help="measured rates: `pyinfinity bench io --json`, `pyinfinity tune -o` (aio settings "
                         "for the probe) or a file from --save-rates")
     p.add_argument("--save-rates", metavar="JSON", help="write the rates used here")
+    from pyinfinity.plan.rates import DISK_PRESETS, LINK_PRESETS
+
+    p.add_argument("--link", choices=sorted(LINK_PRESETS), default=None,
+                   help="host<->device link of the target machine, for figures --rates does not give: "
+                        + "; ".join(f"{k} {v.h2d / 1e9:.0f} GB/s" for k, v in LINK_PRESETS.items())
+                        + " (default for a GPU not on this machine: pcie4x16; else measured)")
+    p.add_argument("--disk", choices=sorted(DISK_PRESETS), default=None,
+                   help="swap drive class of the target machine: "
+                        + "; ".join(f"{k} read {v.read / 1e9:g} / write {v.write / 1e9:g} GB/s"
+                                    for k, v in DISK_PRESETS.items())
+                        + " (default for a GPU not on this machine: nvme-gen4; else measured in --nvme)")
+    p.add_argument("--tflops", type=float, default=None, metavar="N",
+                   help="the target device's sustained matmul rate in TFLOP/s at --dtype (default: measured "
+                        "here; 100 for a GPU not on this machine)")
     p.add_argument("--calibrate", choices=["auto", "on", "off"], default="auto",
                    help="time the model built with 1 and 2 layers on the device (resident) to predict compute "
                         "and activations instead of FLOPs / matmul rate (auto: on a GPU)")
@@ -54,7 +71,7 @@ def template(args: argparse.Namespace) -> dict:
         with open(args.config) as f:
             cfg = json.load(f)
     else:
-        auto_sec = {"device": "auto", "buffer_count": "auto", "buffer_size": "auto"}
+        auto_sec = {"device": "auto", "buffer_count": "auto"}
         cfg = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -80,6 +97,8 @@ def template(args: argparse.Namespace) -> dict:
         e["host_memory"] = args.host_memory
     if args.device:
         e["device"] = args.device
+    elif args.device_memory:  # a GPU budget means a GPU: never plan it silently for the CPU
+        e["device"] = "cuda"
     if args.micro_batch:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
         cfg.pop("train_batch_size", None)
@@ -95,48 +114,61 @@ def template(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from pyinfinity.config import ConfigError, load_config
-    from pyinfinity.plan import PlanError, resolve_auto
+    from pyinfinity.plan import resolve_auto
     from pyinfinity.plan.rates import measure_rates
     from pyinfinity.plan.resolve import _aio_dict, _compute_dtype, _device
     from pyinfinity.plan.sizes import sizes_from_config
 
-    try:
-        cfg_dict = template(args)
-        cfg = load_config(json.loads(json.dumps(cfg_dict)))
-        dev = _device(cfg, None)
-        sizes = sizes_from_config(args.model, args.dtype)
-        tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
-        m = sizes.hidden or 1024
-        rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
-                              aio=_aio_dict(cfg), matmul_shape=(min(tokens, 8192), m, m),
-                              dtype=_compute_dtype(cfg) or __import__("torch").float32)
-        if not rates.shard_overhead:
-            rates.shard_overhead, rates.shard_step_overhead = measure_engine_overhead(dev)
-            rates.source["shard_overhead"] = rates.source["shard_step_overhead"] = "probe"
-        if args.save_rates:
-            rates.save(args.save_rates)
-        compute_s = acts = None
-        if args.calibrate == "on" or (args.calibrate == "auto" and dev.type == "cuda"):
-            from pyinfinity.plan.rates import measure_decoder_compute
-            from pyinfinity.plan.sizes import _load_config_dict, parse_dtype
+    from pyinfinity.plan.rates import device_is_here
 
-            compute_s, acts = measure_decoder_compute(
-                _load_config_dict(args.model), dev, cfg.train_micro_batch_size_per_gpu, args.seq_len,
-                parse_dtype(args.dtype), args.checkpointing)
-            acts = acts or None
-            print(f"calibrated: forward+backward {compute_s:.3f} s per micro-batch"
-                  + (f", activations {acts / 1e9:.2f} GB" if acts else ""), file=sys.stderr)
-        resolved, placement = resolve_auto(cfg_dict, sizes, rates=rates, seq_len=args.seq_len,
-                                           checkpointing=args.checkpointing, fill_absent=True,
-                                           compute_seconds=compute_s, activation_bytes=acts)
-    except (ConfigError, PlanError, ValueError) as exc:
-        print(f"pyinfinity plan: {exc}", file=sys.stderr)
-        return 1
+    cfg_dict = template(args)
+    cfg = load_config(json.loads(json.dumps(cfg_dict)))
+    dev = _device(cfg, None)
+    here = device_is_here(dev)
+    if not here and args.device_memory is None:
+        raise ConfigError(f"--gpu-memory: planning for {dev}, which is not on this machine, needs the target's "
+                          "device memory budget (e.g. --gpu-memory 80GiB)")
+    if not here and args.calibrate == "on":
+        raise ConfigError(f"--calibrate on: times the model on {dev}, which is not on this machine "
+                          "(leave it auto, or pass --tflops)")
+    if not here and args.measure:
+        raise ConfigError(f"--measure: trains on {dev}, which is not on this machine")
+    sizes = sizes_from_config(args.model, args.dtype)
+    tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
+    m = sizes.hidden or 1024
+    rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
+                          aio=_aio_dict(cfg), matmul_shape=(min(tokens, 8192), m, m),
+                          dtype=_compute_dtype(cfg) or __import__("torch").float32, link=args.link,
+                          disk=args.disk, matmul=args.tflops * 1e12 if args.tflops else None)
+    if not rates.shard_overhead:
+        rates.shard_overhead, rates.shard_step_overhead = measure_engine_overhead(dev if here else "cpu")
+        rates.source["shard_overhead"] = rates.source["shard_step_overhead"] = (
+            "probe" if here else "probe on this machine's CPU")
+    if args.save_rates:
+        rates.save(args.save_rates)
+    compute_s = acts = None
+    if here and (args.calibrate == "on" or (args.calibrate == "auto" and dev.type == "cuda")):
+        from pyinfinity.plan.rates import measure_decoder_compute
+        from pyinfinity.plan.sizes import _load_config_dict, parse_dtype
+
+        compute_s, acts = measure_decoder_compute(
+            _load_config_dict(args.model), dev, cfg.train_micro_batch_size_per_gpu, args.seq_len,
+            parse_dtype(args.dtype), args.checkpointing)
+        acts = acts or None
+        print(f"calibrated: forward+backward {compute_s:.3f} s per micro-batch"
+              + (f", activations {acts / 1e9:.2f} GB" if acts else ""), file=sys.stderr)
+    resolved, placement = resolve_auto(cfg_dict, sizes, rates=rates, seq_len=args.seq_len,
+                                       checkpointing=args.checkpointing, fill_absent=True,
+                                       compute_seconds=compute_s, activation_bytes=acts)
+    if "buffer_size" not in (cfg_dict.get("zero_optimization", {}).get("offload_param") or {}):
+        # a DeepSpeed knob pyinfinity does not use: not written unless the given config had it
+        (resolved.get("zero_optimization", {}).get("offload_param") or {}).pop("buffer_size", None)
     print(f"model: {sizes.source}, {sizes.numel:,} parameters ({sizes.numel / 1e9:.2f} B), "
           f"{len(sizes.shard_numels)} shards, compute dtype {args.dtype}; micro-batch "
           f"{cfg.train_micro_batch_size_per_gpu} x {args.seq_len} tokens x {cfg.gradient_accumulation_steps} "
           f"accumulation{', checkpointing' if args.checkpointing else ''}; device {dev}")
-    print(f"rates: {rates.describe()} ({', '.join(sorted(set(rates.source.values())))})")
+    print(f"rates{'' if here else f' (planning for {dev}, which is not on this machine: nothing was run on it)'}:"
+          f"\n{rates.describe_sources()}")
     print(placement.table())
     text = json.dumps(resolved, indent=2) + "\n"
     if args.out:
@@ -160,7 +192,6 @@ def measure_engine_overhead(device: Any, shards: int = 24, steps: int = 5) -> tu
     """(seconds per shard per forward+backward, per shard per optimizer step) of the engine's own
     bookkeeping on ``device``: a chain of tiny linear layers (negligible compute), cpu tier."""
     import statistics
-    import time
 
     import torch
 
@@ -174,20 +205,34 @@ def measure_engine_overhead(device: Any, shards: int = 24, steps: int = 5) -> tu
            "pyinfinity": {"device": str(dev), "device_memory": 64 << 20, "log_every": 1 << 30}}
     x = torch.randn(4, 8, device=dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    fb, st = [], []
-    with pyinfinity.initialize(model, cfg) as eng:
-        for i in range(2 + steps):
-            sync()
-            t0 = time.perf_counter()
-            eng.backward(eng(x).square().mean())
-            sync()
-            t1 = time.perf_counter()
-            eng.step()
-            sync()
-            if i >= 2:
-                fb.append(t1 - t0)
-                st.append(time.perf_counter() - t1)
+    quiet = logging.getLogger("pyinfinity")  # the probe engine's INFO lines are not the user's run
+    level = quiet.level
+    quiet.setLevel(max(level, logging.WARNING))
+    try:
+        with pyinfinity.initialize(model, cfg) as eng:
+            fb, st = _time_engine(eng, x, sync, steps)
+    finally:
+        quiet.setLevel(level)
     return statistics.median(fb) / shards, statistics.median(st) / shards
+
+
+def _time_engine(eng: Any, x: Any, sync: Any, steps: int) -> tuple[list[float], list[float]]:
+    import time
+
+    fb: list[float] = []
+    st: list[float] = []
+    for i in range(2 + steps):
+        sync()
+        t0 = time.perf_counter()
+        eng.backward(eng(x).square().mean())
+        sync()
+        t1 = time.perf_counter()
+        eng.step()
+        sync()
+        if i >= 2:
+            fb.append(t1 - t0)
+            st.append(time.perf_counter() - t1)
+    return fb, st
 
 
 def measure(resolved: dict, args: argparse.Namespace, predicted: float, steps: int) -> dict[str, Any]:

@@ -76,10 +76,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefetch", action="store_true", help="fetch every shard on demand")
     p.add_argument("--corpus-bytes", default="16MB", help="how much of the stdlib sources to read")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save", metavar="DIR", help="save a checkpoint there at the end")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint there at the end (DIR/global_stepN, "
+                                                 "DIR/latest names the newest)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="with --save: also save a checkpoint every N optimizer steps")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the run saved there (a --save directory, or one of its global_stepN): "
+                        "the step count, LR schedule, optimizer state and data position carry on; give the "
+                        "same flags as the first run")
     p.add_argument("--export", metavar="DIR", help="export the trained weights (safetensors) there")
     p.add_argument("--json", metavar="FILE", help="write the run's telemetry as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is off anyway when stderr is not a terminal, e.g. a log file)")
 
 
 def stdlib_corpus(max_bytes: int) -> bytes:
@@ -115,10 +123,12 @@ class ByteBatches:
             raise ValueError(f"--seq: {seq} is longer than the corpus ({self.data.numel()} bytes)")
         self.seq, self.batch = seq, batch
         self.gen = torch.Generator().manual_seed(seed)
+        self.drawn = 0  # batches returned so far (a checkpoint records it, --resume skips as many)
 
     def __next__(self) -> tuple[Any, Any]:
         import torch
 
+        self.drawn += 1
         starts = torch.randint(0, self.data.numel() - self.seq - 1, (self.batch,), generator=self.gen)
         x = torch.stack([self.data[s:s + self.seq] for s in starts.tolist()])
         return x, x.clone()
@@ -188,12 +198,23 @@ def run(args: argparse.Namespace) -> int:
     import pyinfinity
     from pyinfinity.config import format_size, parse_size
 
+    from pyinfinity.cli.errors import UsageError, check_device_here
+
     torch.manual_seed(args.seed)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device_here(device)
+    for flag, value, low in (("--steps", args.steps, 1), ("--seq", args.seq, 1), ("--batch", args.batch, 1),
+                             ("--grad-accum", args.grad_accum, 1), ("--warmup", args.warmup, 0),
+                             ("--save-every", args.save_every, 0)):
+        if value < low:
+            raise UsageError(f"{flag}: {value} must be >= {low}")
     if args.clip < 0:
-        raise SystemExit(f"--clip: {args.clip} must be 0 (off) or positive")
+        raise UsageError(f"--clip: {args.clip} must be 0 (off) or positive")
+    if args.save_every and not args.save:
+        raise UsageError("--save-every: needs --save DIR (where to write the checkpoints)")
+    resume_dir, resume_tag = _checkpoint_location(args.resume) if args.resume else (None, None)
     cfg = build_config(args, device)
     mcfg = llama_config(args)
     t0 = time.perf_counter()
@@ -212,7 +233,19 @@ def run(args: argparse.Namespace) -> int:
     with pyinfinity.initialize(model, cfg) as engine, logging_redirect_tqdm():
         engine.train()
         log.info("engine built in %.1fs", time.perf_counter() - t0)
-        bar = tqdm(total=args.steps, unit="step", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+        if resume_dir is not None:
+            path, client = engine.load_checkpoint(resume_dir, resume_tag)
+            drawn = int(client.get("batches_drawn", engine.global_steps * args.grad_accum))
+            for _ in range(drawn):  # the data position of the saved run: the same windows come next
+                next(data)
+            data.drawn = drawn
+            log.info("resumed %s at step %d of %d", path, engine.global_steps, args.steps)
+            if engine.global_steps >= args.steps:
+                log.warning("--resume: the checkpoint is at step %d, --steps is %d: nothing to train",
+                            engine.global_steps, args.steps)
+        # disable=None: no bar when stderr is not a terminal (a log file gets the log lines only)
+        bar = tqdm(total=args.steps, initial=engine.global_steps, unit="step",
+                   disable=True if args.no_progress else None, file=sys.stderr, dynamic_ncols=True)
         while engine.global_steps < args.steps:
             x, y = next(data)
             x, y = x.to(engine.device), y.to(engine.device)
@@ -225,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
                 bar.set_postfix(loss=f"{rec.loss:.3f}", tok_s=f"{rec.tokens_per_s:.0f}",
                                 peak=format_size(rec.peak_device_allocated or rec.peak_device_bytes),
                                 overlap="n/a" if rec.overlap_fraction is None else f"{rec.overlap_fraction:.2f}")
+                if args.save_every and engine.global_steps % args.save_every == 0 and engine.global_steps < args.steps:
+                    engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn})
         bar.close()
         report = engine.memory_report()
         steady = records[1:] or records
@@ -247,14 +282,15 @@ def run(args: argparse.Namespace) -> int:
             "auto": {d.key: d.value for d in engine.auto_decisions},
         }
         ov = summary["overlap_fraction"]
-        print(f"trained {n_params / 1e6:.1f}M params ({format_size(engine.partition.nbytes)} of weights) on "
-              f"{engine.device} for {len(records)} steps: loss {summary['first_loss']:.3f} -> "
-              f"{summary['last_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s, peak device "
-              f"{format_size(summary['peak_device_allocated'] or summary['peak_device_bytes'])}, overlap "
-              f"{'n/a' if ov is None else f'{ov:.2f}'}")
+        if records:
+            print(f"trained {n_params / 1e6:.1f}M params ({format_size(engine.partition.nbytes)} of weights) on "
+                  f"{engine.device} for {len(records)} steps: loss {summary['first_loss']:.3f} -> "
+                  f"{summary['last_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s, peak device "
+                  f"{format_size(summary['peak_device_allocated'] or summary['peak_device_bytes'])}, overlap "
+                  f"{'n/a' if ov is None else f'{ov:.2f}'}")
         print(report.table())
         if args.save:
-            engine.save_checkpoint(args.save)
+            engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn})
         if args.export:
             engine.export(args.export)
     if args.json:
@@ -262,6 +298,19 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg,
                        "memory": asdict(report)}, f, indent=1, default=str)
     return 0
+
+
+def _checkpoint_location(path: str) -> tuple[str, Optional[str]]:
+    """(save_dir, tag) of a --resume argument: a --save directory (its ``latest``) or one tag in it."""
+    from pyinfinity.cli.errors import UsageError
+
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return os.path.dirname(path), os.path.basename(path)
+    if os.path.isfile(os.path.join(path, "latest")):
+        return path, None
+    raise UsageError(f"--resume: {path} is not a checkpoint (expected a --save directory holding 'latest', or "
+                     "one of its global_stepN directories)")
 
 
 def _mean(xs: list) -> Optional[float]:

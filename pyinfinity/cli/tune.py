@@ -34,11 +34,26 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def check_room(path: str, file_size: int) -> None:
+    """ENOSPC naming ``path`` when the sweep's test file cannot fit there, before anything is written."""
+    import errno
+
+    from pyinfinity.config import format_size
+
+    os.makedirs(path, exist_ok=True)
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < file_size:
+        raise OSError(errno.ENOSPC, f"the sweep writes a {format_size(file_size)} test file, the filesystem has "
+                      f"{format_size(free)} free: free space there or pass a smaller --file-size", path)
+
+
 def run(args: argparse.Namespace) -> int:
     from pyinfinity.bench.table import render
     from pyinfinity.bench.tune import TuneSettings, run_tune
     from pyinfinity.bench.workload import MiB, fmt_size
     from pyinfinity.cli.bench import Progress
+    from pyinfinity.cli.errors import UsageError
 
     t = TuneSettings(directory=args.path)
     if args.quick:
@@ -48,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
         if v is not None:
             setattr(t, name, v)
     if not 0.0 <= args.read_weight <= 1.0:
-        raise SystemExit("--read-weight: must be between 0 and 1")
+        raise UsageError(f"--read-weight: {args.read_weight} must be between 0 and 1")
     t.read_weight = args.read_weight
+    check_room(args.path, t.file_size)
     bar = Progress(not args.no_progress)
     try:
         res = run_tune(t, progress=bar)

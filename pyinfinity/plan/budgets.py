@@ -132,7 +132,7 @@ def device_memory_free(device: Any) -> Optional[int]:
     import torch
 
     dev = torch.device(device) if not isinstance(device, torch.device) else device
-    if dev.type != "cuda":
+    if dev.type != "cuda" or not torch.cuda.is_available():
         return None
     try:
         free, _total = torch.cuda.mem_get_info(dev)
@@ -145,13 +145,19 @@ def measure_budgets(device: Any = "cpu", nvme_paths: Sequence[str] = (), *,
                     device_memory: Optional[int] = None, host_memory: Optional[int] = None) -> Budgets:
     """Budgets of this machine. Explicit ``device_memory``/``host_memory`` win over measurement.
 
-    Device: 90% of the free CUDA memory, or on the CPU device a quarter of the available RAM.
+    Device: 90% of the free CUDA memory, or on the CPU device a quarter of the available RAM; a
+    device that is not on this machine needs ``device_memory`` (ValueError otherwise).
     Host: 80% of the available RAM (cgroup-capped).
     """
     import torch
 
+    from pyinfinity.plan.rates import device_is_here
+
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     avail = mem_available()
+    if device_memory is None and not device_is_here(dev):
+        raise ValueError(f"device_memory: planning for {dev}, which is not on this machine, needs its memory "
+                         "budget: give it (pyinfinity.device_memory, or --gpu-memory SIZE, e.g. 80GiB)")
     if device_memory is None:
         free = device_memory_free(dev)
         device_memory = int(free * 0.9) if free is not None else int(avail * CPU_DEVICE_FRACTION)

@@ -11,6 +11,7 @@ Figures are medians of a few repetitions.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -25,6 +26,73 @@ import torch
 log = logging.getLogger(__name__)
 
 SCHEMA = "pyinfinity.plan.rates/1"
+
+
+@dataclass(frozen=True)
+class LinkPreset:
+    """Host<->device copy rates of a named link (bytes/s): pinned both ways, and from pageable memory."""
+
+    h2d: float
+    d2h: float
+    h2d_pageable: float
+    note: str
+
+
+@dataclass(frozen=True)
+class DiskPreset:
+    """Sustained 1 MiB O_DIRECT read/write of a named drive class (bytes/s) and the cost of one I/O piece (s)."""
+
+    read: float
+    write: float
+    latency: float
+    note: str
+
+
+GB = 1e9
+
+LINK_PRESETS: dict[str, LinkPreset] = {
+    "pcie3x16": LinkPreset(12 * GB, 12 * GB, 6 * GB, "PCIe 3.0 x16: 15.8 GB/s raw, ~12 GB/s pinned copies"),
+    "pcie4x16": LinkPreset(24 * GB, 24 * GB, 10 * GB, "PCIe 4.0 x16: 31.5 GB/s raw, ~24 GB/s pinned copies"),
+    "pcie5x16": LinkPreset(48 * GB, 48 * GB, 16 * GB, "PCIe 5.0 x16: 63 GB/s raw, ~48 GB/s pinned copies"),
+    "h200-sxm": LinkPreset(55 * GB, 55 * GB, 20 * GB, "H200 SXM host link, 55 GB/s pinned as measured"),
+}
+"""Named host<->device links for planning a GPU machine from another one (``plan --link``)."""
+
+DISK_PRESETS: dict[str, DiskPreset] = {
+    "sata-ssd": DiskPreset(0.5 * GB, 0.45 * GB, 200e-6, "SATA 6 Gb/s SSD"),
+    "nvme-gen3": DiskPreset(3.0 * GB, 2.0 * GB, 100e-6, "PCIe 3.0 x4 NVMe SSD"),
+    "nvme-gen4": DiskPreset(6.0 * GB, 4.0 * GB, 80e-6, "PCIe 4.0 x4 NVMe SSD"),
+    "nvme-gen5": DiskPreset(11.0 * GB, 8.0 * GB, 60e-6, "PCIe 5.0 x4 NVMe SSD"),
+}
+"""Named drive classes (``plan --disk``): sustained figures a little under the vendors' sequential
+peaks, since swap traffic is 1 MiB pieces at a moderate queue depth."""
+
+DEFAULT_LINK = "pcie4x16"
+DEFAULT_DISK = "nvme-gen4"
+DEFAULT_GPU_MATMUL = 100e12
+"""FLOP/s assumed for a GPU that is not on this machine when no ``--tflops`` is given (a mid-range
+data-center GPU's sustained bf16 matmul); the plan names it as an assumption."""
+
+MIN_DISK_PROBE = 1 << 20
+"""The smallest file the disk probe writes; with less free space it does not write at all."""
+
+
+def device_is_here(device: Union[str, torch.device]) -> bool:
+    """Whether ``device`` exists on this machine (the CPU always; a CUDA device when torch sees it).
+    Never initializes CUDA beyond torch's availability query."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return True
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return dev.index is None or dev.index < torch.cuda.device_count()
+
+
+def _preset(table: dict, name: str, what: str) -> Any:
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"{what}: unknown preset {name!r} (choose from {', '.join(table)})") from None
 
 
 @dataclass
@@ -90,6 +158,20 @@ class Rates:
         return (f"h2d {self.h2d / g:.2f} GB/s, d2h {self.d2h / g:.2f} GB/s, disk read {self.disk_read / g:.3f} GB/s, "
                 f"write {self.disk_write / g:.3f} GB/s, latency {self.disk_latency * 1e3:.2f} ms, Adam {self.adam / 1e9:.3f} Gparam/s, "
                 f"matmul {self.matmul / 1e12:.3f} TFLOP/s, memcpy {self.memcpy / g:.2f} GB/s")
+
+    def describe_sources(self) -> str:
+        """One line per figure: its value and where it came from (probe, file, preset, assumed)."""
+        g = 1e9
+        rows = [("h2d", f"{self.h2d / g:.2f} GB/s"), ("d2h", f"{self.d2h / g:.2f} GB/s"),
+                ("h2d_pageable", f"{(self.h2d_pageable or self.h2d) / g:.2f} GB/s"),
+                ("disk_read", f"{self.disk_read / g:.3f} GB/s"), ("disk_write", f"{self.disk_write / g:.3f} GB/s"),
+                ("disk_latency", f"{self.disk_latency * 1e3:.3f} ms per piece"),
+                ("adam", f"{self.adam / 1e9:.3f} Gparam/s"), ("matmul", f"{self.matmul / 1e12:.3f} TFLOP/s"),
+                ("memcpy", f"{self.memcpy / g:.2f} GB/s")]
+        if self.shard_overhead or "shard_overhead" in self.source:
+            rows.append(("shard_overhead", f"{self.shard_overhead * 1e6:.1f} us per shard"))
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{w}}  {v:<20} {self.source.get(k, 'unknown')}" for k, v in rows)
 
 
 def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Callable[[], None] = lambda: None,
@@ -185,6 +267,7 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
 
     aio = aio or {}
     os.makedirs(directory, exist_ok=True)
+    nbytes = disk_probe_size(directory, nbytes)
     path = os.path.join(directory, f".pyinfinity-rates-{os.getpid()}.bin")
     buf = aligned_empty(nbytes, torch.uint8)
     buf.random_(0, 256)
@@ -208,6 +291,23 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
     n = -(-nbytes // block)
     lat = min(lat, 0.95 * min(r, w) / n)
     return nbytes / (r - n * lat), nbytes / (w - n * lat), lat
+
+
+def disk_probe_size(directory: str, nbytes: int) -> int:
+    """The probe file's size in ``directory``: ``nbytes``, or less so that it takes at most a quarter
+    of the free space (whole MiB). ENOSPC naming the directory when not even MIN_DISK_PROBE fits:
+    nothing is written then."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    fit = (free // 4) // MIN_DISK_PROBE * MIN_DISK_PROBE
+    if fit < MIN_DISK_PROBE:
+        raise OSError(errno.ENOSPC, f"the disk probe needs {MIN_DISK_PROBE * 4 >> 20} MiB free to time the swap "
+                      f"directory, it has {free / (1 << 20):.2f} MiB: free space there, or give the disk's rates "
+                      "(--rates FILE from `pyinfinity bench io --json` or `plan --save-rates`)", directory)
+    if fit < nbytes:
+        log.info("disk probe: %s has %.1f MiB free, timing %d MiB instead of %d", directory, free / (1 << 20),
+                 fit >> 20, nbytes >> 20)
+    return min(nbytes, fit)
 
 
 def measure_decoder_compute(model_config: dict, device: Union[str, torch.device], micro_batch: int, seq_len: int,
@@ -305,15 +405,24 @@ _CACHE: dict[tuple, Rates] = {}
 def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[str] = None, *,
                   rates_file: Optional[str] = None, aio: Optional[dict] = None,
                   matmul_shape: tuple[int, int, int] = (1024, 1024, 1024),
-                  dtype: torch.dtype = torch.float32, quick: bool = True, cache: bool = False) -> Rates:
-    """Rates of this machine. ``rates_file`` figures win; the rest is probed (about a second
-    with ``quick``). Without a swap directory the disk figures are 0 (no disk tier possible).
+                  dtype: torch.dtype = torch.float32, quick: bool = True, cache: bool = False,
+                  link: Optional[str] = None, disk: Optional[str] = None, matmul: Optional[float] = None) -> Rates:
+    """Rates for a run on ``device``. Each figure comes from, in this order: ``rates_file``; the
+    named ``link`` (h2d/d2h, :data:`LINK_PRESETS`) and ``disk`` (:data:`DISK_PRESETS`) presets
+    and a given ``matmul`` (FLOP/s); a probe on this machine (about a second with ``quick``).
+
+    A device that is not on this machine (planning a GPU run from a CPU box) is never touched:
+    its link defaults to :data:`DEFAULT_LINK`, its matmul to :data:`DEFAULT_GPU_MATMUL` and its
+    disk to :data:`DEFAULT_DISK` (a swap directory here is not the target's drive); Adam and
+    memcpy are this machine's CPU's. ``Rates.source`` says where each figure came from. Without a swap directory (and no disk preset) the disk figures are 0 (no disk tier).
     cache: reuse an earlier measurement of the same arguments in this process (the engine's
     "auto" does, so several engines in one process probe once)."""
     dev = torch.device(device)
-    key = (str(dev), swap_dir, rates_file, json.dumps(aio, sort_keys=True, default=str), matmul_shape, str(dtype), quick)
+    key = (str(dev), swap_dir, rates_file, json.dumps(aio, sort_keys=True, default=str), matmul_shape, str(dtype),
+           quick, link, disk, matmul)
     if cache and key in _CACHE:
         return _CACHE[key]
+    here = device_is_here(dev)
     given: dict[str, float] = {}
     source: dict[str, str] = {}
     aio = dict(aio or {})
@@ -321,12 +430,31 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
         given, file_aio = load_rates_file(rates_file)
         aio = {**file_aio, **aio}
         source.update({k: f"file:{rates_file}" for k in given})
-    reps = 3 if quick else 7
     vals: dict[str, float] = dict(given)
+    if not here:
+        link = link or DEFAULT_LINK
+        disk = disk or DEFAULT_DISK
+    if link is not None:  # a named preset fills what the file does not give
+        lp = _preset(LINK_PRESETS, link, "link")
+        how = f"preset {link} ({lp.note})" + ("" if here or link != DEFAULT_LINK else f"; default, pass --link")
+        for k, v in (("h2d", lp.h2d), ("d2h", lp.d2h), ("h2d_pageable", lp.h2d_pageable)):
+            if k not in vals:
+                vals[k], source[k] = v, how
+    if disk is not None:
+        _set_disk_preset(vals, source, disk, "" if here or disk != DEFAULT_DISK else "; default, pass --disk")
+    if matmul is not None and "matmul" not in vals:
+        vals["matmul"], source["matmul"] = float(matmul), "given"
+    if not here and "matmul" not in vals:
+        vals["matmul"] = DEFAULT_GPU_MATMUL
+        source["matmul"] = f"assumed {DEFAULT_GPU_MATMUL / 1e12:.0f} TFLOP/s for {dev} (not on this machine; pass --tflops)"
+    reps = 3 if quick else 7
+    host_note = "probe" if here else "probe (this machine's CPU, not the target's)"
     if "adam" not in vals:
         vals["adam"] = measure_adam(1_000_000 if quick else 4_000_000, reps)
+        source["adam"] = host_note
     if "memcpy" not in vals:
         vals["memcpy"] = measure_memcpy((32 << 20) if quick else (256 << 20), reps)
+        source["memcpy"] = host_note
     if "h2d" not in vals or "d2h" not in vals:
         if dev.type == "cuda":
             h, d, pg = measure_copies(dev, (64 << 20) if quick else (512 << 20), reps)
@@ -340,23 +468,75 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
         vals["matmul"] = measure_matmul(dev, m, k, n, dtype, reps)
     if "disk_read" not in vals or "disk_write" not in vals:
         if swap_dir:
-            r, w, lat = measure_disk(swap_dir, (32 << 20) if quick else (256 << 20), reps, aio)
-            vals.setdefault("disk_latency", lat)
+            try:
+                r, w, lat = measure_disk(swap_dir, (32 << 20) if quick else (256 << 20), reps, aio)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or exc.filename != swap_dir:
+                    raise
+                # too little room to time the disk: the plan's capacity check will say what is missing
+                log.warning("%s", exc.strerror)
+                _set_disk_preset(vals, source, DEFAULT_DISK, f"; not measured: {swap_dir} is nearly full")
+            else:
+                vals.setdefault("disk_latency", lat)
+                vals.setdefault("disk_read", r)
+                vals.setdefault("disk_write", w)
         else:
-            r = w = 0.0
-        vals.setdefault("disk_read", r)
-        vals.setdefault("disk_write", w)
+            vals.setdefault("disk_read", 0.0)
+            vals.setdefault("disk_write", 0.0)
+            source.setdefault("disk_read", "none (no swap directory)")
+            source.setdefault("disk_write", "none (no swap directory)")
     for k in vals:
         source.setdefault(k, "probe")
     rates = Rates(h2d=vals["h2d"], d2h=vals["d2h"], disk_read=vals["disk_read"], disk_write=vals["disk_write"],
                   adam=vals["adam"], matmul=vals["matmul"], memcpy=vals["memcpy"],
                   disk_latency=vals.get("disk_latency", 0.0), h2d_pageable=vals.get("h2d_pageable", 0.0),
                   block_size=int(aio.get("block_size") or (1 << 20)), device=str(dev), source=source)
-    log.info("rates: %s", rates.describe())
+    log.debug("rates: %s", rates.describe())
     if cache:
         _CACHE[key] = rates
     return rates
 
 
-__all__ = ["Rates", "measure_rates", "measure_decoder_compute", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
+def _set_disk_preset(vals: dict[str, float], source: dict[str, str], name: str, suffix: str = "") -> None:
+    dp = _preset(DISK_PRESETS, name, "disk")
+    how = f"preset {name} ({dp.note}){suffix}"
+    for k, v in (("disk_read", dp.read), ("disk_write", dp.write), ("disk_latency", dp.latency)):
+        if k not in vals:
+            vals[k], source[k] = v, how
+
+
+def preset_rates(device: Union[str, torch.device] = "cuda", link: Optional[str] = None, disk: Optional[str] = None,
+                 matmul: Optional[float] = None, *, adam: Optional[float] = None,
+                 memcpy: Optional[float] = None) -> Rates:
+    """Rates for planning a run on a machine described by name, without touching ``device``:
+    ``link`` from :data:`LINK_PRESETS`, ``disk`` from :data:`DISK_PRESETS` (defaults
+    :data:`DEFAULT_LINK`, :data:`DEFAULT_DISK`), ``matmul`` in FLOP/s (default
+    :data:`DEFAULT_GPU_MATMUL` for a GPU), ``adam`` (params/s) and ``memcpy`` (bytes/s) of the
+    target's CPU when known, else probed on this machine's CPU. ``source`` names each figure's
+    origin. Example: ``preset_rates("cuda", link="pcie4x16", disk="nvme-gen4", matmul=150e12)``."""
+    dev = torch.device(device)
+    vals: dict[str, float] = {}
+    source: dict[str, str] = {}
+    lp = _preset(LINK_PRESETS, link or DEFAULT_LINK, "link")
+    how = f"preset {link or DEFAULT_LINK} ({lp.note})" + ("" if link else "; default")
+    for k, v in (("h2d", lp.h2d), ("d2h", lp.d2h), ("h2d_pageable", lp.h2d_pageable)):
+        vals[k], source[k] = v, how
+    _set_disk_preset(vals, source, disk or DEFAULT_DISK, "" if disk else "; default")
+    if matmul is None:
+        vals["matmul"], source["matmul"] = DEFAULT_GPU_MATMUL, f"assumed {DEFAULT_GPU_MATMUL / 1e12:.0f} TFLOP/s"
+    else:
+        vals["matmul"], source["matmul"] = float(matmul), "given"
+    for k, given, probe in (("adam", adam, lambda: measure_adam(1_000_000, 3)),
+                            ("memcpy", memcpy, lambda: measure_memcpy(32 << 20, 3))):
+        if given is None:
+            vals[k], source[k] = probe(), "probe (this machine's CPU)"
+        else:
+            vals[k], source[k] = float(given), "given"
+    return Rates(h2d=vals["h2d"], d2h=vals["d2h"], disk_read=vals["disk_read"], disk_write=vals["disk_write"],
+                 adam=vals["adam"], matmul=vals["matmul"], memcpy=vals["memcpy"], disk_latency=vals["disk_latency"],
+                 h2d_pageable=vals["h2d_pageable"], device=str(dev), source=source)
+
+
+__all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRESETS", "DISK_PRESETS",
+           "LinkPreset", "DiskPreset", "disk_probe_size", "measure_decoder_compute", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
            "measure_disk", "load_rates_file"]

@@ -36,6 +36,8 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from pyinfinity.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "pyinfinity.lock"
@@ -50,6 +52,12 @@ STRIPE_MIN = 4 << 20  # SwapSpace's default: slots below this go to one file, ro
 class CapacityError(ValueError):
     """The training state cannot fit the budgets given; the message says how much is missing and
     where (which tier, which config key)."""
+
+
+class SwapSpaceTooSmall(OSError, ConfigError):
+    """The swap files this config needs do not fit a swap directory's filesystem: a ``ConfigError``
+    (the config asks for more than the disk has) and ``OSError`` ENOSPC (filename = the directory),
+    raised before anything is written; the message has the need, the free bytes and what is missing."""
 
 
 class SwapDirBusyError(OSError):
@@ -376,7 +384,7 @@ class SwapOwnership:
                 entry[3].append(f"{plan.name} {_fmt(plan.file_bytes())} in {d}")
         for d, free, n, parts in need.values():
             if n > free:
-                raise OSError(errno.ENOSPC, f"not enough free space for the swap files: they need {_fmt(n)} "
+                raise SwapSpaceTooSmall(errno.ENOSPC, f"not enough free space for the swap files: they need {_fmt(n)} "
                               f"({', '.join(parts)}), the filesystem has {_fmt(free)} free: {_fmt(n - free)} "
                               "missing; free space there, add another nvme_path, or keep more state in RAM "
                               "(offload_param.max_in_cpu, offload_optimizer.ratio)", d)

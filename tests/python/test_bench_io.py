@@ -16,6 +16,7 @@ from pyinfinity.bench import io as bio
 from pyinfinity.bench import peers
 from pyinfinity.bench.pattern import PERIOD, fill_pattern
 from pyinfinity.bench.records import SCHEMA, Result, best_peer, ratio_to_best_peer
+from pyinfinity.bench.table import failed_lines
 from pyinfinity.bench.workload import KiB, MiB, file_config, odd_sizes, parse_size, small_odd_config
 from pyinfinity.cli import build_parser, main
 
@@ -228,7 +229,7 @@ def test_without_o_direct_caches_are_dropped_and_writes_synced(monkeypatch, tmp_
 def test_read_only_directory_is_a_clear_error(readonly_dir, capsys):
     assert main(["bench", "--quick", readonly_dir, "--no-progress", "--peers", "none"]) == 2
     err = capsys.readouterr().err
-    assert "cannot benchmark" in err and "pyinfinity report" in err
+    assert "cannot benchmark" in err and "pyinfinity report" in err and err.count("\n") == 1  # one line
 
 
 def test_a_silent_deepspeed_worker_is_killed_not_waited_for():
@@ -267,3 +268,31 @@ def test_a_refused_cache_drop_labels_the_read_cached(monkeypatch, tmp_path):
     finally:
         r.close()
     assert {x.op: x.cache for x in res} == {"write": "direct", "read": "cached"}
+
+
+def test_fio_runs_the_same_job_as_ours_after_an_untimed_warm_up():
+    cfg = file_config("read", 64 * MiB, 1 * MiB, 1, 1, 64 * MiB)
+    cmd = peers.FioRunner("libaio", direct=True, batch_reps=3)._cmd(cfg, "/d/bench.bin", verify=False, jobs=3)
+    for flag in ("--filename=/d/bench.bin", "--direct=1", f"--bs={MiB}", "--iodepth=1", f"--size={64 * MiB}",
+                 "--rw=read"):
+        assert flag in cmd, (flag, cmd)
+    names = [a for a in cmd if a.startswith("--name=")]
+    assert names == ["--name=warmup", "--name=rep0", "--name=rep1", "--name=rep2"]
+    data = {"jobs": [{"jobname": n[len("--name="):], "read": {"runtime": 100, "io_bytes": 64 * MiB}} for n in names]}
+    assert [j["jobname"] for j in peers.FioRunner._timed_jobs(data)] == ["rep0", "rep1", "rep2"]
+
+
+def test_a_peer_far_below_dd_on_the_same_file_is_flagged_not_divided_by():
+    def res(tool, backend, qd, secs):
+        return Result("file", "read", tool, backend, nbytes=int(GB), block_size=MiB, queue_depth=qd,
+                      io_size=int(GB), seconds=[secs])
+
+    ours, dd = res("pyinfinity", "aio", 1, 0.55), res("dd", "O_DIRECT", 1, 0.55)  # 1.8 GB/s each
+    slow_fio = res("fio", "libaio", 1, 1.5)  # 0.67 GB/s: 0.37x dd, as fio misconfigured read
+    rs = [ours, dd, slow_fio]
+    assert peers.flag_suspect_peers(rs) and slow_fio.note.startswith("suspect")
+    assert "0.8x dd" in slow_fio.note
+    assert best_peer(rs, ours) is dd and ratio_to_best_peer(rs, ours) == pytest.approx(1.0)
+    assert any("suspect peer" in line for line in failed_lines(rs))
+    fair = res("fio", "libaio", 1, 0.6)
+    assert peers.flag_suspect_peers([ours, dd, fair]) == [] and not fair.note

@@ -174,6 +174,19 @@ def test_a_run_past_its_timeout_is_killed_and_recorded(tmp_path):
     assert r["wall_seconds"] < 30
 
 
+@pytest.mark.parametrize("extra", [["--timeout", "0.5"], ["--sizes", "huge"]], ids=["a failed run", "a bad flag"])
+def test_temporary_directories_are_removed_at_the_end(tmp_path, extra):
+    """Without --nvme and --log-dir the swap and log directories are temporary: nothing is left
+    in TMPDIR afterwards, whether the run failed or the flags were wrong."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    env.pop("PYINFINITY_SWAP_DIR", None)
+    p = _cli(*TINY, "--systems", "torch", "--no-trace", *extra, env=env)
+    assert p.returncode in (0, 2), p.stderr
+    assert os.listdir(tmp) == []
+
+
 def test_a_swap_dir_too_small_skips_the_run_with_the_numbers(tiny_tmpfs_dir, tmp_path):
     out = tmp_path / "bt.json"
     p = _cli(*TINY, "--sizes", "125m", "--systems", "pyinfinity-nvme", "--nvme", tiny_tmpfs_dir, "--json", str(out))

@@ -328,7 +328,7 @@ def test_cli_writes_a_config_the_loader_accepts(tmp_path, capsys):
     assert c.zero_optimization.offload_optimizer.device == "nvme"  # 12 GB cannot hold 13 GB of Adam state
     rc = main(["plan", "--model", str(tmp_path / "model.json"), "--gpu-memory", "8GiB", "--cpu-memory", "8GB",
                "--device", "cpu", "--rates", str(tmp_path / "rates.json"), "--out", str(tmp_path / "x.json")])
-    assert rc == 1 and "give a swap directory" in capsys.readouterr().err
+    assert rc == 2 and "give a swap directory" in capsys.readouterr().err  # a user error: exit 2, one line
 
 
 def test_calibrated_compute_replaces_the_flops_estimate(tmp_path):
@@ -368,3 +368,60 @@ def test_10b_for_a_gpu_with_8gib_is_placed_within_15_bytes_per_parameter(tmp_pat
     assert state / sizes.numel <= 15.0, p.table()
     assert p.host_bytes <= 100 << 30 and p.swap_bytes <= 64 << 30
     assert p.optimizer.disk > 0  # 147 GB of state cannot all be in 100 GiB of RAM
+
+
+# ----------------------------------------------------------------------------------- planning for another machine
+
+
+def test_preset_rates_name_their_figures_and_sources():
+    from pyinfinity.plan.rates import DISK_PRESETS, LINK_PRESETS, preset_rates
+
+    r = preset_rates("cuda", link="pcie4x16", disk="nvme-gen4", matmul=150e12, adam=2e9, memcpy=10e9)
+    assert (r.h2d, r.d2h) == (LINK_PRESETS["pcie4x16"].h2d, LINK_PRESETS["pcie4x16"].d2h)
+    assert (r.disk_read, r.disk_write) == (DISK_PRESETS["nvme-gen4"].read, DISK_PRESETS["nvme-gen4"].write)
+    assert r.matmul == 150e12 and r.adam == 2e9 and r.device == "cuda"
+    assert r.source["h2d"].startswith("preset pcie4x16") and r.source["disk_read"].startswith("preset nvme-gen4")
+    assert r.source["matmul"] == "given"
+    assert LINK_PRESETS["h200-sxm"].h2d == 55e9  # as measured on an H200 SXM, pinned
+    with pytest.raises(ValueError, match="link: unknown preset 'pcie9'.*pcie4x16"):
+        preset_rates("cuda", link="pcie9")
+
+
+def _plan(*args: str, env_extra: dict | None = None) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    # CUDA_VISIBLE_DEVICES="" : a machine without a GPU even where the test runs on one
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "pyinfinity", "plan", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_planning_for_a_gpu_from_a_machine_without_one(tmp_path):
+    (tmp_path / "model.json").write_text(json.dumps(LLAMA_1B))
+    model = str(tmp_path / "model.json")
+    # --gpu-memory without --device plans for a GPU (never silently for the CPU), from presets
+    p = _plan("--model", model, "--gpu-memory", "8GiB", "--cpu-memory", "64GB", "--nvme", str(tmp_path / "swap"), "-o",
+              str(tmp_path / "out.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "not on this machine" in p.stdout
+    for key, src in (("h2d", "preset pcie4x16"), ("disk_read", "preset nvme-gen4"), ("matmul", "assumed"),
+                     ("adam", "probe (this machine's CPU")):
+        assert any(line.split()[:1] == [key] and src in line for line in p.stdout.splitlines()), (key, p.stdout)
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["pyinfinity"]["device"] == "cuda"
+    assert "buffer_size" not in out["zero_optimization"]["offload_param"]  # a knob pyinfinity does not use
+    assert "engine ready" not in p.stderr  # the internal overhead probe stays quiet
+    # named presets and a rates file: the file's figures win, the presets and --tflops fill the rest
+    (tmp_path / "rates.json").write_text(json.dumps({"rates": {"disk_read": 0.9e9, "disk_write": 0.8e9}}))
+    p = _plan("--model", model, "--device", "cuda", "--gpu-memory", "8GiB", "--cpu-memory", "64GB", "--link", "pcie3x16", "--disk",
+              "nvme-gen5", "--tflops", "200", "--rates", str(tmp_path / "rates.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = {line.split()[0]: line for line in p.stdout.splitlines() if line.startswith("  ") and line.split()}
+    assert "12.00 GB/s" in lines["h2d"] and "preset pcie3x16" in lines["h2d"]
+    assert "0.900 GB/s" in lines["disk_read"] and "file:" in lines["disk_read"]
+    assert "preset nvme-gen5" in lines["disk_latency"]  # the file has no latency: the preset's
+    assert "200.000 TFLOP/s" in lines["matmul"] and "given" in lines["matmul"]
+    # the target's memory cannot be measured from here: a one-line error says what to give
+    p = _plan("--model", model, "--device", "cuda")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--gpu-memory" in p.stderr.splitlines()[-1]
