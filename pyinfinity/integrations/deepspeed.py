@@ -199,8 +199,17 @@ def binding_surface(source: str, cpp_class: str) -> Optional[Dict[str, List[List
     start = source.find(f"py::class_<{cpp_class}>")
     if start < 0:
         return None
-    block = source[start:]
-    block = block[: block.find(";")]
+    depth, end = 0, len(source)
+    for i in range(start, len(source)):  # the statement ends at the first ';' outside () and {} (lambdas)
+        c = source[i]
+        if c in "({":
+            depth += 1
+        elif c in ")}":
+            depth -= 1
+        elif c == ";" and depth == 0:
+            end = i
+            break
+    block = source[start:end]
     methods: Dict[str, List[List[str]]] = {}
     for chunk in re.split(r"\.def\(", block)[1:]:
         m = re.match(r'\s*"(\w+)"', chunk)
@@ -491,6 +500,7 @@ def uninstall() -> None:
         _remove_hook()
         _unpatch()
         _unpatch_param_swapper()
+        release_claims()
 
 
 # -- DeepSpeed's parameter swapper: the buffer assertions (independent of the I/O backend) -----------
@@ -533,7 +543,7 @@ class SwapBuffersExhausted(RuntimeError):
     """Every parameter swap buffer is held by a parameter in use; the message says what to raise."""
 
 
-def _check_swapper_layout(version: str) -> Tuple[type, type]:
+def _check_swapper_layout(version: str) -> Tuple[type, type, type]:
     problems: List[str] = []
     swapper_mod = importlib.import_module(_SWAPPER_MODULE)
     from deepspeed.runtime.zero import partition_parameters as pp
@@ -562,10 +572,19 @@ def _check_swapper_layout(version: str) -> Tuple[type, type]:
             problems.append(f"partition_parameters.{name} is missing")
     if not hasattr(swapper_mod, "PartitionedParamStatus"):
         problems.append(f"{_SWAPPER_MODULE}.PartitionedParamStatus is missing")
+    fn = cls.__dict__.get("_configure_aio")
+    if not callable(fn) or list(inspect.signature(fn).parameters)[:2] != ["self", "ds_config"]:
+        problems.append("AsyncPartitionedParameterSwapper._configure_aio(self, ds_config) is missing")
+    from deepspeed.runtime.swap_tensor import optimizer_utils
+
+    opt = getattr(optimizer_utils, "OptimizerSwapper", None)
+    fn = getattr(opt, "__init__", None)
+    if not isinstance(opt, type) or list(inspect.signature(fn).parameters)[:2] != ["self", "swap_config"]:
+        problems.append("optimizer_utils.OptimizerSwapper.__init__(self, swap_config, ...) is missing")
     if problems:
         raise DeepSpeedLayoutError(f"deepspeed {version}: the parameter swapper differs from {TESTED_VERSION}'s, so "
                                    "pyinfinity cannot patch it:\n  - " + "\n  - ".join(problems))
-    return cls, init
+    return cls, init, opt
 
 
 def _give_back_prefetched(swapper: Any, needed: int, keep: Set[int]) -> int:
@@ -601,6 +620,50 @@ def _give_back_prefetched(swapper: Any, needed: int, keep: Set[int]) -> int:
     return len(victims)
 
 
+# -- one job per swap folder: each rank claims its own lock before DeepSpeed touches the folder ------
+_claims: Dict[Tuple[str, int], Any] = {}  # (nvme_path, rank) -> SwapOwnership
+
+
+def claim_dir(nvme_path: str, rank: int) -> str:
+    """The folder a rank's claim on ``nvme_path`` locks (DeepSpeed keeps its own files in
+    ``zero_stage_3/*/rank<N>``, which it empties at start)."""
+    return os.path.join(os.path.abspath(os.fspath(nvme_path)), f"pyinfinity-rank{rank}")
+
+
+def _claim_swap_space(nvme_path: Any) -> None:
+    """Locks ``nvme_path`` for this rank (pyinfinity's swap-directory lock and manifest,
+    ``pyinfinity.swap.ownership``) before DeepSpeed empties or writes its swap folders there. Every
+    rank of one job takes its own lock, so they never contend; a second job pointed at the same
+    ``nvme_path`` finds rank 0's lock held and stops with ``SwapDirBusyError`` naming the owner,
+    instead of DeepSpeed deleting the first job's swap files. Released at exit and by uninstall()."""
+    if not nvme_path:
+        return
+    from deepspeed import comm as ds_dist
+
+    from pyinfinity.swap.ownership import SwapOwnership
+
+    try:
+        rank = int(ds_dist.get_rank())
+    except Exception:  # noqa: BLE001 - not initialised: the launcher's rank
+        rank = int(os.environ.get("RANK", 0))
+    key = (os.path.abspath(os.fspath(nvme_path)), rank)
+    with _state_lock:
+        if key in _claims and not _claims[key].released:
+            return
+        d = claim_dir(nvme_path, rank)
+        os.makedirs(d, exist_ok=True)
+        _claims[key] = SwapOwnership.acquire([d])
+        log.info("pyinfinity: rank %d claimed %s", rank, d)
+
+
+def release_claims() -> None:
+    """Gives back every swap-folder claim of this process (also done at exit and by uninstall())."""
+    with _state_lock:
+        for own in _claims.values():
+            own.release()
+        _claims.clear()
+
+
 def _patch_param_swapper() -> None:
     """Applies the parameter-swapper patch described above (idempotent; imports deepspeed)."""
     global _swapper_patch
@@ -614,10 +677,11 @@ def _patch_param_swapper() -> None:
         if parsed is None or parsed[:2] not in SUPPORTED_SERIES:
             raise DeepSpeedLayoutError(f"the parameter-swapper patch: deepspeed {version} is not a version it was "
                                        f"checked against ({TESTED_VERSION})")
-        cls, init = _check_swapper_layout(version)
-        targets = [(cls, "swap_in"), (cls, "swappable_tensor"), (init, "_ensure_availability_of_partitioned_params")]
+        cls, init, opt = _check_swapper_layout(version)
+        targets = [(cls, "swap_in"), (cls, "swappable_tensor"), (init, "_ensure_availability_of_partitioned_params"),
+                   (cls, "_configure_aio"), (opt, "__init__")]
         saved = [(c, m, c.__dict__.get(m, _MISSING)) for c, m in targets]
-        orig_swap_in, orig_swappable, ensure = (_original(c, m, o) for c, m, o in saved)
+        orig_swap_in, orig_swappable, ensure, orig_configure, orig_opt_init = (_original(c, m, o) for c, m, o in saved)
 
         def swap_in(self: Any, params: List[Any], async_op: bool = True, swap_in_buffers: Any = None) -> Any:
             if swap_in_buffers is None:
@@ -672,8 +736,17 @@ def _patch_param_swapper() -> None:
             finally:
                 _protected.ids = outer if outer is not None else set()
 
+        def configure_aio(self: Any, ds_config: Any) -> Any:
+            _claim_swap_space(ds_config.zero_config.offload_param.nvme_path)
+            return orig_configure(self, ds_config)
+
+        def optimizer_swapper_init(self: Any, swap_config: Any, *args: Any, **kwargs: Any) -> None:
+            _claim_swap_space(getattr(swap_config, "nvme_path", None))
+            orig_opt_init(self, swap_config, *args, **kwargs)
+
         patched = {"swap_in": swap_in, "swappable_tensor": swappable_tensor,
-                   "_ensure_availability_of_partitioned_params": ensure_availability}
+                   "_ensure_availability_of_partitioned_params": ensure_availability,
+                   "_configure_aio": configure_aio, "__init__": optimizer_swapper_init}
         for c, m, _ in saved:
             setattr(patched[m], _MARK, True)
             setattr(c, m, patched[m])

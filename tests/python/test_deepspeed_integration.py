@@ -70,10 +70,10 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     import deepspeed
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    if cfg["fix_prefetch"]:
+    if cfg.get("unpatched_swapper"):  # DeepSpeed's own parameter swapper, pyinfinity's I/O
         from pyinfinity.integrations import deepspeed as pids
 
-        pids.fix_nvme_prefetch()
+        pids._unpatch_param_swapper()
 
     def no_build(self: Any, verbose: bool = True) -> None:
         raise RuntimeError(f"test guard: DeepSpeed tried to build its {self.name!r} op")
@@ -85,6 +85,26 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     llama = cfg["model"] == "llama"
     conf = ds_config(cfg["offload"], cfg["nvme"], cfg["pipeline_read"], cfg["pipeline_write"], cfg["fast_init"],
                      llama)
+    zero = conf["zero_optimization"]
+    for key, value in cfg.get("offload_param", {}).items():  # None: leave the knob out
+        if value is None:
+            zero["offload_param"].pop(key, None)
+        else:
+            zero["offload_param"][key] = value
+    for key, value in cfg.get("zero", {}).items():
+        if value is None:
+            zero.pop(key, None)
+        else:
+            zero[key] = value
+    if cfg.get("size_nvme"):
+        from pyinfinity.integrations import deepspeed as pids
+        from pyinfinity.plan import model_sizes  # noqa: F401 - what size_nvme_offload reads
+
+        with torch.device("meta"):
+            meta = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(LAYERS)])
+        sizing = pids.size_nvme_offload(conf, meta)
+        conf = sizing.config
+        print("SIZING", json.dumps(sizing.changes), flush=True)
     if llama:  # imported outside zero.Init, which patches torch.Tensor.__new__
         from transformers import LlamaConfig, LlamaForCausalLM
     with deepspeed.zero.Init(config_dict_or_path=conf):
@@ -120,8 +140,10 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
                            "loaded_ops": sorted(OpBuilder._loaded_ops),
                            "ds_aio_op_imported": "deepspeed.ops.aio.async_io_op" in sys.modules}
     if cfg["offload"] == "nvme":
-        files = sorted(str(p) for p in Path(cfg["nvme"]).rglob("*") if p.is_file())
-        out["swap_files"] = {f: os.path.getsize(f) for f in files}
+        every = sorted(p for p in Path(cfg["nvme"]).rglob("*") if p.is_file())
+        claims = [p for p in every if p.parent.name.startswith("pyinfinity-rank")]  # pyinfinity's lock, manifest
+        out["swap_files"] = {str(p): p.stat().st_size for p in every if p not in claims}
+        out["claim_files"] = [str(p.relative_to(cfg["nvme"])) for p in claims]
     if cfg["backend"] == "pyinfinity":
         from pyinfinity.integrations import deepspeed as pids
 
@@ -149,11 +171,13 @@ def _env(extra: Dict[str, str] | None = None) -> Dict[str, str]:
 
 def start_worker(tmp: Path, name: str, backend: str, offload: str, pipeline_read: bool = False,
                  pipeline_write: bool = False, fast_init: bool = False, via: str = "install",
-                 steps: int = STEPS, model: str = "mlp", fix_prefetch: bool = False) -> subprocess.Popen:
+                 steps: int = STEPS, model: str = "mlp", **extra: Any) -> subprocess.Popen:
+    """extra: unpatched_swapper (DeepSpeed's own parameter swapper), offload_param / zero (knobs
+    over ds_config's; None removes one), size_nvme (size_nvme_offload on the config)."""
     d = tmp / name
     (d / "nvme").mkdir(parents=True)
     cfg = {"backend": backend, "offload": offload, "pipeline_read": pipeline_read, "pipeline_write": pipeline_write,
-           "fast_init": fast_init, "via": via, "steps": steps, "model": model, "fix_prefetch": fix_prefetch,
+           "fast_init": fast_init, "via": via, "steps": steps, "model": model, **extra,
            "nvme": str(d / "nvme"), "out": str(d / "result.json")}
     (d / "cfg.json").write_text(json.dumps(cfg))
     extra = {"PYINFINITY_DEEPSPEED": "1"} if via == "env" else {}
@@ -255,8 +279,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, deepspeed_importable: None) -
     t0 = time.perf_counter()
     res = run_workers(tmp, {"cpu": dict(backend="deepspeed", offload="cpu"), **NVME_RUNS,
                             "llama_cpu": dict(backend="deepspeed", offload="cpu", model="llama"),
-                            "llama_nvme_fixed": dict(backend="pyinfinity", offload="nvme", model="llama",
-                                                     fix_prefetch=True)})
+                            "llama_nvme_fixed": dict(backend="pyinfinity", offload="nvme", model="llama")})
     print(f"{len(res)} DeepSpeed trainings in {time.perf_counter() - t0:.1f} s")
     return res
 
@@ -290,13 +313,74 @@ def test_losses_match_offload_to_cpu(runs: Dict[str, Dict[str, Any]], name: str)
 
 def test_nvme_params_with_prefetch_fix_train_like_offload_to_cpu(runs: Dict[str, Dict[str, Any]]) -> None:
     """A Llama with its parameters on nvme and prefetch on hits DeepSpeed 0.19.8's repeated-parameter
-    swap_in (see fix_nvme_prefetch); with the fix it trains exactly like offload-to-cpu."""
+    swap_in; with install()'s swapper patch it trains exactly like offload-to-cpu."""
     ref, got = result(runs, "llama_cpu"), result(runs, "llama_nvme_fixed")
     assert len(set(ref["losses"])) == STEPS
     assert got["losses"] == ref["losses"]
     files = got["swap_files"]
     assert any("bfloat16params" in f for f in files), sorted(files)
     assert set(files) <= set(got["stats"]["files_written"]) & set(got["stats"]["files_read"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters on NVMe with few / small swap buffers: DeepSpeed's own swapper asserts, install()'s
+# patch and size_nvme_offload() make the same configurations train like offload-to-cpu
+# ---------------------------------------------------------------------------------------------
+SMALL = HIDDEN * HIDDEN // 2  # buffer_size below each Linear weight's partition (HIDDEN * HIDDEN)
+BUFFER_RUNS = {
+    # 3 buffers, 4 weights kept live by stage3_max_reuse_distance (default 1e9) -> "Not enough buffers"
+    "ds_few_buffers": dict(backend="pyinfinity", offload="nvme", unpatched_swapper=True,
+                           offload_param={"buffer_count": 3}),
+    "ds_small_buffers": dict(backend="pyinfinity", offload="nvme", unpatched_swapper=True,
+                             offload_param={"buffer_size": SMALL}),
+    "sized_few_small": dict(backend="pyinfinity", offload="nvme", size_nvme=True,
+                            offload_param={"buffer_count": 3, "buffer_size": SMALL}),
+    "sized_absent": dict(backend="pyinfinity", offload="nvme", size_nvme=True,
+                         offload_param={"buffer_count": None, "buffer_size": "auto", "max_in_cpu": None},
+                         zero={"stage3_max_live_parameters": "auto", "stage3_prefetch_bucket_size": None}),
+    "patched_small": dict(backend="pyinfinity", offload="nvme", offload_param={"buffer_size": SMALL}),
+    "patched_few": dict(backend="pyinfinity", offload="nvme", offload_param={"buffer_count": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def buffer_runs(tmp_path_factory: pytest.TempPathFactory, deepspeed_importable: None) -> Dict[str, Dict[str, Any]]:
+    return run_workers(tmp_path_factory.mktemp("ds_buffers"),
+                       {"cpu": dict(backend="deepspeed", offload="cpu"), **BUFFER_RUNS})
+
+
+@pytest.mark.parametrize("name,message", [("ds_few_buffers", "AssertionError: Not enough buffers 0 for swapping 1"),
+                                          ("ds_small_buffers", "AssertionError: More elements 1048576 than "
+                                                               f"buffer size {SMALL}")])
+def test_deepspeeds_own_swapper_asserts(buffer_runs: Dict[str, Dict[str, Any]], name: str, message: str) -> None:
+    """The configurations below fail in DeepSpeed 0.19.8 without the patch (the I/O backend is
+    irrelevant: the same assertions with DeepSpeed's aio)."""
+    assert message in buffer_runs[name].get("error", ""), buffer_runs[name]
+
+
+@pytest.mark.parametrize("name", ["sized_few_small", "sized_absent"])
+def test_sized_config_trains_like_offload_to_cpu(buffer_runs: Dict[str, Dict[str, Any]], name: str) -> None:
+    ref, got = result(buffer_runs, "cpu"), result(buffer_runs, name)
+    assert len(set(ref["losses"])) == STEPS
+    assert got["losses"] == ref["losses"]  # float.hex: every bit
+    files = got["swap_files"]
+    params = [f for f in files if "bfloat16params" in f]
+    assert len(params) == LAYERS, sorted(files)  # every weight on NVMe, through pyinfinity
+    assert set(files) <= set(got["stats"]["files_written"]) & set(got["stats"]["files_read"])
+
+
+def test_patch_alone_keeps_oversized_partitions_in_cpu_memory(buffer_runs: Dict[str, Dict[str, Any]]) -> None:
+    ref, got = result(buffer_runs, "cpu"), result(buffer_runs, "patched_small")
+    assert got["losses"] == ref["losses"]
+    assert not [f for f in got["swap_files"] if "bfloat16params" in f]  # none fits a buffer: all in RAM
+
+
+def test_patch_alone_names_the_knob_when_live_parameters_hold_every_buffer(
+        buffer_runs: Dict[str, Dict[str, Any]]) -> None:
+    """On one CPU rank a gathered parameter is its swap buffer, so nothing can be given back: the
+    patch says what to raise instead of asserting."""
+    err = buffer_runs["patched_few"].get("error", "")
+    assert "SwapBuffersExhausted" in err and "offload_param.buffer_count" in err and "size_nvme_offload" in err, err
 
 
 def test_bit_for_bit_between_pyinfinity_runs(runs: Dict[str, Dict[str, Any]]) -> None:
@@ -509,8 +593,7 @@ def test_locked_buffers_are_process_wide_like_deepspeeds() -> None:
     assert not b.is_pinned(torch.empty(10))
     assert b.free_cpu_locked_tensor(t) is True  # freed through the other handle
     assert not a.is_pinned(t)
-    with pytest.raises(ValueError):
-        a.free_cpu_locked_tensor(t)
+    assert a.free_cpu_locked_tensor(t) is False  # a second free: False, as DeepSpeed's
 
 
 def test_stats_count_paths_and_descriptors(tmp_path: Path) -> None:
@@ -621,8 +704,20 @@ def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_pat
     assert not (tmp_path / "nv" / "pyinf-cpu-nvme").exists()  # swap files removed after each configuration
 
 
+def result_path(cfg: Dict[str, Any]) -> Path:
+    """Where a worker writes its results: one file per rank when there are several."""
+    out = Path(cfg["out"])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        out = out.with_name(f"{out.stem}.rank{os.environ['RANK']}.json")
+    return out
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     _cfg = json.loads(Path(sys.argv[2]).read_text())
     _res = _worker(_cfg)
-    Path(_cfg["out"]).write_text(json.dumps(_res))
+    result_path(_cfg).write_text(json.dumps(_res))
+    if _cfg.get("hold_until"):  # keep the swap folder claimed until the test says so (bounded)
+        _deadline = time.monotonic() + 120
+        while not Path(_cfg["hold_until"]).exists() and time.monotonic() < _deadline:
+            time.sleep(0.05)
     sys.exit(0)
