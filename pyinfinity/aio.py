@@ -11,7 +11,14 @@ differences, all in the caller's favour:
 * buffers may be pinned or pageable CPU tensors of any alignment, or CUDA tensors (staged through
   pinned memory, as DeepSpeed does);
 * each file gets the backend that works on its filesystem (``posix`` on tmpfs, which has no
-  O_DIRECT); all I/O runs in the C++ engine with the GIL released.
+  O_DIRECT); all I/O runs in the C++ engine with the GIL released;
+* every I/O method takes an open descriptor by keyword ``fd`` (DeepSpeed: ``async_pwrite`` only)
+  and a path of any ``os.PathLike``.
+
+Page-locked tensors live in one process-wide registry, :data:`LOCKED_TENSORS`, shared by every
+handle and by :class:`PinHandle` (DeepSpeed's ``pin_memory`` op): ``is_pinned`` on any recognises
+tensors from all of them; ``free_cpu_locked_tensor`` returns False for a tensor it did not
+allocate, as DeepSpeed's.
 
 ``single_submit`` and ``overlap_events`` are accepted and reported by the getters; the engine
 always keeps ``queue_depth`` requests in flight, which is what ``overlap_events`` asks for.

@@ -18,8 +18,15 @@ importers (``BINDING_MODULES`` is only checked), and leaves ``OpBuilder._loaded_
 completes. A DeepSpeed whose version or layout differs from what this was checked against makes
 ``install()`` (or that import) raise :class:`DeepSpeedLayoutError`, naming each difference.
 
-:func:`fix_nvme_prefetch` (opt-in) works around a DeepSpeed 0.19.8 bug on the nvme-parameter
-prefetch path that stops training whatever the I/O backend.
+``PinMemoryBuilder`` (DeepSpeed's ``pin_memory`` op) is replaced the same way: its ``pin_handle``
+and every ``aio_handle`` share one page-locked registry, as DeepSpeed's two ops do.
+
+``install()`` also patches DeepSpeed's parameter swapper, where ``offload_param.device: nvme``
+stops training whatever the I/O backend ("Not enough buffers", "More elements ... than buffer
+size", a repeated parameter in a prefetch), and makes each rank claim its own lock on
+``nvme_path`` before DeepSpeed empties its swap folders there (a second job is refused).
+:func:`size_nvme_offload` sizes DeepSpeed's swap knobs from the model before DeepSpeed sees the
+config.
 """
 from __future__ import annotations
 

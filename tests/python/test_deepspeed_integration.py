@@ -98,7 +98,6 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
             zero[key] = value
     if cfg.get("size_nvme"):
         from pyinfinity.integrations import deepspeed as pids
-        from pyinfinity.plan import model_sizes  # noqa: F401 - what size_nvme_offload reads
 
         with torch.device("meta"):
             meta = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(LAYERS)])
@@ -540,6 +539,50 @@ def test_layout_mismatch_names_what_differs(deepspeed_importable: None) -> None:
     assert "OpBuilder._loaded_ops" in out
 
 
+def test_pin_memory_op_is_replaced_and_shares_the_registry(deepspeed_importable: None) -> None:
+    ok("""
+    import torch
+    pids.install()
+    import deepspeed
+    no_builds()
+    from deepspeed.ops.op_builder import PinMemoryBuilder, AsyncIOBuilder
+    from deepspeed.accelerator import get_accelerator
+    assert PinMemoryBuilder().load() is pids.pin_op and PinMemoryBuilder().is_compatible() is True
+    assert get_accelerator().create_op_builder("PinMemoryBuilder").load() is pids.pin_op
+    t = PinMemoryBuilder().load().pin_handle().new_cpu_locked_tensor(1000, torch.empty(0, dtype=torch.bfloat16))
+    aio = AsyncIOBuilder().load().aio_handle()
+    assert aio.is_pinned(t[10:20]) and aio.free_cpu_locked_tensor(t) is True
+    pids.uninstall()
+    try:
+        PinMemoryBuilder().load()
+    except Reached as e:
+        assert str(e) == "pin_memory"
+    else:
+        raise AssertionError("uninstall() left PinMemoryBuilder().load() patched")
+    print("OK")
+    """)
+
+
+def test_a_binding_pyinfinity_does_not_accept_stops_install(deepspeed_importable: None) -> None:
+    out = ok("""
+    class Older(pids.DeepSpeedAioHandle):  # as before the fd overload was accepted
+        def async_pwrite(self, buffer, filename, file_offset=0):
+            return super().async_pwrite(buffer, filename, file_offset)
+    pids.aio_op.aio_handle = Older
+    import deepspeed
+    no_builds()
+    try:
+        pids.install()
+    except pids.DeepSpeedLayoutError as e:
+        print(e)
+    else:
+        raise AssertionError("no error for a binding pyinfinity does not accept")
+    assert not pids.is_installed()
+    print("OK")
+    """)
+    assert "py_ds_aio.cpp: Older.async_pwrite" in out and "does not take ['fd']" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # Item 2: DeepSpeed's fast checkpoint writer goes through the same AsyncIOBuilder
 # ---------------------------------------------------------------------------------------------
@@ -676,7 +719,9 @@ def test_h200_example_dry_run_shows_each_configuration() -> None:
     assert cfgs["ds-cpu-nvme"]["backend"] == "deepspeed" and cfgs["pyinf-cpu-nvme"]["backend"] == "pyinfinity"
     assert "nvme_path" not in cfgs["pyinf-cpu-nvme"]["deepspeed_config"]["zero_optimization"]["offload_param"]
     assert cfgs["pyinf-nvme-nvme"]["deepspeed_config"]["zero_optimization"]["offload_param"]["buffer_count"] == 9
-    assert cfgs["pyinf-nvme-nvme-fix"]["fix_prefetch"] and not cfgs["pyinf-nvme-nvme"]["fix_prefetch"]
+    assert cfgs["pyinf-nvme-nvme-fix"]["sized"] and not cfgs["pyinf-nvme-nvme"]["sized"]
+    sized = cfgs["pyinf-nvme-nvme-fix"]["deepspeed_config"]["zero_optimization"]["offload_param"]
+    assert "buffer_count" not in sized and "buffer_size" not in sized  # size_nvme_offload chooses them
 
 
 def test_h200_example_rejects_bad_arguments() -> None:
@@ -689,9 +734,9 @@ def test_h200_example_rejects_bad_arguments() -> None:
 def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     r = run_example(["--device", "cpu", "--tiny", "--optimizer", "torch", "--steps", "3", "--seq", "32",
-                     "--batch", "2", "--max-in-cpu", "0", "--buffer-size", "2e6",
+                     "--batch", "2", "--max-in-cpu", "0", "--pinned-budget-gib", "0.05",
                      "--configs", "pyinf-cpu-nvme,pyinf-nvme-nvme-fix",
-                     "--nvme-dir", str(tmp_path / "nv"), "--out", str(out)])
+                     "--nvme-dir", str(tmp_path / "nv"), "--json", str(out)])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert [x["config"] for x in doc["results"]] == ["pyinf-cpu-nvme", "pyinf-nvme-nvme-fix"]
@@ -702,6 +747,9 @@ def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_pat
     assert doc["loss_checks"] and doc["loss_checks"][0]["max_rel_loss_diff"] == 0.0
     assert "pyinf-nvme-nvme-fix | pyinfinity | nvme" in r.stdout and "tokens/s" in r.stdout
     assert not (tmp_path / "nv" / "pyinf-cpu-nvme").exists()  # swap files removed after each configuration
+    fixed = doc["results"][1]
+    assert any(line.startswith("offload_param.buffer_count") for line in fixed["sizing"])
+    assert fixed["offload_param"]["buffer_size"] >= 4096 * 256  # the embedding's partition
 
 
 def result_path(cfg: Dict[str, Any]) -> Path:
