@@ -758,8 +758,9 @@ def _patch_param_swapper() -> None:
             setattr(patched[m], _MARK, True)
             setattr(c, m, patched[m])
         _swapper_patch = saved
-        log.info("pyinfinity: deepspeed %s parameter swapper patched (prefetch leaves buffers for fetches, "
-                 "repeated parameters read once, oversized partitions stay in CPU memory)", version)
+        log.info("pyinfinity: deepspeed %s parameter swapper patched (a fetch short of buffers takes back those of "
+                 "gathered and prefetched partitions, repeated parameters are read once, oversized partitions stay "
+                 "in CPU memory, each rank claims its nvme_path)", version)
 
 
 def _unpatch_param_swapper() -> None:
