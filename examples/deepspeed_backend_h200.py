@@ -8,12 +8,16 @@ so a job cut short keeps what it finished):
 
     pyinf-cpu-nvme        params cpu,  optimizer nvme, pyinfinity.integrations.deepspeed.install()
     ds-cpu-nvme           params cpu,  optimizer nvme, DeepSpeed's own async_io op (libaio, JIT-built)
-    pyinf-nvme-nvme       params nvme, optimizer nvme, pyinfinity
-    pyinf-nvme-nvme-fix   the same with pyinfinity.integrations.deepspeed.fix_nvme_prefetch() (a
-                          DeepSpeed 0.19.8 bug on the nvme-parameter prefetch path)
-    ds-nvme-nvme, ds-nvme-nvme-fix: DeepSpeed's own aio, both on nvme (not in the default set)
+    pyinf-nvme-nvme       params nvme, optimizer nvme, pyinfinity (install() also patches
+                          DeepSpeed's parameter swapper: see docs/deepspeed.md)
+    pyinf-nvme-nvme-fix   the same with the swap knobs sized by
+                          pyinfinity.integrations.deepspeed.size_nvme_offload() (buffer_count and
+                          buffer_size from --pinned-budget-gib; the reuse/live/prefetch limits fit
+                          to the buffers)
+    ds-nvme-nvme, ds-nvme-nvme-fix: DeepSpeed's own aio and swapper, both on nvme (not in the
+                          default set; "-fix" sizes the knobs, DeepSpeed's swapper stays unpatched)
 
-    python examples/deepspeed_backend_h200.py --out results.json
+    python examples/deepspeed_backend_h200.py --json results.json
     python examples/deepspeed_backend_h200.py --dry-run          # configs and commands, runs nothing
     python examples/deepspeed_backend_h200.py --device cpu --tiny --optimizer torch \\
         --configs pyinf-nvme-nvme                                # a CPU smoke test of this script
@@ -44,16 +48,16 @@ class RunConfig:
     backend: str                # "pyinfinity" | "deepspeed"
     params: str                 # offload_param.device: "cpu" | "nvme"
     optimizer: str              # offload_optimizer.device: "cpu" | "nvme"
-    fix_prefetch: bool = False  # pyinfinity.integrations.deepspeed.fix_nvme_prefetch()
+    sized: bool = False         # pyinfinity.integrations.deepspeed.size_nvme_offload() on the config
 
 
 CONFIGS: Dict[str, RunConfig] = {
     "pyinf-cpu-nvme": RunConfig("pyinfinity", "cpu", "nvme"),
     "ds-cpu-nvme": RunConfig("deepspeed", "cpu", "nvme"),
     "pyinf-nvme-nvme": RunConfig("pyinfinity", "nvme", "nvme"),
-    "pyinf-nvme-nvme-fix": RunConfig("pyinfinity", "nvme", "nvme", fix_prefetch=True),
+    "pyinf-nvme-nvme-fix": RunConfig("pyinfinity", "nvme", "nvme", sized=True),
     "ds-nvme-nvme": RunConfig("deepspeed", "nvme", "nvme"),
-    "ds-nvme-nvme-fix": RunConfig("deepspeed", "nvme", "nvme", fix_prefetch=True),
+    "ds-nvme-nvme-fix": RunConfig("deepspeed", "nvme", "nvme", sized=True),
 }
 DEFAULT_CONFIGS = ("pyinf-cpu-nvme", "ds-cpu-nvme", "pyinf-nvme-nvme", "pyinf-nvme-nvme-fix")
 
@@ -72,6 +76,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--buffer-count", type=int, default=6, help="offload_param.buffer_count (params on nvme)")
     ap.add_argument("--buffer-size", type=float, default=1.5e8, help="offload_param.buffer_size, elements")
     ap.add_argument("--max-in-cpu", type=float, default=1e9, help="offload_param.max_in_cpu, elements")
+    ap.add_argument("--pinned-budget-gib", type=float, default=8.0,
+                    help="-fix configurations: pinned RAM for the parameter swap buffers (size_nvme_offload "
+                         "chooses buffer_count and buffer_size from it; --buffer-count/--buffer-size are left out)")
     ap.add_argument("--prefetch-bucket-size", type=float, default=5e7,
                     help="stage3_prefetch_bucket_size (0 turns ZeRO-3 prefetch, nvme prefetch included, off)")
     ap.add_argument("--no-grad-ckpt", action="store_true", help="no gradient checkpointing")
@@ -83,7 +90,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="cpu: DS_ACCELERATOR=cpu, gloo, for a smoke test of this script")
     ap.add_argument("--tiny", action="store_true", help="a small Llama (smoke tests)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
-    ap.add_argument("--out", default="deepspeed_backend_h200.json")
+    ap.add_argument("--json", "--out", dest="out", default="deepspeed_backend_h200.json",
+                    help="the JSON result (rewritten after every configuration)")
     ap.add_argument("--log-dir", default=None, help="per-configuration logs (default: beside --out)")
     ap.add_argument("--dry-run", action="store_true", help="print configurations and commands; run nothing")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -117,8 +125,9 @@ def ds_config(cfg: RunConfig, a: argparse.Namespace, nvme_path: str) -> Dict[str
         "stage3_param_persistence_threshold": 1e5,
     }
     if cfg.params == "nvme":
-        zero["offload_param"].update(nvme_path=nvme_path, buffer_count=a.buffer_count,
-                                     buffer_size=a.buffer_size, max_in_cpu=a.max_in_cpu)
+        zero["offload_param"].update(nvme_path=nvme_path, max_in_cpu=a.max_in_cpu)
+        if not cfg.sized:  # size_nvme_offload chooses these from the budget
+            zero["offload_param"].update(buffer_count=a.buffer_count, buffer_size=a.buffer_size)
     if cfg.optimizer == "nvme":
         zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=a.optimizer_buffer_count,
                                          pipeline_read=a.pipeline, pipeline_write=a.pipeline)
@@ -160,10 +169,6 @@ def run_child(name: str, a: argparse.Namespace) -> Dict[str, Any]:
         from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
         from transformers import LlamaConfig, LlamaForCausalLM  # before zero.Init patches torch.Tensor
 
-        if cfg.fix_prefetch:
-            from pyinfinity.integrations import deepspeed as pids
-
-            pids.fix_nvme_prefetch()
 
         res["deepspeed"] = deepspeed.__version__
         if not cuda:  # one CPU process talks gloo; don't JIT-build the shared-memory comm op
@@ -187,6 +192,16 @@ def run_child(name: str, a: argparse.Namespace) -> Dict[str, Any]:
         res["op_build_s"] = builds
 
         conf = ds_config(cfg, a, nvme)
+        if cfg.sized:
+            from pyinfinity.integrations.deepspeed import size_nvme_offload
+
+            sizing = size_nvme_offload(conf, LlamaConfig(**model_config(a)),
+                                       pinned_budget_bytes=int(a.pinned_budget_gib * 2 ** 30))
+            conf = sizing.config
+            res["sizing"] = sizing.changes
+            for line in sizing.changes:
+                print(f"size_nvme_offload: {line}", flush=True)
+        res["offload_param"] = conf["zero_optimization"]["offload_param"]
         os.makedirs(nvme, exist_ok=True)
         t = time.perf_counter()
         torch.manual_seed(0)  # same initial weights in every configuration: losses are comparable
@@ -230,7 +245,8 @@ def run_child(name: str, a: argparse.Namespace) -> Dict[str, Any]:
         res["deepspeed_ops_loaded"] = sorted(OpBuilder._loaded_ops)
         if cfg.backend == "pyinfinity":
             st = pids.stats()
-            swap_files = {str(p) for p in Path(nvme).rglob("*") if p.is_file()}
+            swap_files = {str(p) for p in Path(nvme).rglob("*")  # not pyinfinity's lock/manifest per rank
+                          if p.is_file() and not p.parent.name.startswith("pyinfinity-rank")}
             res["pyinfinity_io"] = {
                 "handles": st.handles, "reads": st.reads, "writes": st.writes,
                 "gb_read": round(st.bytes_read / 1e9, 2), "gb_written": round(st.bytes_written / 1e9, 2),

@@ -11,7 +11,14 @@ differences, all in the caller's favour:
 * buffers may be pinned or pageable CPU tensors of any alignment, or CUDA tensors (staged through
   pinned memory, as DeepSpeed does);
 * each file gets the backend that works on its filesystem (``posix`` on tmpfs, which has no
-  O_DIRECT); all I/O runs in the C++ engine with the GIL released.
+  O_DIRECT); all I/O runs in the C++ engine with the GIL released;
+* every I/O method takes an open descriptor by keyword ``fd`` (DeepSpeed: ``async_pwrite`` only)
+  and a path of any ``os.PathLike``.
+
+Page-locked tensors live in one process-wide registry, :data:`LOCKED_TENSORS`, shared by every
+handle and by :class:`PinHandle` (DeepSpeed's ``pin_memory`` op): ``is_pinned`` on any recognises
+tensors from all of them; ``free_cpu_locked_tensor`` returns False for a tensor it did not
+allocate, as DeepSpeed's.
 
 ``single_submit`` and ``overlap_events`` are accepted and reported by the getters; the engine
 always keeps ``queue_depth`` requests in flight, which is what ``overlap_events`` asks for.
@@ -22,7 +29,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -34,11 +41,74 @@ log = logging.getLogger(__name__)
 
 O_DIRECT_ALIGNMENT = 512  # DeepSpeed's constant, for get_alignment()
 
-# Locked buffers are process-wide, as in DeepSpeed (one pin manager per process): a tensor from
-# any handle's new_cpu_locked_tensor is is_pinned() on every handle and can be freed through any.
-# base address -> (arena, slab, nbytes)
-_LOCKED: dict = {}
-_LOCKED_LOCK = threading.Lock()
+
+
+@dataclass
+class _Locked:
+    """One page-locked allocation: the arena that owns it, the slab, its size."""
+    arena: PinnedArena
+    slab: Slab
+    nbytes: int
+
+
+class LockedTensorRegistry:
+    """The process-wide page-locked CPU tensors, as DeepSpeed's one ``deepspeed_pin_tensor_t``
+    manager: every ``AioHandle`` and every pin handle allocates, recognises and frees through the
+    same registry, so a tensor from one ``is_pinned()`` on all and can be freed through any."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_base: Dict[int, _Locked] = {}  # base address -> allocation
+
+    def alloc(self, num_elem: int, dtype: torch.dtype) -> torch.Tensor:
+        """A page-locked tensor of ``num_elem`` elements (CUDA-registered when a GPU is present,
+        else mlocked), from pyinfinity's PinnedArena."""
+        num_elem = _positive_int("num_elem", num_elem)
+        nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
+        arena = PinnedArena(nbytes)
+        slab = arena.allocate(nbytes)
+        t = slab.tensor(dtype, (num_elem,))
+        with self._lock:
+            self._by_base[t.data_ptr()] = _Locked(arena, slab, nbytes)
+        return t
+
+    def free(self, tensor: torch.Tensor) -> bool:
+        """Frees the allocation that starts at ``tensor``'s first byte; False (and nothing freed)
+        for any other tensor, as DeepSpeed's manager does."""
+        return self.free_by_ptr(tensor.data_ptr())
+
+    def free_by_ptr(self, address: int) -> bool:
+        """Frees the allocation whose base address is ``address``; False when there is none."""
+        with self._lock:
+            entry = self._by_base.pop(int(address), None)
+        if entry is None:
+            return False
+        entry.slab.free()
+        return True
+
+    def is_managed(self, buffer: torch.Tensor) -> bool:
+        """True when ``buffer``'s bytes lie wholly inside one locked allocation (views count)."""
+        if buffer.device.type != "cpu":
+            return False
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        with self._lock:
+            return any(base <= start and end <= base + e.nbytes for base, e in self._by_base.items())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_base)
+
+
+#: The one registry of the process (DeepSpeed's ``deepspeed_pin_tensor_t::shared()``).
+LOCKED_TENSORS = LockedTensorRegistry()
+
+
+def is_pinned(buffer: torch.Tensor) -> bool:
+    """DeepSpeed's test: torch-pinned, or inside a tensor of :data:`LOCKED_TENSORS`."""
+    if buffer.device.type != "cpu":
+        return False
+    return buffer.is_pinned() or LOCKED_TENSORS.is_managed(buffer)
 
 
 @dataclass
@@ -55,6 +125,34 @@ def _positive_int(name: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{name}: must be > 0, got {value}")
     return value
+
+
+Target = Union[str, os.PathLike, int, None]
+_REQUIRED: Any = object()  # marks an argument DeepSpeed's binding requires
+
+
+def _required_flags(method: str, validate: Any, async_op: Any, kw: Dict[str, Any]) -> tuple:
+    """(validate, async) of pread/pwrite: both required, ``async`` by keyword as in DeepSpeed."""
+    if "async" in kw:
+        if async_op is not _REQUIRED:
+            raise TypeError(f"{method}: got `async` twice (as async_op and async)")
+        async_op = kw.pop("async")
+    if kw:
+        raise TypeError(f"{method}: unexpected keyword arguments {sorted(kw)}")
+    missing = [n for n, v in (("validate", validate), ("async", async_op)) if v is _REQUIRED]
+    if missing:
+        raise TypeError(f"{method}: missing required arguments {missing} (DeepSpeed's signature is "
+                        f"{method}(buffer, filename, validate, async, file_offset=0))")
+    return bool(validate), bool(async_op)
+
+
+def _one_of(method: str, **named: Optional[torch.Tensor]) -> torch.Tensor:
+    given = [(k, v) for k, v in named.items() if v is not None]
+    if len(given) != 1:
+        raise TypeError(f"{method}: pass exactly one of {sorted(named)}, got {[k for k, _ in given] or 'none'}")
+    if not isinstance(given[0][1], torch.Tensor):
+        raise TypeError(f"{method}: {given[0][0]}: expected a torch.Tensor, got {type(given[0][1]).__name__}")
+    return given[0][1]
 
 
 class AioHandle:
@@ -146,48 +244,73 @@ class AioHandle:
         return self.wait()
 
     # -- DeepSpeed API -----------------------------------------------------------------------
-    def async_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
-        self._submit(buffer, filename, False, file_offset, False)
+    # DeepSpeed binds `filename` as a path (and, for async_pwrite, a second overload taking an open
+    # descriptor by keyword `fd`); here every I/O method takes either, by position or keyword.
+    @staticmethod
+    def _target(method: str, filename: Target, fd: Optional[int]) -> Target:
+        if fd is not None and filename is not None:
+            raise TypeError(f"{method}: pass a path as `filename` or an open descriptor as `fd`, not both")
+        if fd is None and filename is None:
+            raise TypeError(f"{method}: missing the file: pass `filename` (a path) or `fd` (an open descriptor)")
+        if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int)):
+            raise TypeError(f"{method}: fd: expected an int, got {type(fd).__name__}")
+        return filename if fd is None else fd
+
+    def async_pread(self, buffer: torch.Tensor, filename: Target = None, file_offset: int = 0, *,
+                    fd: Optional[int] = None) -> int:
+        """Starts a read; 0 now, and ``wait()`` counts it."""
+        self._submit(buffer, self._target("async_pread", filename, fd), False, file_offset, False)
         return 0
 
-    def async_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
-        """filename may be a path or an open file descriptor (int)."""
-        self._submit(buffer, filename, True, file_offset, False)
+    def async_pwrite(self, buffer: torch.Tensor, filename: Target = None, file_offset: int = 0, *,
+                     fd: Optional[int] = None) -> int:
+        """Starts a write to a path or an open descriptor (``fd=``, DeepSpeed's second overload)."""
+        self._submit(buffer, self._target("async_pwrite", filename, fd), True, file_offset, False)
         return 0
 
-    def sync_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
-        self._submit(buffer, filename, False, file_offset, False)
+    def sync_pread(self, buffer: torch.Tensor, filename: Target = None, file_offset: int = 0, *,
+                   fd: Optional[int] = None) -> int:
+        """Reads and waits; returns the number of operations completed (this one and any pending)."""
+        self._submit(buffer, self._target("sync_pread", filename, fd), False, file_offset, False)
         return self._sync()
 
-    def sync_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
-        self._submit(buffer, filename, True, file_offset, False)
+    def sync_pwrite(self, buffer: torch.Tensor, filename: Target = None, file_offset: int = 0, *,
+                    fd: Optional[int] = None) -> int:
+        """Writes and waits; returns the number of operations completed (this one and any pending)."""
+        self._submit(buffer, self._target("sync_pwrite", filename, fd), True, file_offset, False)
         return self._sync()
 
-    def pread(self, buffer: torch.Tensor, filename, validate: bool, async_op: bool = False,
-              file_offset: int = 0, **kw) -> int:
-        async_op = kw.pop("async", async_op)
-        if kw:
-            raise TypeError(f"pread: unexpected arguments {sorted(kw)}")
-        self._submit(buffer, filename, False, file_offset, validate)
+    def pread(self, buffer: torch.Tensor, filename: Target = None, validate: Any = _REQUIRED,
+              async_op: Any = _REQUIRED, file_offset: int = 0, *, fd: Optional[int] = None, **kw: Any) -> int:
+        """DeepSpeed's ``pread(buffer, filename, validate, async, file_offset=0)``: ``validate``
+        and ``async`` are required (by position, or by keyword ``async``/``async_op``); 0 when
+        asynchronous, else the number of operations completed."""
+        validate, async_op = _required_flags("pread", validate, async_op, kw)
+        self._submit(buffer, self._target("pread", filename, fd), False, file_offset, validate)
         return 0 if async_op else self._sync()
 
-    def pwrite(self, buffer: torch.Tensor, filename, validate: bool, async_op: bool = False,
-               file_offset: int = 0, **kw) -> int:
-        async_op = kw.pop("async", async_op)
-        if kw:
-            raise TypeError(f"pwrite: unexpected arguments {sorted(kw)}")
-        self._submit(buffer, filename, True, file_offset, validate)
+    def pwrite(self, buffer: torch.Tensor, filename: Target = None, validate: Any = _REQUIRED,
+               async_op: Any = _REQUIRED, file_offset: int = 0, *, fd: Optional[int] = None, **kw: Any) -> int:
+        """DeepSpeed's ``pwrite(buffer, filename, validate, async, file_offset=0)`` (see pread)."""
+        validate, async_op = _required_flags("pwrite", validate, async_op, kw)
+        self._submit(buffer, self._target("pwrite", filename, fd), True, file_offset, validate)
         return 0 if async_op else self._sync()
 
-    def read(self, buffer: torch.Tensor, filename, validate: bool, file_offset: int = 0) -> int:
+    def read(self, buffer: torch.Tensor, filename: Target = None, validate: Any = _REQUIRED,
+             file_offset: int = 0, *, fd: Optional[int] = None) -> int:
         """Synchronous read; returns 0 like DeepSpeed's (which also printed timings)."""
-        self._submit(buffer, filename, False, file_offset, validate)
+        if validate is _REQUIRED:
+            raise TypeError("read: missing required argument 'validate'")
+        self._submit(buffer, self._target("read", filename, fd), False, file_offset, bool(validate))
         self._sync()
         return 0
 
-    def write(self, buffer: torch.Tensor, filename, validate: bool, file_offset: int = 0) -> int:
+    def write(self, buffer: torch.Tensor, filename: Target = None, validate: Any = _REQUIRED,
+              file_offset: int = 0, *, fd: Optional[int] = None) -> int:
         """Synchronous write; returns 0 like DeepSpeed's."""
-        self._submit(buffer, filename, True, file_offset, validate)
+        if validate is _REQUIRED:
+            raise TypeError("write: missing required argument 'validate'")
+        self._submit(buffer, self._target("write", filename, fd), True, file_offset, bool(validate))
         self._sync()
         return 0
 
@@ -220,37 +343,40 @@ class AioHandle:
         if p.host.reshape(-1).view(torch.uint8).numpy().tobytes() != data:
             raise OSError(5, "validation failed: file bytes differ from the buffer", path)
 
-    # -- pinned memory -----------------------------------------------------------------------
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
-        """A page-locked CPU tensor of `num_elem` elements of example_tensor's dtype, from
-        pyinfinity's PinnedArena (CUDA-registered when a GPU is present, else mlocked)."""
-        num_elem = _positive_int("num_elem", num_elem)
-        dtype = example_tensor.dtype
-        nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
-        arena = PinnedArena(nbytes)
-        slab = arena.allocate(nbytes)
-        t = slab.tensor(dtype, (num_elem,))
-        with _LOCKED_LOCK:
-            _LOCKED[t.data_ptr()] = (arena, slab, nbytes)
-        return t
+    # -- pinned memory (the process-wide LOCKED_TENSORS, shared with the pin_memory op) -------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: Optional[torch.Tensor] = None, *,
+                              example_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A page-locked CPU tensor of ``num_elem`` elements of the example's dtype. DeepSpeed's
+        keyword is ``example_tenosr`` (sic); ``example_tensor`` is accepted too."""
+        example = _one_of("new_cpu_locked_tensor", example_tenosr=example_tenosr, example_tensor=example_tensor)
+        return LOCKED_TENSORS.alloc(num_elem, example.dtype)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
-        """Frees a tensor from any handle's new_cpu_locked_tensor; ValueError for any other
-        tensor (or a second free)."""
-        with _LOCKED_LOCK:
-            entry = _LOCKED.pop(tensor.data_ptr(), None)
-        if entry is None:
-            raise ValueError("tensor: not allocated by new_cpu_locked_tensor (or freed twice)")
-        entry[1].free()
-        return True
+        """Frees a tensor from any handle's (or the pin op's) new_cpu_locked_tensor: True; False
+        for any other tensor or a second free, as DeepSpeed."""
+        return LOCKED_TENSORS.free(tensor)
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
         """True for torch-pinned tensors and tensors lying wholly inside a locked buffer."""
-        if buffer.device.type != "cpu":
-            return False
-        if buffer.is_pinned():
-            return True
-        start = buffer.data_ptr()
-        end = start + buffer.numel() * buffer.element_size()
-        with _LOCKED_LOCK:
-            return any(base <= start and end <= base + n for base, (_, _, n) in _LOCKED.items())
+        return is_pinned(buffer)
+
+
+class PinHandle:
+    """DeepSpeed's ``pin_memory`` op handle (``PinMemoryBuilder().load().pin_handle``), on
+    :data:`LOCKED_TENSORS`: what it allocates every ``AioHandle`` recognises, and back."""
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        """A page-locked CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype."""
+        return LOCKED_TENSORS.alloc(num_elem, example_tensor.dtype)
+
+    def free_cpu_locked_tensor(self, locked_tensor: torch.Tensor) -> bool:
+        """True when freed; False for a tensor not allocated here (or freed already)."""
+        return LOCKED_TENSORS.free(locked_tensor)
+
+    def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
+        """Frees by allocation base address (the tensor's storage may have been redirected)."""
+        return LOCKED_TENSORS.free_by_ptr(address)
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Torch-pinned, or inside a locked tensor of any handle."""
+        return is_pinned(buffer)

@@ -103,10 +103,8 @@ def test_locked_tensors():
     assert h.is_pinned(t) and h.is_pinned(t[100:])
     assert not h.is_pinned(torch.empty(10))
     assert h.free_cpu_locked_tensor(t) is True
-    with pytest.raises(ValueError, match="freed twice"):
-        h.free_cpu_locked_tensor(t)
-    with pytest.raises(ValueError, match="not allocated"):
-        h.free_cpu_locked_tensor(torch.empty(3))
+    assert h.free_cpu_locked_tensor(t) is False                  # freed twice: False, as DeepSpeed's
+    assert h.free_cpu_locked_tensor(torch.empty(3)) is False     # not allocated here
 
 
 def test_failed_async_op_raises_at_wait_with_errno_and_path(tmp_path):
@@ -170,5 +168,4 @@ def test_locked_tensors_are_process_wide():
     whole = torch.empty(0).set_(t.untyped_storage(), 0, (1024,))
     assert b.is_pinned(whole)
     assert b.free_cpu_locked_tensor(t) is True
-    with pytest.raises(ValueError):
-        a.free_cpu_locked_tensor(t)
+    assert a.free_cpu_locked_tensor(t) is False

@@ -70,10 +70,10 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     import deepspeed
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    if cfg["fix_prefetch"]:
+    if cfg.get("unpatched_swapper"):  # DeepSpeed's own parameter swapper, pyinfinity's I/O
         from pyinfinity.integrations import deepspeed as pids
 
-        pids.fix_nvme_prefetch()
+        pids._unpatch_param_swapper()
 
     def no_build(self: Any, verbose: bool = True) -> None:
         raise RuntimeError(f"test guard: DeepSpeed tried to build its {self.name!r} op")
@@ -85,6 +85,25 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     llama = cfg["model"] == "llama"
     conf = ds_config(cfg["offload"], cfg["nvme"], cfg["pipeline_read"], cfg["pipeline_write"], cfg["fast_init"],
                      llama)
+    zero = conf["zero_optimization"]
+    for key, value in cfg.get("offload_param", {}).items():  # None: leave the knob out
+        if value is None:
+            zero["offload_param"].pop(key, None)
+        else:
+            zero["offload_param"][key] = value
+    for key, value in cfg.get("zero", {}).items():
+        if value is None:
+            zero.pop(key, None)
+        else:
+            zero[key] = value
+    if cfg.get("size_nvme"):
+        from pyinfinity.integrations import deepspeed as pids
+
+        with torch.device("meta"):
+            meta = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(LAYERS)])
+        sizing = pids.size_nvme_offload(conf, meta)
+        conf = sizing.config
+        print("SIZING", json.dumps(sizing.changes), flush=True)
     if llama:  # imported outside zero.Init, which patches torch.Tensor.__new__
         from transformers import LlamaConfig, LlamaForCausalLM
     with deepspeed.zero.Init(config_dict_or_path=conf):
@@ -120,8 +139,10 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
                            "loaded_ops": sorted(OpBuilder._loaded_ops),
                            "ds_aio_op_imported": "deepspeed.ops.aio.async_io_op" in sys.modules}
     if cfg["offload"] == "nvme":
-        files = sorted(str(p) for p in Path(cfg["nvme"]).rglob("*") if p.is_file())
-        out["swap_files"] = {f: os.path.getsize(f) for f in files}
+        every = sorted(p for p in Path(cfg["nvme"]).rglob("*") if p.is_file())
+        claims = [p for p in every if p.parent.name.startswith("pyinfinity-rank")]  # pyinfinity's lock, manifest
+        out["swap_files"] = {str(p): p.stat().st_size for p in every if p not in claims}
+        out["claim_files"] = [str(p.relative_to(cfg["nvme"])) for p in claims]
     if cfg["backend"] == "pyinfinity":
         from pyinfinity.integrations import deepspeed as pids
 
@@ -149,11 +170,13 @@ def _env(extra: Dict[str, str] | None = None) -> Dict[str, str]:
 
 def start_worker(tmp: Path, name: str, backend: str, offload: str, pipeline_read: bool = False,
                  pipeline_write: bool = False, fast_init: bool = False, via: str = "install",
-                 steps: int = STEPS, model: str = "mlp", fix_prefetch: bool = False) -> subprocess.Popen:
+                 steps: int = STEPS, model: str = "mlp", **extra: Any) -> subprocess.Popen:
+    """extra: unpatched_swapper (DeepSpeed's own parameter swapper), offload_param / zero (knobs
+    over ds_config's; None removes one), size_nvme (size_nvme_offload on the config)."""
     d = tmp / name
     (d / "nvme").mkdir(parents=True)
     cfg = {"backend": backend, "offload": offload, "pipeline_read": pipeline_read, "pipeline_write": pipeline_write,
-           "fast_init": fast_init, "via": via, "steps": steps, "model": model, "fix_prefetch": fix_prefetch,
+           "fast_init": fast_init, "via": via, "steps": steps, "model": model, **extra,
            "nvme": str(d / "nvme"), "out": str(d / "result.json")}
     (d / "cfg.json").write_text(json.dumps(cfg))
     extra = {"PYINFINITY_DEEPSPEED": "1"} if via == "env" else {}
@@ -255,8 +278,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, deepspeed_importable: None) -
     t0 = time.perf_counter()
     res = run_workers(tmp, {"cpu": dict(backend="deepspeed", offload="cpu"), **NVME_RUNS,
                             "llama_cpu": dict(backend="deepspeed", offload="cpu", model="llama"),
-                            "llama_nvme_fixed": dict(backend="pyinfinity", offload="nvme", model="llama",
-                                                     fix_prefetch=True)})
+                            "llama_nvme_fixed": dict(backend="pyinfinity", offload="nvme", model="llama")})
     print(f"{len(res)} DeepSpeed trainings in {time.perf_counter() - t0:.1f} s")
     return res
 
@@ -290,13 +312,72 @@ def test_losses_match_offload_to_cpu(runs: Dict[str, Dict[str, Any]], name: str)
 
 def test_nvme_params_with_prefetch_fix_train_like_offload_to_cpu(runs: Dict[str, Dict[str, Any]]) -> None:
     """A Llama with its parameters on nvme and prefetch on hits DeepSpeed 0.19.8's repeated-parameter
-    swap_in (see fix_nvme_prefetch); with the fix it trains exactly like offload-to-cpu."""
+    swap_in; with install()'s swapper patch it trains exactly like offload-to-cpu."""
     ref, got = result(runs, "llama_cpu"), result(runs, "llama_nvme_fixed")
     assert len(set(ref["losses"])) == STEPS
     assert got["losses"] == ref["losses"]
     files = got["swap_files"]
     assert any("bfloat16params" in f for f in files), sorted(files)
     assert set(files) <= set(got["stats"]["files_written"]) & set(got["stats"]["files_read"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters on NVMe with few / small swap buffers: DeepSpeed's own swapper asserts, install()'s
+# patch and size_nvme_offload() make the same configurations train like offload-to-cpu
+# ---------------------------------------------------------------------------------------------
+SMALL = HIDDEN * HIDDEN // 2  # buffer_size below each Linear weight's partition (HIDDEN * HIDDEN)
+BUFFER_STEPS = 3
+BUFFER_RUNS = {
+    # 3 buffers, 4 weights kept live by stage3_max_reuse_distance (default 1e9) -> "Not enough buffers"
+    "ds_few_buffers": dict(backend="pyinfinity", offload="nvme", unpatched_swapper=True,
+                           offload_param={"buffer_count": 3}),
+    "ds_small_buffers": dict(backend="pyinfinity", offload="nvme", unpatched_swapper=True,
+                             offload_param={"buffer_size": SMALL}),
+    "sized_few_small": dict(backend="pyinfinity", offload="nvme", size_nvme=True,
+                            offload_param={"buffer_count": 3, "buffer_size": SMALL}),
+    "patched_small": dict(backend="pyinfinity", offload="nvme", offload_param={"buffer_size": SMALL}),
+    "patched_few": dict(backend="pyinfinity", offload="nvme", offload_param={"buffer_count": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def buffer_runs(tmp_path_factory: pytest.TempPathFactory, deepspeed_importable: None) -> Dict[str, Dict[str, Any]]:
+    # knobs left out or "auto" are sized in test_deepspeed_trainer.py (and unit-tested in test_deepspeed_api.py)
+    runs = {"cpu": dict(backend="deepspeed", offload="cpu"), **BUFFER_RUNS}
+    return run_workers(tmp_path_factory.mktemp("ds_buffers"), {n: {**r, "steps": BUFFER_STEPS} for n, r in runs.items()})
+
+
+@pytest.mark.parametrize("name,message", [("ds_few_buffers", "AssertionError: Not enough buffers 0 for swapping 1"),
+                                          ("ds_small_buffers", "AssertionError: More elements 1048576 than "
+                                                               f"buffer size {SMALL}")])
+def test_deepspeeds_own_swapper_asserts(buffer_runs: Dict[str, Dict[str, Any]], name: str, message: str) -> None:
+    """The configurations below fail in DeepSpeed 0.19.8 without the patch (the I/O backend is
+    irrelevant: the same assertions with DeepSpeed's aio)."""
+    assert message in buffer_runs[name].get("error", ""), buffer_runs[name]
+
+
+def test_sized_config_trains_like_offload_to_cpu(buffer_runs: Dict[str, Dict[str, Any]]) -> None:
+    ref, got = result(buffer_runs, "cpu"), result(buffer_runs, "sized_few_small")
+    assert len(set(ref["losses"])) == BUFFER_STEPS
+    assert got["losses"] == ref["losses"]  # float.hex: every bit
+    files = got["swap_files"]
+    params = [f for f in files if "bfloat16params" in f]
+    assert len(params) == LAYERS, sorted(files)  # every weight on NVMe, through pyinfinity
+    assert set(files) <= set(got["stats"]["files_written"]) & set(got["stats"]["files_read"])
+
+
+def test_patch_alone_keeps_oversized_partitions_in_cpu_memory(buffer_runs: Dict[str, Dict[str, Any]]) -> None:
+    ref, got = result(buffer_runs, "cpu"), result(buffer_runs, "patched_small")
+    assert got["losses"] == ref["losses"]
+    assert not [f for f in got["swap_files"] if "bfloat16params" in f]  # none fits a buffer: all in RAM
+
+
+def test_patch_alone_names_the_knob_when_live_parameters_hold_every_buffer(
+        buffer_runs: Dict[str, Dict[str, Any]]) -> None:
+    """On one CPU rank a gathered parameter is its swap buffer, so nothing can be given back: the
+    patch says what to raise instead of asserting."""
+    err = buffer_runs["patched_few"].get("error", "")
+    assert "SwapBuffersExhausted" in err and "offload_param.buffer_count" in err and "size_nvme_offload" in err, err
 
 
 def test_bit_for_bit_between_pyinfinity_runs(runs: Dict[str, Dict[str, Any]]) -> None:
@@ -456,6 +537,50 @@ def test_layout_mismatch_names_what_differs(deepspeed_importable: None) -> None:
     assert "OpBuilder._loaded_ops" in out
 
 
+def test_pin_memory_op_is_replaced_and_shares_the_registry(deepspeed_importable: None) -> None:
+    ok("""
+    import torch
+    pids.install()
+    import deepspeed
+    no_builds()
+    from deepspeed.ops.op_builder import PinMemoryBuilder, AsyncIOBuilder
+    from deepspeed.accelerator import get_accelerator
+    assert PinMemoryBuilder().load() is pids.pin_op and PinMemoryBuilder().is_compatible() is True
+    assert get_accelerator().create_op_builder("PinMemoryBuilder").load() is pids.pin_op
+    t = PinMemoryBuilder().load().pin_handle().new_cpu_locked_tensor(1000, torch.empty(0, dtype=torch.bfloat16))
+    aio = AsyncIOBuilder().load().aio_handle()
+    assert aio.is_pinned(t[10:20]) and aio.free_cpu_locked_tensor(t) is True
+    pids.uninstall()
+    try:
+        PinMemoryBuilder().load()
+    except Reached as e:
+        assert str(e) == "pin_memory"
+    else:
+        raise AssertionError("uninstall() left PinMemoryBuilder().load() patched")
+    print("OK")
+    """)
+
+
+def test_a_binding_pyinfinity_does_not_accept_stops_install(deepspeed_importable: None) -> None:
+    out = ok("""
+    class Older(pids.DeepSpeedAioHandle):  # as before the fd overload was accepted
+        def async_pwrite(self, buffer, filename, file_offset=0):
+            return super().async_pwrite(buffer, filename, file_offset)
+    pids.aio_op.aio_handle = Older
+    import deepspeed
+    no_builds()
+    try:
+        pids.install()
+    except pids.DeepSpeedLayoutError as e:
+        print(e)
+    else:
+        raise AssertionError("no error for a binding pyinfinity does not accept")
+    assert not pids.is_installed()
+    print("OK")
+    """)
+    assert "py_ds_aio.cpp: Older.async_pwrite" in out and "does not take ['fd']" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # Item 2: DeepSpeed's fast checkpoint writer goes through the same AsyncIOBuilder
 # ---------------------------------------------------------------------------------------------
@@ -509,8 +634,7 @@ def test_locked_buffers_are_process_wide_like_deepspeeds() -> None:
     assert not b.is_pinned(torch.empty(10))
     assert b.free_cpu_locked_tensor(t) is True  # freed through the other handle
     assert not a.is_pinned(t)
-    with pytest.raises(ValueError):
-        a.free_cpu_locked_tensor(t)
+    assert a.free_cpu_locked_tensor(t) is False  # a second free: False, as DeepSpeed's
 
 
 def test_stats_count_paths_and_descriptors(tmp_path: Path) -> None:
@@ -593,7 +717,9 @@ def test_h200_example_dry_run_shows_each_configuration() -> None:
     assert cfgs["ds-cpu-nvme"]["backend"] == "deepspeed" and cfgs["pyinf-cpu-nvme"]["backend"] == "pyinfinity"
     assert "nvme_path" not in cfgs["pyinf-cpu-nvme"]["deepspeed_config"]["zero_optimization"]["offload_param"]
     assert cfgs["pyinf-nvme-nvme"]["deepspeed_config"]["zero_optimization"]["offload_param"]["buffer_count"] == 9
-    assert cfgs["pyinf-nvme-nvme-fix"]["fix_prefetch"] and not cfgs["pyinf-nvme-nvme"]["fix_prefetch"]
+    assert cfgs["pyinf-nvme-nvme-fix"]["sized"] and not cfgs["pyinf-nvme-nvme"]["sized"]
+    sized = cfgs["pyinf-nvme-nvme-fix"]["deepspeed_config"]["zero_optimization"]["offload_param"]
+    assert "buffer_count" not in sized and "buffer_size" not in sized  # size_nvme_offload chooses them
 
 
 def test_h200_example_rejects_bad_arguments() -> None:
@@ -606,9 +732,9 @@ def test_h200_example_rejects_bad_arguments() -> None:
 def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     r = run_example(["--device", "cpu", "--tiny", "--optimizer", "torch", "--steps", "3", "--seq", "32",
-                     "--batch", "2", "--max-in-cpu", "0", "--buffer-size", "2e6",
+                     "--batch", "2", "--max-in-cpu", "0", "--pinned-budget-gib", "0.05",
                      "--configs", "pyinf-cpu-nvme,pyinf-nvme-nvme-fix",
-                     "--nvme-dir", str(tmp_path / "nv"), "--out", str(out)])
+                     "--nvme-dir", str(tmp_path / "nv"), "--json", str(out)])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert [x["config"] for x in doc["results"]] == ["pyinf-cpu-nvme", "pyinf-nvme-nvme-fix"]
@@ -619,10 +745,25 @@ def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_pat
     assert doc["loss_checks"] and doc["loss_checks"][0]["max_rel_loss_diff"] == 0.0
     assert "pyinf-nvme-nvme-fix | pyinfinity | nvme" in r.stdout and "tokens/s" in r.stdout
     assert not (tmp_path / "nv" / "pyinf-cpu-nvme").exists()  # swap files removed after each configuration
+    fixed = doc["results"][1]
+    assert any(line.startswith("offload_param.buffer_count") for line in fixed["sizing"])
+    assert fixed["offload_param"]["buffer_size"] >= 4096 * 256  # the embedding's partition
+
+
+def result_path(cfg: Dict[str, Any]) -> Path:
+    """Where a worker writes its results: one file per rank when there are several."""
+    out = Path(cfg["out"])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        out = out.with_name(f"{out.stem}.rank{os.environ['RANK']}.json")
+    return out
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     _cfg = json.loads(Path(sys.argv[2]).read_text())
     _res = _worker(_cfg)
-    Path(_cfg["out"]).write_text(json.dumps(_res))
+    result_path(_cfg).write_text(json.dumps(_res))
+    if _cfg.get("hold_until"):  # keep the swap folder claimed until the test says so (bounded)
+        _deadline = time.monotonic() + 120
+        while not Path(_cfg["hold_until"]).exists() and time.monotonic() < _deadline:
+            time.sleep(0.05)
     sys.exit(0)

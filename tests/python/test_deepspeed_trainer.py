@@ -1,0 +1,75 @@
+"""Hugging Face ``Trainer`` with a ``deepspeed=`` config (ZeRO-3, parameters and optimizer states on
+NVMe) and ``PYINFINITY_DEEPSPEED=1`` trains a tiny Llama on the CPU with every swap file written and
+read by pyinfinity. The config's swap knobs are left out and sized by size_nvme_offload(). Runs in
+its own interpreter (DeepSpeed's and accelerate's process-global state)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.python import test_deepspeed_integration as ds
+
+SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+import torch
+import pyinfinity.integrations.deepspeed as pids      # PYINFINITY_DEEPSPEED=1: installed on import
+import deepspeed
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo; no shared-memory op build
+from deepspeed.ops.op_builder.builder import OpBuilder
+def no_build(self, verbose=True):
+    raise RuntimeError(f"test guard: DeepSpeed tried to build its {self.name!r} op")
+OpBuilder.jit_load = no_build
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+nvme, out = sys.argv[1], sys.argv[2]
+mc = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "bf16": {"enabled": "auto"}, "zero_force_ds_cpu_optimizer": False,
+          "zero_optimization": {"stage": 3,
+                                "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True},
+                                "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True},
+                                "stage3_param_persistence_threshold": 0},
+          "aio": {"block_size": 262144, "queue_depth": 8}}
+sized = pids.size_nvme_offload(config, mc)            # buffer_count/buffer_size/max_in_cpu were left out
+args = TrainingArguments(output_dir=str(Path(out).parent / "trainer"), per_device_train_batch_size=2, max_steps=2,
+                         bf16=True, use_cpu=True, deepspeed=sized.config, report_to=[], logging_steps=1,
+                         save_strategy="no", optim="adamw_torch", seed=0)
+torch.manual_seed(0)
+model = LlamaForCausalLM(mc)
+g = torch.Generator().manual_seed(0)
+data = [{"input_ids": (ids := torch.randint(0, 4096, (32,), generator=g)), "labels": ids} for _ in range(4)]
+trainer = Trainer(model=model, args=args, train_dataset=data)
+trainer.train()
+files = sorted(str(p) for p in Path(nvme).rglob("*.swp"))
+st = pids.stats()
+Path(out).write_text(json.dumps({
+    "deepspeed": bool(trainer.is_deepspeed_enabled), "changes": sized.changes,
+    "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    "swap_files": files, "written": sorted(st.files_written), "read": sorted(st.files_read),
+    "loaded_ops": sorted(OpBuilder._loaded_ops)}))
+"""
+
+
+def test_trainer_with_deepspeed_config_swaps_through_pyinfinity(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    if ds.run_snippet("import deepspeed").returncode != 0:
+        pytest.skip("deepspeed is not importable")
+    nvme, out = tmp_path / "nvme", tmp_path / "result.json"
+    nvme.mkdir()
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), str(nvme), str(out)], cwd=str(ds.ROOT),
+                       env=ds._env({"PYINFINITY_DEEPSPEED": "1"}), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    res = json.loads(out.read_text())
+    assert res["deepspeed"] and len(res["losses"]) == 2 and all(0 < x < 20 for x in res["losses"])
+    assert any("offload_param.buffer_count" in c for c in res["changes"])
+    files = set(res["swap_files"])
+    assert any("bfloat16params" in f for f in files) and any("exp_avg" in f for f in files), sorted(files)
+    assert files <= set(res["written"]) and files <= set(res["read"])   # every swap file through pyinfinity
+    assert "async_io" not in res["loaded_ops"]
