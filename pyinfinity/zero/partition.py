@@ -161,6 +161,7 @@ def partition_model(
     persistence_threshold: int = 0,
     on_shard: Callable[[FlatShard, torch.Tensor, torch.Tensor], None],
     device: torch.device = torch.device("cpu"),
+    materialize: Callable[[nn.Module, Optional[nn.Module], dict[int, nn.Parameter]], None] = materialize_module,
 ) -> Partition:
     """Turns every module's own parameters into flat shards.
 
@@ -168,13 +169,14 @@ def partition_model(
     data in the compute dtype and in fp32 (the master copy, taken before any cast); the callback
     places them in their tiers. Afterwards every parameter's ``.data`` is a placeholder, so the
     model's own copy is freed module by module. Meta parameters (``init_empty``) are
-    materialised one module at a time just before being partitioned.
+    materialised one module at a time just before being partitioned, by ``materialize(module,
+    model, replaced)`` (default: initialised; ``pretrained.WeightLoader``: read from a checkpoint).
     """
     part = Partition()
     names = {id(m): n for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}  # meta parameter -> its materialised replacement
     for module in model.modules():
-        materialize_module(module, model, replaced)
+        materialize(module, model, replaced)
         needed: list[FlatShard] = []
         own: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for pname, p in module.named_parameters(recurse=False):
