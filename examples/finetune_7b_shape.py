@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     s = run["summary"]
     result = {"checkpoint_dir": args.dir, "checkpoint_bytes": s["param_bytes_compute"], "params": s["params"],
               "checkpoint_build_seconds": build_s, "load_seconds": s["load_seconds"],
-              "peak_rss_load": s["peak_rss_load"], "peak_rss": s["peak_rss"], "tokens_per_s": s["tokens_per_s"],
+              "peak_rss_before_load": s["peak_rss_before_load"], "peak_rss_load": s["peak_rss_load"], "peak_rss": s["peak_rss"], "tokens_per_s": s["tokens_per_s"],
               "step_seconds": s["step_seconds"], "first_loss": s["first_loss"], "last_loss": s["last_loss"],
               "eval_loss": s["eval_loss"], "export_dir": export, "run_wall_seconds": wall, "summary": s}
     with open(args.json, "w") as f:

@@ -86,6 +86,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     # the data first: a bad file fails before anything is loaded or written
     data = TextData.from_file(args.data, load_tokenizer(args.model), args.seq, field=args.data_field,
                               eval_fraction=args.eval_fraction, seed=args.seed)
+    rss_before = _peak_rss()
     t0 = time.perf_counter()
     records, evals = [], []
     engine = pyinfinity.from_pretrained(args.model, cfg)
@@ -121,7 +122,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         summary = {
             "model": args.model, "data": args.data, "params": engine.partition.numel,
             "param_bytes_compute": engine.partition.nbytes, "device": str(engine.device),
-            "load_seconds": load_s, "peak_rss_load": peak_load, "peak_rss": _peak_rss(),
+            "load_seconds": load_s, "peak_rss_before_load": rss_before, "peak_rss_load": peak_load, "peak_rss": _peak_rss(),
             "steps": len(records), "global_steps": engine.global_steps,
             "first_loss": records[0].loss if records else None, "last_loss": records[-1].loss if records else None,
             "eval_loss": evals[-1]["loss"], "evals": evals,
