@@ -51,7 +51,11 @@ def _malloc_trim() -> Callable[[], None]:
     except (OSError, AttributeError):
         return lambda: None
     trim.argtypes = [ctypes.c_size_t]
-    return lambda: None if trim(0) is None else None
+
+    def run() -> None:
+        trim(0)  # returns whether memory was released: either way there is nothing to do
+
+    return run
 
 
 class WeightsError(ValueError):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -76,6 +75,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     from pyinfinity.cli.train import _mean, build_config
     from pyinfinity.config import format_size
     from pyinfinity.data import TextData, load_tokenizer
+    from pyinfinity.pretrained import build_empty_model
 
     check_finetune_arguments(args)
     torch.manual_seed(args.seed)
@@ -89,7 +89,10 @@ def run_finetune(args: argparse.Namespace) -> int:
     rss_before = _peak_rss()
     t0 = time.perf_counter()
     records, evals = [], []
-    engine = pyinfinity.from_pretrained(args.model, cfg)
+    model = build_empty_model(args.model, cfg)
+    if args.checkpoint_activations:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine = pyinfinity.initialize(model, cfg, weights=args.model)
     load_s = time.perf_counter() - t0
     peak_load = _peak_rss()
     log.info("loaded %s in %.1fs (%s of weights), peak RSS %s", args.model, load_s,
@@ -101,24 +104,27 @@ def run_finetune(args: argparse.Namespace) -> int:
             if "data" not in client:
                 raise SystemExit(f"--resume: {path} has no data position (it was not saved by a --model/--data run)")
             data.load_state_dict(client["data"], origin=path)
-        if args.checkpoint_activations:
-            engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         done = 0
+        timed: list[tuple[int, float]] = []  # (tokens, seconds) of each step, eval excluded
+        t_step, tokens = time.perf_counter(), 0
         while engine.global_steps < args.steps and (args.stop_after is None or done < args.stop_after):
             x = data.next_batch(args.batch).to(engine.device)
+            tokens += x.numel()
             out = engine(input_ids=x, labels=x)
             engine.backward(out.loss)
             rec = engine.step()
             if rec is None:
                 continue
+            timed.append((tokens, time.perf_counter() - t_step))
             records.append(rec)
             done += 1
             if args.eval_every and engine.global_steps % args.eval_every == 0:
                 evals.append({"step": engine.global_steps, "loss": eval_loss(engine, data, args.batch)})
                 log.info("step %d eval loss %.4f", engine.global_steps, evals[-1]["loss"])
+            t_step, tokens = time.perf_counter(), 0
         if not evals or evals[-1]["step"] != engine.global_steps:
             evals.append({"step": engine.global_steps, "loss": eval_loss(engine, data, args.batch)})
-        steady = records[1:] or records
+        steady = timed[1:] or timed
         summary = {
             "model": args.model, "data": args.data, "params": engine.partition.numel,
             "param_bytes_compute": engine.partition.nbytes, "device": str(engine.device),
@@ -126,8 +132,8 @@ def run_finetune(args: argparse.Namespace) -> int:
             "steps": len(records), "global_steps": engine.global_steps,
             "first_loss": records[0].loss if records else None, "last_loss": records[-1].loss if records else None,
             "eval_loss": evals[-1]["loss"], "evals": evals,
-            "tokens_per_s": sum(r.tokens for r in steady) / max(1e-9, sum(r.seconds for r in steady)),
-            "step_seconds": _mean([r.seconds for r in steady]),
+            "tokens_per_s": sum(n for n, _ in steady) / max(1e-9, sum(t for _, t in steady)),
+            "step_seconds": _mean([t for _, t in steady]),
             "weights_missing": engine.weights.report.missing, "weights_unexpected": engine.weights.report.unexpected,
         }
         print(f"fine-tuned {args.model} ({format_size(engine.partition.nbytes)} of weights, loaded in {load_s:.1f}s, "
