@@ -316,3 +316,42 @@ def test_peak_rss_while_loading_a_checkpoint_larger_than_ram_held(tmp_path):
     bound = 3 * r["largest_module"] + (64 << 20)
     assert grown < bound, (grown / 2**20, bound / 2**20, r)
     assert grown < r["param_bytes"] / 4, (grown / 2**20, r)
+
+
+class _Scaled(torch.nn.Module):
+    """A plain module with a parameter of its own and no initializer for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(4))
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("offset", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.gain + self.offset
+
+
+def test_plain_module_from_one_file_and_a_missing_key_without_initializer(tmp_path):
+    """A single .safetensors file into a plain nn.Module (buffers loaded too); a parameter the file
+    lacks and nothing can initialise is an error naming the key."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    src = _Scaled()
+    with torch.no_grad():
+        src.gain.uniform_()
+        src.offset.fill_(0.5)
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    x = torch.randn(3, 4)
+    with pyinfinity.init_empty():
+        model = _Scaled()
+    with pyinfinity.initialize(model, _config("cpu", str(tmp_path / "swap")), weights=tmp_path / "w.safetensors") as e:
+        assert torch.equal(model.offset, src.offset)
+        with torch.no_grad():
+            torch.testing.assert_close(e(x), src(x), rtol=0, atol=0)
+    save_file({k: v.contiguous() for k, v in src.state_dict().items() if k != "gain"}, str(tmp_path / "v.safetensors"))
+    with pyinfinity.init_empty():
+        model = _Scaled()
+    with pytest.raises(WeightsError, match=r"v.safetensors: no tensor 'gain' in the checkpoint, and _Scaled \(<root>\) "
+                                           r"has no initializer"):
+        pyinfinity.initialize(model, _config("cpu", str(tmp_path / "swap")), weights=tmp_path / "v.safetensors")
