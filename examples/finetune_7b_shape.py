@@ -13,6 +13,9 @@
 3. Prints load time, peak RSS and tokens/s and writes them with the run's summary to ``--json``.
 
 ``--hidden/--layers/--intermediate/--vocab`` shrink the shape for a dry run on a small machine.
+Disk and RAM at the 7B shape (bf16 weights, fp32 optimizer state): checkpoint 13.5 GB, parameter
+swap 13.5 GB, export 13.5 GB, optimizer state 81 GB (on disk by ``--optimizer-nvme-ratio``, the
+rest in RAM), fp32 gradients 27 GB of RAM; choose the ratio so that both fit.
 The data file defaults to the Python standard library's sources written into ``--dir``.
 """
 from __future__ import annotations
@@ -47,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--offload", default="nvme", choices=["cpu", "nvme", "auto"])
+    p.add_argument("--offload-optimizer", choices=["cpu", "nvme", "auto"],
+                   help="optimizer-state tier if not --offload (7B: 84 GB of fp32 master + Adam moments)")
+    p.add_argument("--optimizer-nvme-ratio", type=float, default=1.0,
+                   help="with the optimizer on nvme: the share of its state on disk (the rest in RAM)")
+    p.add_argument("--model-dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="dtype the model is built and exported in (auto: the checkpoint's, bf16)")
     p.add_argument("--export", help="export directory (default: DIR-finetuned)")
     p.add_argument("--no-export", action="store_true", help="skip the export")
     p.add_argument("--json", required=True, help="where the measurements are written")
@@ -143,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "pyinfinity", "train", "--model", args.dir, "--data", data, "--steps",
            str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch), "--offload", args.offload,
            "--nvme", args.swap, "--gpu-memory", args.gpu_memory, "--device", args.device, "--dtype", args.dtype,
-           "--warmup", "1", "--lr", "1e-5", "--no-progress", "--json", run_json]
+           "--warmup", "1", "--lr", "1e-5", "--no-progress", "--json", run_json, "--model-dtype", args.model_dtype,
+           "--optimizer-nvme-ratio", str(args.optimizer_nvme_ratio)]
+    if args.offload_optimizer:
+        cmd += ["--offload-optimizer", args.offload_optimizer]
     if export:
         cmd += ["--export", export]
     log.info("running: %s", " ".join(cmd))

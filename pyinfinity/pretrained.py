@@ -376,6 +376,19 @@ def build_empty_model(path: Union[str, os.PathLike], config: Any = None,
         return AutoModelForCausalLM.from_config(mcfg, **kw)
 
 
+def checkpoint_dtype(path: Union[str, os.PathLike]) -> Optional[torch.dtype]:
+    """The dtype a model directory's config.json says its weights are in (``torch_dtype``, or
+    ``dtype`` in newer transformers), or None when it says none."""
+    try:
+        with open(os.path.join(os.fspath(path), "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def from_pretrained(path: Union[str, os.PathLike], config: Any, *, dtype: Optional[torch.dtype] = None,
                     **engine_kwargs: Any) -> Any:
     """``initialize`` for a transformers model directory: the architecture from its config.json,

@@ -24,6 +24,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help="eval loss on the held-out blocks every N optimizer steps (0: at the end only)")
     g.add_argument("--eval-fraction", type=float, default=0.05, metavar="R",
                    help="share of the data's blocks held out for the eval loss")
+    g.add_argument("--model-dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="dtype the model is built and exported in (auto: config.json's torch_dtype, as transformers' "
+                        "dtype='auto'); the optimizer keeps fp32 masters either way")
     g.add_argument("--stop-after", type=int, metavar="N",
                    help="stop after N optimizer steps of this run (the schedule still spans --steps; with --save, "
                         "a later --resume continues)")
@@ -38,6 +41,16 @@ def check_finetune_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(f"--eval-every: {args.eval_every} must be 0 or positive")
     if not 0 <= args.eval_fraction < 1:
         raise SystemExit(f"--eval-fraction: {args.eval_fraction} must be in [0, 1)")
+
+
+def _model_dtype(path: str, choice: str) -> Any:
+    import torch
+
+    from pyinfinity.pretrained import checkpoint_dtype
+
+    if choice == "auto":
+        return checkpoint_dtype(path)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
 
 
 def _peak_rss() -> int:
@@ -89,7 +102,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     rss_before = _peak_rss()
     t0 = time.perf_counter()
     records, evals = [], []
-    model = build_empty_model(args.model, cfg)
+    model = build_empty_model(args.model, cfg, _model_dtype(args.model, args.model_dtype))
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = pyinfinity.initialize(model, cfg, weights=args.model)

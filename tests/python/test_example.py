@@ -56,3 +56,9 @@ def test_finetune_7b_shape_example_at_a_tiny_shape(tmp_path):
     assert r["summary"]["steps"] == 2
     assert len([f for f in os.listdir(tmp_path / "ck") if f.endswith(".safetensors")]) > 1
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(os.listdir(r["export_dir"]))
+    from pyinfinity.pretrained import read_header
+    import torch
+
+    # built in the checkpoint's dtype (config.json: bfloat16), so exported in it
+    assert {t.dtype for t in read_header(os.path.join(r["export_dir"], "model.safetensors")).values()} == {
+        torch.bfloat16}
