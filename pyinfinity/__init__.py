@@ -33,4 +33,8 @@ def __getattr__(name: str):
         from pyinfinity import engine
 
         return getattr(engine, name)
+    if name == "from_pretrained":
+        from pyinfinity import pretrained
+
+        return pretrained.from_pretrained
     raise AttributeError(f"module 'pyinfinity' has no attribute {name!r}")

@@ -141,11 +141,13 @@ def init_empty(config: Union[dict, str, Config, None] = None) -> Iterator[None]:
 
 
 def initialize(model: nn.Module, config: Union[dict, str, os.PathLike, Config],
-               lr_scheduler: Any = None) -> "Engine":
+               lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None) -> "Engine":
     """Wraps ``model`` for offloaded ZeRO-3 training; ``config`` is DeepSpeed's format (dict or
     JSON path). ``lr_scheduler``: a scheduler object, or a callable taking the engine's optimizer
-    and returning one (overrides the config's ``scheduler``)."""
-    return Engine(model, config, lr_scheduler)
+    and returning one (overrides the config's ``scheduler``). ``weights``: a safetensors checkpoint
+    (file or model directory) whose values the parameters start from, streamed module by module
+    into their tiers (``pretrained.WeightLoader``)."""
+    return Engine(model, config, lr_scheduler, weights=weights)
 
 
 def _resolve_device(spec: str) -> torch.device:
@@ -256,10 +258,15 @@ class Engine:
     """Offloaded ZeRO-3 training of one model on one device. Use ``initialize`` to make one."""
 
     def __init__(self, model: nn.Module, config: Union[dict, str, os.PathLike, Config],
-                 lr_scheduler: Any = None) -> None:
+                 lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None) -> None:
         self._closed = True
         guards.check_not_wrapped(model)
         cfg = load_config(config)
+        self.weights: Any = None  # pretrained.WeightLoader: names, shapes checked before anything is written
+        if weights is not None:
+            from pyinfinity.pretrained import WeightLoader
+
+            self.weights = WeightLoader(weights, model)
         self.device = _resolve_device(cfg.pyinfinity.device)
         z = cfg.zero_optimization
         fp16, bf16 = cfg.fp16.enabled, cfg.bf16.enabled
@@ -353,7 +360,8 @@ class Engine:
             self.partition = partition_model(model, fp16=fp16, bf16=bf16,
                                              persistence_threshold=int(z.stage3_param_persistence_threshold),
                                              on_shard=self._place_shard, device=self.device,
-                                             unit_bytes=int(cfg.pyinfinity.unit_bytes))
+                                             unit_bytes=int(cfg.pyinfinity.unit_bytes),
+                                             **({"materialize": self.weights} if self.weights is not None else {}))
             log.info("placed %d units (%d shards) in %.2fs", self.partition.units, len(self.partition.shards),
                      time.perf_counter() - t0)
             self._ownership.flush()  # the manifest lists every slot
@@ -781,6 +789,10 @@ class Engine:
         if cfg is not None and hasattr(cfg, "save_pretrained"):
             cfg.save_pretrained(out_dir)
             files.append(os.path.join(out_dir, "config.json"))
+        if self.weights is not None:  # a model directory's tokenizer goes along (AutoTokenizer loads out_dir)
+            from pyinfinity.pretrained import copy_tokenizer_files
+
+            files += copy_tokenizer_files(self.weights.path, out_dir)
         log.info("exported %d tensors to %s", len(weight_map), out_dir)
         return files
 

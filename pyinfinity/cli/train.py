@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
+from pyinfinity.cli.finetune import add_finetune_arguments, run_finetune
+
 log = logging.getLogger(__name__)
 
 VOCAB = 260  # 256 byte values + BOS/EOS/PAD and one spare
@@ -88,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the run's telemetry as JSON")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is off anyway when stderr is not a terminal, e.g. a log file)")
+    add_finetune_arguments(p)
 
 
 def stdlib_corpus(max_bytes: int) -> bytes:
@@ -200,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
 
     from pyinfinity.cli.errors import UsageError, check_device_here
 
+    if args.model or args.data:
+        return run_finetune(args)
     torch.manual_seed(args.seed)
     device = args.device
     if device == "auto":

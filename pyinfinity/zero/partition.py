@@ -183,8 +183,9 @@ def partition_model(
     For each shard, ``on_shard(shard, flat_compute, flat_fp32)`` is called once with the shard's
     data in the compute dtype and in fp32 (the master copy, taken before any cast); the callback
     places them in their tiers. Afterwards every parameter's ``.data`` is a placeholder, so the
-    model's own copy is freed unit by unit. Meta parameters (``init_empty``) are given storage
-    by ``materialize`` one module at a time, just before their unit is partitioned.
+    model's own copy is freed unit by unit. Meta parameters (``init_empty``) are given storage one
+    module at a time, just before their unit is partitioned, by ``materialize(module, model,
+    replaced)`` (default: initialised; ``pretrained.WeightLoader``: read from a checkpoint).
     """
     from pyinfinity.units import unit_members, unit_roots
 

@@ -39,3 +39,26 @@ def test_example_script_help():
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_oversized.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--nvme" in res.stdout and "--gpu-memory" in res.stdout
+
+
+def test_finetune_7b_shape_example_at_a_tiny_shape(tmp_path):
+    """The 7B-shape script end to end at a tiny shape: checkpoint written, loaded, fine-tuned,
+    exported, measurements in --json."""
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "finetune_7b_shape.py"),
+                          "--dir", str(tmp_path / "ck"), "--swap", str(tmp_path / "swap"), "--hidden", "64",
+                          "--layers", "1", "--heads", "4", "--intermediate", "128", "--vocab", "600", "--seq", "32",
+                          "--steps", "2", "--batch", "2", "--device", "cpu", "--data-bytes", "200000",
+                          "--shard-bytes", "100000", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.load(open(out))
+    assert r["load_seconds"] > 0 and r["peak_rss_load"] > 0 and r["tokens_per_s"] > 0
+    assert r["summary"]["steps"] == 2
+    assert len([f for f in os.listdir(tmp_path / "ck") if f.endswith(".safetensors")]) > 1
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(os.listdir(r["export_dir"]))
+    from pyinfinity.pretrained import read_header
+    import torch
+
+    # built in the checkpoint's dtype (config.json: bfloat16), so exported in it
+    assert {t.dtype for t in read_header(os.path.join(r["export_dir"], "model.safetensors")).values()} == {
+        torch.bfloat16}

@@ -1,0 +1,180 @@
+"""`pyinfinity train --model DIR --data FILE`: fine-tune a transformers model directory (config,
+safetensors, tokenizer) on a text or JSON-lines file, the weights streamed into the tiers."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+
+def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fine-tuning a pretrained model on your data")
+    g.add_argument("--model", metavar="DIR",
+                   help="a transformers model directory (config.json, safetensors, tokenizer files) to start from; "
+                        "nothing is downloaded")
+    g.add_argument("--data", metavar="FILE", help="text file, or JSON lines (.jsonl) with a text field, to train on")
+    g.add_argument("--data-field", default="text", metavar="F", help="the JSON-lines field that holds the text")
+    g.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="eval loss on the held-out blocks every N optimizer steps (0: at the end only)")
+    g.add_argument("--eval-fraction", type=float, default=0.05, metavar="R",
+                   help="share of the data's blocks held out for the eval loss")
+    g.add_argument("--model-dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="dtype the model is built and exported in (auto: config.json's torch_dtype, as transformers' "
+                        "dtype='auto'); the optimizer keeps fp32 masters either way")
+    g.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after N optimizer steps of this run (the schedule still spans --steps; with --save, "
+                        "a later --resume continues)")
+    if "--resume" not in p._option_string_actions:
+        g.add_argument("--resume", metavar="DIR", help="continue from the checkpoint a --save wrote there")
+
+
+def check_finetune_arguments(args: argparse.Namespace) -> None:
+    if bool(args.model) != bool(args.data):
+        raise SystemExit("--model and --data go together: a model directory to start from and the data to train on")
+    if args.eval_every < 0:
+        raise SystemExit(f"--eval-every: {args.eval_every} must be 0 or positive")
+    if not 0 <= args.eval_fraction < 1:
+        raise SystemExit(f"--eval-fraction: {args.eval_fraction} must be in [0, 1)")
+
+
+def _model_dtype(path: str, choice: str) -> Any:
+    import torch
+
+    from pyinfinity.pretrained import checkpoint_dtype
+
+    if choice == "auto":
+        return checkpoint_dtype(path)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
+
+
+def _peak_rss() -> int:
+    """The process's peak resident set (VmHWM), bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def eval_loss(engine: Any, data: Any, batch: int) -> Optional[float]:
+    """Mean loss over the held-out blocks (no gradients)."""
+    import torch
+
+    losses = []
+    engine.eval()
+    try:
+        with torch.no_grad():
+            for x in data.eval_batches(batch):
+                x = x.to(engine.device)
+                losses.append(float(engine(input_ids=x, labels=x).loss) * x.shape[0])
+    finally:
+        engine.train()
+    return sum(losses) / data.eval.shape[0] if losses else None
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    import torch
+
+    import pyinfinity
+    from pyinfinity.cli.train import _mean, build_config
+    from pyinfinity.config import format_size
+    from pyinfinity.data import TextData, load_tokenizer
+    from pyinfinity.pretrained import build_empty_model
+
+    check_finetune_arguments(args)
+    torch.manual_seed(args.seed)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = build_config(args, device)
+    # the data first: a bad file fails before anything is loaded or written
+    data = TextData.from_file(args.data, load_tokenizer(args.model), args.seq, field=args.data_field,
+                              eval_fraction=args.eval_fraction, seed=args.seed)
+    rss_before = _peak_rss()
+    t0 = time.perf_counter()
+    records, evals = [], []
+    model = build_empty_model(args.model, cfg, _model_dtype(args.model, args.model_dtype))
+    if args.checkpoint_activations:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine = pyinfinity.initialize(model, cfg, weights=args.model)
+    load_s = time.perf_counter() - t0
+    peak_load = _peak_rss()
+    log.info("loaded %s in %.1fs (%s of weights), peak RSS %s", args.model, load_s,
+             format_size(engine.partition.nbytes), format_size(peak_load))
+    with engine:
+        engine.train()
+        if args.resume:
+            path, client = engine.load_checkpoint(args.resume)
+            if "data" not in client:
+                raise SystemExit(f"--resume: {path} has no data position (it was not saved by a --model/--data run)")
+            data.load_state_dict(client["data"], origin=path)
+        done = 0
+        timed: list[tuple[int, float]] = []  # (tokens, seconds) of each step, eval excluded
+        t_step, tokens = time.perf_counter(), 0
+        while engine.global_steps < args.steps and (args.stop_after is None or done < args.stop_after):
+            x = data.next_batch(args.batch).to(engine.device)
+            tokens += x.numel()
+            out = engine(input_ids=x, labels=x)
+            engine.backward(out.loss)
+            rec = engine.step()
+            if rec is None:
+                continue
+            timed.append((tokens, time.perf_counter() - t_step))
+            records.append(rec)
+            done += 1
+            if args.eval_every and engine.global_steps % args.eval_every == 0:
+                evals.append({"step": engine.global_steps, "loss": eval_loss(engine, data, args.batch)})
+                log.info("step %d eval loss %.4f", engine.global_steps, evals[-1]["loss"])
+            t_step, tokens = time.perf_counter(), 0
+        if not evals or evals[-1]["step"] != engine.global_steps:
+            evals.append({"step": engine.global_steps, "loss": eval_loss(engine, data, args.batch)})
+        steady = timed[1:] or timed
+        summary = {
+            "model": args.model, "data": args.data, "params": engine.partition.numel,
+            "param_bytes_compute": engine.partition.nbytes, "device": str(engine.device),
+            "load_seconds": load_s, "peak_rss_before_load": rss_before, "peak_rss_load": peak_load, "peak_rss": _peak_rss(),
+            "steps": len(records), "global_steps": engine.global_steps,
+            "first_loss": records[0].loss if records else None, "last_loss": records[-1].loss if records else None,
+            "eval_loss": evals[-1]["loss"], "evals": evals,
+            "tokens_per_s": sum(n for n, _ in steady) / max(1e-9, sum(t for _, t in steady)),
+            "step_seconds": _mean([t for _, t in steady]),
+            "weights_missing": engine.weights.report.missing, "weights_unexpected": engine.weights.report.unexpected,
+        }
+        print(f"fine-tuned {args.model} ({format_size(engine.partition.nbytes)} of weights, loaded in {load_s:.1f}s, "
+              f"peak RSS {format_size(peak_load)}) for {len(records)} steps: loss "
+              f"{summary['first_loss'] if records else float('nan'):.3f} -> "
+              f"{summary['last_loss'] if records else float('nan'):.3f}, eval loss "
+              f"{'n/a' if summary['eval_loss'] is None else format(summary['eval_loss'], '.3f')}, "
+              f"{summary['tokens_per_s']:.0f} tokens/s")
+        if args.save:
+            engine.save_checkpoint(args.save, client_state={"data": data.state_dict()})
+        if args.export:
+            engine.export(args.export)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg}, f, indent=1,
+                      default=str)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from pyinfinity.cli.train import add_arguments
+
+    parser = argparse.ArgumentParser(prog="finetune", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return run_finetune(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

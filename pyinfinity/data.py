@@ -1,0 +1,158 @@
+"""Fine-tuning data: a text file or JSON lines, tokenised with the model's own tokenizer, packed
+into fixed-length blocks, shuffled with a seed, with a held-out split for an eval loss.
+
+The training order is a pure function of (seed, epoch), so the position in it (``state_dict``)
+is two integers: saved with a checkpoint and restored, a resumed run sees the same batches.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+log = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_CHUNK_CHARS = 1 << 20  # plain text is tokenised in line-aligned chunks of about this many characters
+
+
+class DataError(ValueError):
+    """Data that cannot be used (the message names the file, and the line where there is one)."""
+
+
+def load_tokenizer(model_dir: Union[str, os.PathLike]) -> Any:
+    """The model directory's own tokenizer (transformers' AutoTokenizer; local files only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(os.fspath(model_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{model_dir}: no usable tokenizer files (tokenizer.json / tokenizer_config.json): "
+                        f"{exc}") from exc
+    tok.model_max_length = 1 << 62  # documents are packed into blocks here, never fed whole
+    return tok
+
+
+def read_documents(path: Union[str, os.PathLike], field: str = "text") -> Iterator[str]:
+    """The documents of ``path``: one per line of a JSON-lines file (its ``field``), or the
+    text file in line-aligned chunks. Errors name the file and line."""
+    path = os.fspath(path)
+    if path.endswith(JSONL_SUFFIXES):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+                if not isinstance(rec, dict) or field not in rec:
+                    have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                    raise DataError(f"{path}:{lineno}: no {field!r} field (found {have}); pass the field that holds "
+                                    "the text with --data-field")
+                text = rec[field]
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not a string")
+                yield text
+        return
+    with open(path, encoding="utf-8") as f:
+        chunk: list[str] = []
+        n = 0
+        for line in f:
+            chunk.append(line)
+            n += len(line)
+            if n >= TEXT_CHUNK_CHARS:
+                yield "".join(chunk)
+                chunk, n = [], 0
+        if chunk:
+            yield "".join(chunk)
+
+
+def tokenize_file(path: Union[str, os.PathLike], tokenizer: Any, field: str = "text") -> torch.Tensor:
+    """All documents of ``path`` as one 1-D int64 tensor of token ids, each JSON-lines document
+    followed by the tokenizer's EOS token (when it has one)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--data: {path} does not exist")
+    jsonl = path.endswith(JSONL_SUFFIXES)
+    eos = tokenizer.eos_token_id
+    parts: list[torch.Tensor] = []
+    docs = 0
+    for doc in read_documents(path, field):
+        ids = tokenizer(doc, add_special_tokens=jsonl)["input_ids"]
+        if jsonl and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        if ids:
+            parts.append(torch.tensor(ids, dtype=torch.int64))
+        docs += 1
+    if not parts:
+        raise DataError(f"{path}: no text in it ({docs} documents, 0 tokens)")
+    return torch.cat(parts)
+
+
+@dataclass
+class TextData:
+    """Token blocks of ``seq`` tokens: ``train`` (shuffled per epoch) and ``eval`` (held out)."""
+
+    train: torch.Tensor  # (n_train, seq) int64
+    eval: torch.Tensor  # (n_eval, seq) int64
+    seed: int
+    source: str  # what the blocks came from (checked on restore)
+    epoch: int = 0
+    index: int = 0  # next position in this epoch's order
+
+    @classmethod
+    def from_file(cls, path: Union[str, os.PathLike], tokenizer: Any, seq: int, *, field: str = "text",
+                  eval_fraction: float = 0.05, seed: int = 0) -> "TextData":
+        if seq < 2:
+            raise DataError(f"--seq: {seq} is too short (2 tokens at least)")
+        tokens = tokenize_file(path, tokenizer, field)
+        n = tokens.numel() // seq
+        if n < 1:
+            raise DataError(f"{path}: {tokens.numel()} tokens, fewer than one block of --seq {seq}; use a smaller "
+                            "--seq or more text")
+        blocks = tokens[:n * seq].view(n, seq)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        n_eval = min(n - 1, max(1, round(n * eval_fraction))) if eval_fraction > 0 and n > 1 else 0
+        held, kept = order[:n_eval], order[n_eval:]
+        src = f"{os.path.abspath(os.fspath(path))}:{field}:{seq}:{tokens.numel()}"
+        log.info("data: %s: %d tokens -> %d blocks of %d (%d held out for eval)", path, tokens.numel(), n, seq,
+                 n_eval)
+        return cls(train=blocks[kept.sort().values].clone(), eval=blocks[held.sort().values].clone(), seed=seed,
+                   source=src)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(self.train.shape[0], generator=torch.Generator().manual_seed(self.seed * 1_000_003
+                                                                                            + epoch))
+
+    def next_batch(self, batch: int) -> torch.Tensor:
+        """The next ``batch`` training blocks (a new shuffled epoch starts when one runs out)."""
+        rows = []
+        order = self._order(self.epoch)
+        while len(rows) < batch:
+            if self.index >= order.numel():
+                self.epoch, self.index = self.epoch + 1, 0
+                order = self._order(self.epoch)
+            rows.append(int(order[self.index]))
+            self.index += 1
+        return self.train[rows]
+
+    def eval_batches(self, batch: int) -> Iterator[torch.Tensor]:
+        for i in range(0, self.eval.shape[0], batch):
+            yield self.eval[i:i + batch]
+
+    def state_dict(self) -> dict:
+        return {"source": self.source, "seed": self.seed, "epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict, origin: Optional[str] = None) -> None:
+        """Restores a position saved by ``state_dict``; refuses one taken over other data."""
+        where = f"{origin}: " if origin else ""
+        if state.get("source") != self.source or state.get("seed") != self.seed:
+            raise DataError(f"{where}the checkpoint's data position is for {state.get('source')!r} (seed "
+                            f"{state.get('seed')}), not {self.source!r} (seed {self.seed}): resume with the same "
+                            "--data, --data-field, --seq and --seed")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
