@@ -333,6 +333,7 @@ class Engine:
                                           == "device" else None,
                                           accumulate_steps=cfg.gradient_accumulation_steps)
         self.optimizer.background = self._overlap_mode == "on"
+        self.optimizer.param_out = _weakly(self._param_out)
         if self.device.type == "cpu":
             self.optimizer.threads = 1  # backward has the cores (see AUTO_OVERLAP_ON_CPU)
         self.optimizer._total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
@@ -451,13 +452,22 @@ class Engine:
             buf = self._grad_bufs[shard.index] = aligned_empty(shard.numel, shard.dtype, pin=pin)
         return buf, False
 
+    def _param_out(self, shard: FlatShard) -> Optional[torch.Tensor]:
+        """The bf16 home the optimizer's one-pass step may write a shard's new weights into."""
+        home = shard.home
+        if home.tier == Tier.CPU and home.tensor is not None and home.tensor.device.type == "cpu":
+            return home.tensor
+        return None
+
     def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """The optimizer's new fp32 values of a shard, written home in the compute dtype (and to
         its device copy when the unit is resident). Called from the optimizer's worker too."""
         home = shard.home
         req: Any = Done()
         if home.tier == Tier.CPU:
-            home.tensor.copy_(master)  # cast into the (pinned) home, in place
+            if not shard.home_fresh:  # the one-pass CPU step casts into the home itself
+                home.tensor.copy_(master)  # cast into the (pinned) home, in place
+            shard.home_fresh = False
             src = home.tensor
         else:
             src = master

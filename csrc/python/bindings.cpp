@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "pyinfinity/checksum.hpp"
+#include "pyinfinity/cpu_adam.hpp"
 #include "pyinfinity/cuda_runtime.hpp"
 #include "pyinfinity/cuda_stager.hpp"
 #include "pyinfinity/defaults.hpp"
@@ -290,6 +291,32 @@ PYBIND11_MODULE(_C, m) {
     return pyinfinity::crc32c(info.ptr, n, crc);
   }, py::arg("data"), py::arg("crc") = 0);
   m.def("crc32c_hardware", &crc32c_hardware);
+  m.def(
+      "adam_step",
+      [](std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
+         int grad_type, std::uintptr_t out_bf16, std::size_t n, float lr, float beta1, float beta2, float eps,
+         float weight_decay, bool adamw, std::int64_t step, float grad_scale, int threads) {
+        PYINF_EXPECT(grad_type == 0 || grad_type == 1, "adam_step: grad_type must be 0 (fp32) or 1 (bf16)");
+        pyinfinity::AdamHyper h;
+        h.lr = lr;
+        h.beta1 = beta1;
+        h.beta2 = beta2;
+        h.eps = eps;
+        h.weight_decay = weight_decay;
+        h.adamw = adamw;
+        h.step = step;
+        h.grad_scale = grad_scale;
+        py::gil_scoped_release nogil;
+        pyinfinity::adam_step(reinterpret_cast<float*>(master), reinterpret_cast<float*>(exp_avg),
+                              reinterpret_cast<float*>(exp_avg_sq), reinterpret_cast<const void*>(grad),
+                              static_cast<pyinfinity::GradType>(grad_type), reinterpret_cast<std::uint16_t*>(out_bf16),
+                              n, h, threads);
+      },
+      py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_type"),
+      py::arg("out_bf16"), py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("adamw"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"),
+      "Adam/AdamW over n fp32 parameters in one pass (addresses of contiguous host arrays; the gradient in "
+      "fp32 or bf16, the new weights also written as bf16 to out_bf16 when it is not 0). Releases the GIL.");
   m.def("compiled_backends", &compiled_backends);
   m.def(
       "probe_backend",

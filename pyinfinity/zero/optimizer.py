@@ -165,6 +165,10 @@ class OffloadOptimizer:
         self._queue: "queue.PriorityQueue[tuple[float, int, Optional[tuple[ShardOptimState, _Job]]]]" = \
             queue.PriorityQueue()
         self._seq = 0
+        # the one-pass CPU step (_C.adam_step); param_out(shard): the bf16 home it may write the new
+        # weights into (None: write_param casts them)
+        self.fused = True
+        self.param_out: Optional[Callable[[FlatShard], Optional[torch.Tensor]]] = None
         self._phase_s: dict[str, float] = {}  # seconds per phase of the per-shard step since the last report
         self._worker: Optional[threading.Thread] = None
         self._cond = threading.Condition()
@@ -407,6 +411,8 @@ class OffloadOptimizer:
         device buffer sets of a streamed step."""
         n = st.numel
         dev = self.step_device
+        if dev is None and grad is None and self.fused and flat.dtype == torch.float32:
+            return self._adam_fused(st, flat, hyper, inv_factor)
         t0 = time.perf_counter()
         g32 = self._grad32(st) if grad is None else grad
         t1 = time.perf_counter()
@@ -429,6 +435,42 @@ class OffloadOptimizer:
             master = flat[:n]
         self._count(gradient=t1 - t0, adam=time.perf_counter() - t1)
         return master
+
+    def _adam_fused(self, st: ShardOptimState, flat: torch.Tensor, hyper: dict,
+                    inv_factor: Optional[torch.Tensor]) -> torch.Tensor:
+        """The CPU step in one pass (``_C.adam_step``): the gradient read as it is (bf16 or fp32,
+        no fp32 copy) and, when ``param_out`` gives the shard's bf16 home, the new weights cast
+        into it in the same pass (``shard.home_fresh``: ``write_param`` need not cast them)."""
+        from pyinfinity import _C
+
+        n = st.numel
+        t0 = time.perf_counter()
+        if st.src is not None:
+            if st.event is not None:
+                st.event.synchronize()
+            g = st.src
+        else:
+            if threading.current_thread() is not self._worker:
+                self._fill_unwritten([st])
+            if st.grad is None:  # a shard that never got a gradient: zero (weight decay still applies)
+                st.grad = torch.zeros(n, dtype=torch.float32)
+            g = st.grad
+        if g.dtype not in (torch.float32, torch.bfloat16) or not g.is_contiguous():
+            g = g.float().contiguous()  # fp16 gradients: converted once
+        out = self.param_out(st.shard) if self.param_out is not None else None
+        if out is not None and (out.dtype != torch.bfloat16 or out.numel() != n or not out.is_contiguous()):
+            out = None
+        t1 = time.perf_counter()
+        st.step += 1
+        scale = float(inv_factor) if inv_factor is not None else 1.0
+        _C.adam_step(flat.data_ptr(), flat.data_ptr() + 4 * n, flat.data_ptr() + 8 * n, g.data_ptr(),
+                     1 if g.dtype == torch.bfloat16 else 0, out.data_ptr() if out is not None else 0, n,
+                     hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
+                     bool(self.cfg.adam_w_mode), st.step, scale, int(self.threads or torch.get_num_threads()))
+        if out is not None:
+            st.shard.home_fresh = True
+        self._count(gradient=t1 - t0, adam=time.perf_counter() - t1)
+        return flat[:n]
 
     def _count(self, **seconds: float) -> None:
         with self._cond:

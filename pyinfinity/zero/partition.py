@@ -66,6 +66,7 @@ class FlatShard:
     grad_dev: Optional[torch.Tensor] = None  # the unit's gradient on the compute device during backward
     grad_done: bool = False  # the gradient of this backward was handed off
     home_dirty: bool = False  # the home holds the gradient (or a step is pending): wait before reading it
+    home_fresh: bool = False  # the optimizer's one-pass step wrote the new values into the home already
     ready: Any = None  # a CUDA event the compute stream waits for before the next use (resident update)
     backward_done: Any = None  # a CUDA event after this backward's last use of the unit
     grads_in: set = field(default_factory=set)  # slices (by offset) with a gradient in this backward
