@@ -558,7 +558,8 @@ class OffloadOptimizer:
             coef = clip / (raw_norm + 1e-6)
             if coef < 1.0:
                 factor *= coef
-        inv_factor = torch.tensor(1.0 / factor) if factor != 1.0 else None
+        # on the device that steps (torch's fused kernel reads it there; a host tensor would be an illegal address)
+        inv_factor = torch.tensor(1.0 / factor, device=self.step_device) if factor != 1.0 else None
         rest = [st for st in self.states if not st.handed]
         self._fill_unwritten([st for st in rest if st.src is None])
         if self.background and self.step_device is None:
