@@ -287,10 +287,12 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     cfg = load_config(copy.deepcopy(config)) if isinstance(config, dict) else config
     sizes = model_sizes(model_or_sizes, _compute_dtype(cfg))
     fixed, owned = _fixed_from(cfg, None)
-    if owned:
+    if owned - {"resident_bytes"}:
         raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
     from pyinfinity.plan.placement import Knobs
 
+    if "resident_bytes" in owned:  # as the engine does when nothing else is planned: none resident
+        fixed.resident_bytes = 0
     k = Knobs(**{name: getattr(fixed, name) for name in KEYS})
     oo = cfg.zero_optimization.offload_optimizer
     k.pipeline = oo.pipeline_read or oo.pipeline_write

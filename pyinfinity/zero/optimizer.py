@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -466,11 +467,24 @@ class OffloadOptimizer:
         _C.adam_step(flat.data_ptr(), flat.data_ptr() + 4 * n, flat.data_ptr() + 8 * n, g.data_ptr(),
                      1 if g.dtype == torch.bfloat16 else 0, out.data_ptr() if out is not None else 0, n,
                      hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
-                     bool(self.cfg.adam_w_mode), st.step, scale, int(self.threads or torch.get_num_threads()))
+                     bool(self.cfg.adam_w_mode), st.step, scale, self._kernel_threads())
         if out is not None:
             st.shard.home_fresh = True
         self._count(gradient=t1 - t0, adam=time.perf_counter() - t1)
         return flat[:n]
+
+    def _kernel_threads(self) -> int:
+        """Threads of the one-pass step: on the caller's thread torch's intra-op count; on the
+        worker ``threads`` when set (a CPU compute device leaves the cores to backward), else every
+        CPU this process may run on (a GPU run's CPU is otherwise idle while the worker steps)."""
+        if threading.current_thread() is not self._worker:
+            return torch.get_num_threads()
+        if self.threads is not None:
+            return int(self.threads)
+        try:
+            return len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return os.cpu_count() or 1
 
     def _count(self, **seconds: float) -> None:
         with self._cond:

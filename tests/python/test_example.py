@@ -31,8 +31,8 @@ def test_train_cli_on_nvme(tmp_path):
     assert s["prefetch_hits"] > 0
     assert run["memory"]["params"].get("nvme", 0) == s["param_bytes_compute"]
     assert not list(swap.glob("*.swp"))  # swap files removed at the end
-    # no clipping, optimizer on disk: the step overlaps backward from the second step on
-    assert run["steps"][0]["overlapped_shards"] == 0 and run["steps"][-1]["overlapped_shards"] > 0
+    # no clipping, optimizer on disk: every step overlaps backward (units stepped as their gradients land)
+    assert all(step["overlapped_shards"] > 0 for step in run["steps"])
 
 
 def test_example_script_help():

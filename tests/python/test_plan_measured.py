@@ -93,6 +93,7 @@ def _measure(configs: dict[str, dict], x: torch.Tensor) -> dict[str, float]:
                     t0 = time.perf_counter()
                     eng.backward(eng(x))
                     eng.step()
+                    eng.synchronize()  # the step's background work counts (the engines take turns)
                     if i >= WARMUP:
                         times[name].append(time.perf_counter() - t0)
     finally:
