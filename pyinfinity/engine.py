@@ -254,6 +254,70 @@ def _model_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> Mo
                       small_shard_bytes=small)
 
 
+class _ParamHomes:
+    """The parameter homes as the coordinator's gradient hooks and the optimizer's worker see them:
+    where a unit's gradient lands, where the one-pass step may write new weights, how new values
+    go home. It holds no reference to the Engine, so an engine dropped without close() is freed
+    even while its worker is stepping (its finalizer then stops the worker and removes the files)."""
+
+    def __init__(self, param_swapper: TensorSwapper, device: torch.device, accumulation: int) -> None:
+        self.param_swapper = param_swapper
+        self.device = device
+        self.accumulation = accumulation
+        self.partition: Any = None  # set once the model is partitioned
+        self.coordinator: Optional[ParameterCoordinator] = None  # set once it exists
+        self.grad_bufs: dict[int, torch.Tensor] = {}
+        self.grad_staging: Optional[torch.Tensor] = None
+
+    def grad_dest(self, shard: FlatShard) -> tuple[torch.Tensor, bool]:
+        """Where a unit's gradient lands on the host: its parameter home in RAM (the step rewrites
+        the weights from the fp32 master anyway, so no extra RAM), else a buffer of its own (a
+        home on disk or on the device), or under gradient accumulation one staging buffer the
+        optimizer adds into its fp32 accumulator at once."""
+        home = shard.home
+        accumulating = self.accumulation > 1
+        if not accumulating and home.tier == Tier.CPU:
+            return home.tensor, True
+        pin = self.device.type == "cuda"
+        if accumulating:
+            biggest = max(s.numel * s.dtype.itemsize for s in self.partition.shards)
+            if self.grad_staging is None or self.grad_staging.numel() < biggest:
+                self.grad_staging = aligned_empty(biggest, torch.uint8, pin=pin)
+            return self.grad_staging[:shard.nbytes].view(shard.dtype), False
+        buf = self.grad_bufs.get(shard.index)
+        if buf is None:
+            buf = self.grad_bufs[shard.index] = aligned_empty(shard.numel, shard.dtype, pin=pin)
+        return buf, False
+
+    def param_out(self, shard: FlatShard) -> Optional[torch.Tensor]:
+        """The bf16 home the optimizer's one-pass step may write a shard's new weights into."""
+        home = shard.home
+        if home.tier == Tier.CPU and home.tensor is not None and home.tensor.device.type == "cpu":
+            return home.tensor
+        return None
+
+    def write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
+        """The optimizer's new fp32 values of a shard, written home in the compute dtype (and to
+        its device copy when the unit is resident). Called from the optimizer's worker too."""
+        home = shard.home
+        req: Any = Done()
+        if home.tier == Tier.CPU:
+            if not shard.home_fresh:  # the one-pass CPU step casts into the home itself
+                home.tensor.copy_(master)  # cast into the (pinned) home, in place
+            shard.home_fresh = False
+            src = home.tensor
+        else:
+            src = master
+            if shard.dtype != torch.float32 or home.tier == Tier.GPU:
+                src = aligned_empty(shard.numel, shard.dtype)  # kept alive by the request until written
+                src.copy_(master)
+            req = self.param_swapper.write(home, src)
+        if shard.persistent and self.coordinator is not None:
+            self.coordinator.update_resident(shard, src)
+        return req
+
+
+
 class Engine:
     """Offloaded ZeRO-3 training of one model on one device. Use ``initialize`` to make one."""
 
@@ -324,16 +388,17 @@ class Engine:
                 e.close()
             self._ownership.release()
             raise
+        self._homes = _ParamHomes(self.param_swapper, self.device, cfg.gradient_accumulation_steps)
         self.optimizer = OffloadOptimizer(cfg.optimizer, self.optim_swapper,
                                           nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
                                           buffer_count=oo.buffer_count,
                                           pipeline=oo.pipeline_read or oo.pipeline_write,
-                                          write_param=_weakly(self._write_param),
+                                          write_param=self._homes.write_param,
                                           step_device=self.device if cfg.pyinfinity.optimizer_step_device
                                           == "device" else None,
                                           accumulate_steps=cfg.gradient_accumulation_steps)
         self.optimizer.background = self._overlap_mode == "on"
-        self.optimizer.param_out = _weakly(self._param_out)
+        self.optimizer.param_out = self._homes.param_out
         if self.device.type == "cpu":
             self.optimizer.threads = 1  # backward has the cores (see AUTO_OVERLAP_ON_CPU)
         self.optimizer._total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
@@ -348,8 +413,6 @@ class Engine:
                 if b is not None:
                     mod._buffers[name] = b.to(self.device)
                     buf_bytes += b.numel() * b.element_size()
-        self._grad_bufs: dict[int, torch.Tensor] = {}
-        self._grad_staging: Optional[torch.Tensor] = None
         self.coordinator: Optional[ParameterCoordinator] = None
         self._closed = False
         self._held: list[Any] = [self.optimizer]  # what the finalizer stops: the worker, later the hooks
@@ -371,7 +434,7 @@ class Engine:
                 model, self.partition, self.param_swapper, self.device,
                 device_memory=self.device_memory,
                 prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
-                on_grad=self.optimizer.grad_ready, grad_dest=_weakly(self._grad_dest), wait_home=_weakly(self._wait_home),
+                on_grad=self.optimizer.grad_ready, grad_dest=self._homes.grad_dest, wait_home=_weakly(self._wait_home),
                 master_values=self.optimizer.master_values,
                 fixed_bytes=buf_bytes,
                 max_live_elements=int(z.stage3_max_live_parameters),
@@ -380,6 +443,7 @@ class Engine:
             self.close()
             raise
         self._held.append(self.coordinator)  # a dropped engine takes its hooks off the model
+        self._homes.partition, self._homes.coordinator = self.partition, self.coordinator
         self.scaler = DynamicLossScaler(cfg.fp16)
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
@@ -432,52 +496,9 @@ class Engine:
             sh.persistent = True
         self.resident_bytes = sum(sh.nbytes for sh in self.partition.shards if sh.persistent)
 
-    def _grad_dest(self, shard: FlatShard) -> tuple[torch.Tensor, bool]:
-        """Where a unit's gradient lands on the host: its parameter home in RAM (the step rewrites
-        the weights from the fp32 master anyway, so no extra RAM), else a buffer of its own (a
-        home on disk or on the device), or under gradient accumulation one staging buffer the
-        optimizer adds into its fp32 accumulator at once."""
-        home = shard.home
-        accumulating = self.gradient_accumulation_steps > 1
-        if not accumulating and home.tier == Tier.CPU:
-            return home.tensor, True
-        pin = self.device.type == "cuda"
-        if accumulating:
-            biggest = max(s.numel * s.dtype.itemsize for s in self.partition.shards)
-            if self._grad_staging is None or self._grad_staging.numel() < biggest:
-                self._grad_staging = aligned_empty(biggest, torch.uint8, pin=pin)
-            return self._grad_staging[:shard.nbytes].view(shard.dtype), False
-        buf = self._grad_bufs.get(shard.index)
-        if buf is None:
-            buf = self._grad_bufs[shard.index] = aligned_empty(shard.numel, shard.dtype, pin=pin)
-        return buf, False
-
-    def _param_out(self, shard: FlatShard) -> Optional[torch.Tensor]:
-        """The bf16 home the optimizer's one-pass step may write a shard's new weights into."""
-        home = shard.home
-        if home.tier == Tier.CPU and home.tensor is not None and home.tensor.device.type == "cpu":
-            return home.tensor
-        return None
-
     def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
-        """The optimizer's new fp32 values of a shard, written home in the compute dtype (and to
-        its device copy when the unit is resident). Called from the optimizer's worker too."""
-        home = shard.home
-        req: Any = Done()
-        if home.tier == Tier.CPU:
-            if not shard.home_fresh:  # the one-pass CPU step casts into the home itself
-                home.tensor.copy_(master)  # cast into the (pinned) home, in place
-            shard.home_fresh = False
-            src = home.tensor
-        else:
-            src = master
-            if shard.dtype != torch.float32 or home.tier == Tier.GPU:
-                src = aligned_empty(shard.numel, shard.dtype)  # kept alive by the request until written
-                src.copy_(master)
-            req = self.param_swapper.write(home, src)
-        if shard.persistent and self.coordinator is not None:
-            self.coordinator.update_resident(shard, src)
-        return req
+        """The optimizer's new fp32 values of a shard, written home (``_ParamHomes.write_param``)."""
+        return self._homes.write_param(shard, master)
 
     # ------------------------------------------------------------------------- training API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -803,8 +803,10 @@ class OffloadOptimizer:
         gradients not consumed. Returns how many shards were stepped since the last step() (0: the
         optimizer state is as before)."""
         stepped = sum(1 for st in self.states if st.handed)
+        on_worker = threading.current_thread() is self._worker  # (a finalizer may run there): never wait on itself
         try:
-            self._wait(lambda: not any(st.busy for st in self.states), "the optimizer step")
+            if not on_worker:
+                self._wait(lambda: not any(st.busy for st in self.states), "the optimizer step")
         finally:
             self._window, self._eager, self._handed_early = None, False, 0
             self._error = None
@@ -848,7 +850,10 @@ class OffloadOptimizer:
         try:
             self.cancel()
         finally:
-            if self._worker is not None:
+            if self._worker is not None and self._worker is threading.current_thread():
+                self._queue.put((math.inf, 0, None))  # it stops when it gets there
+                self._worker = None
+            elif self._worker is not None:
                 self._queue.put((math.inf, 0, None))
                 self._worker.join(WAIT_STUCK_S)
                 if self._worker.is_alive():
