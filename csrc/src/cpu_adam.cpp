@@ -1,6 +1,7 @@
 #include "pyinfinity/cpu_adam.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -9,21 +10,6 @@
 #include "pyinfinity/error.hpp"
 
 namespace pyinfinity {
-
-std::uint16_t float_to_bf16(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const std::uint32_t quiet_nan = (u >> 16) | 0x40u;
-  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);  // a select: vectorizes
-}
-
-float bf16_to_float(std::uint16_t h) {
-  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 namespace {
 
@@ -62,6 +48,10 @@ void step_range(float* master, float* m, float* v, const void* grad, std::uint16
 
 }  // namespace
 
+std::uint16_t float_to_bf16(float f) { return generic::store_bf16(f); }
+
+float bf16_to_float(std::uint16_t h) { return generic::load_bf16(h); }
+
 void adam_step(float* master, float* exp_avg, float* exp_avg_sq, const void* grad, GradType grad_type,
                std::uint16_t* out_bf16, std::size_t n, const AdamHyper& h, int threads) {
   PYINF_EXPECT(h.step >= 1, "adam_step: step must be >= 1");
@@ -91,16 +81,23 @@ void adam_step(float* master, float* exp_avg, float* exp_avg_sq, const void* gra
     run(0, n);
     return;
   }
-  // contiguous chunks, each a multiple of 64 elements (whole cache lines for every array)
-  const std::size_t chunk = ((n + want - 1) / want + 63) / 64 * 64;
+  // Threads claim chunks from a shared counter (about 8 per thread, each a multiple of 64 elements:
+  // whole cache lines of every array) instead of one fixed range each: a thread descheduled for a
+  // while (the training loop's own thread shares these CPUs) delays one chunk, not 1/threads of
+  // the step. The result is the same for any split (the step is elementwise).
+  const std::size_t chunk = std::max<std::size_t>(kMinChunk / 4, (n / (want * 8) + 63) / 64 * 64);
+  std::atomic<std::size_t> next{0};
+  auto worker = [&]() {
+    for (;;) {
+      const std::size_t b = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (b >= n) return;
+      run(b, std::min(n, b + chunk));
+    }
+  };
   std::vector<std::thread> pool;
   pool.reserve(want - 1);
-  for (std::size_t t = 1; t < want; ++t) {
-    const std::size_t b = t * chunk;
-    if (b >= n) break;
-    pool.emplace_back(run, b, std::min(n, b + chunk));
-  }
-  run(0, std::min(n, chunk));
+  for (std::size_t t = 1; t < want; ++t) pool.emplace_back(worker);
+  worker();
   for (auto& th : pool) th.join();
 }
 

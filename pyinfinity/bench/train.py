@@ -182,7 +182,7 @@ def measure_bound_rates(device: str, nvme_dir: str) -> dict[str, Any]:
     from pyinfinity.plan.rates import measure_adam, measure_copies, measure_disk
 
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"adam": measure_adam(4_000_000, 5)}
+    out: dict[str, Any] = {"adam": measure_adam(8_000_000, 5)}
     h2d, d2h, _ = measure_copies(device, 256 << 20 if device.startswith("cuda") else 64 << 20, 5)
     out.update(h2d=h2d, d2h=d2h)
     try:
