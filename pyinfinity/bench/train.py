@@ -529,6 +529,14 @@ def table_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def rss_over_plan(r: dict[str, Any]) -> Optional[float]:
+    """(peak RSS - RSS before the model was built) / the planner's host bytes, for a run that has all
+    three (pyinfinity's; the planner's host bytes are what its training state should hold in RAM)."""
+    if not r.get("ok") or not r.get("plan_host_bytes") or not r.get("peak_rss") or r.get("rss_before_build") is None:
+        return None
+    return (r["peak_rss"] - r["rss_before_build"]) / r["plan_host_bytes"]
+
+
 def ratio_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
     """pyinfinity / DeepSpeed tokens/s per size and tier, and the largest size each system trained."""
     by = {(r["size"], r["system"]): r for r in runs}
@@ -560,6 +568,12 @@ def ratio_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
         if over:
             out.append(f"{size}: step time over plain {ref['system']} ({ref['step_seconds']:.3f} s, nothing "
                        f"offloaded): " + ", ".join(over))
+    for r in runs:
+        share = rss_over_plan(r)
+        if share is not None:
+            out.append(f"{r['size']} {r['system']}: host memory {_gib(r['peak_rss'] - r['rss_before_build'])} "
+                       f"(peak RSS {_gib(r['peak_rss'])} minus {_gib(r['rss_before_build'])} before the model), "
+                       f"plan {_gib(r['plan_host_bytes'])}: {share:.2f}x the plan")
     largest: dict[str, dict[str, Any]] = {}
     for r in runs:
         if r.get("ok") and (r["system"] not in largest or r["params"] > largest[r["system"]]["params"]):

@@ -48,6 +48,15 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def current_rss() -> int:
+    """The process's resident set now (bytes; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class DiskSampler:
     """Samples /proc/self/io every ``period`` seconds on a thread: (t, read_bytes, write_bytes)."""
 
@@ -365,6 +374,9 @@ def run(spec: dict) -> dict:
     r: Optional[Run] = None
     phase = "build"
     try:
+        # what the process holds before the model exists (torch, CUDA context, the batches): the
+        # training state's share of the peak is peak_rss minus this, against the plan's host bytes
+        res["rss_before_build"] = current_rss()
         t0 = time.perf_counter()
         r = Run(spec)
         res["build_seconds"] = round(time.perf_counter() - t0, 3)
@@ -414,6 +426,9 @@ def run(spec: dict) -> dict:
             res["step_wait_seconds"] = sum(rec.step_wait_seconds for rec in recs) / len(recs) if recs else None
             rep = r.engine.memory_report()
             res["placement"] = {"params": rep.params, "optimizer": rep.optimizer, "grads": rep.grads}
+            plan = getattr(r.engine, "plan", None)
+            if plan is not None:
+                res["plan_host_bytes"] = int(plan.host_bytes)
         if spec.get("trace"):
             phase = "trace"
             res["trace"] = _traced_step(r, batches[steps].to(device), device)

@@ -56,6 +56,14 @@ def test_a_missing_disk_rate_leaves_the_disk_term_out_of_the_max_not_zero():
     assert b["bound_by"] == "compute"
 
 
+def test_rss_over_plan_counts_only_what_the_state_added():
+    r = {"ok": True, "peak_rss": 30 << 30, "rss_before_build": 5 << 30, "plan_host_bytes": 20 << 30}
+    assert bt.rss_over_plan(r) == pytest.approx(1.25)
+    assert bt.rss_over_plan({**r, "plan_host_bytes": None}) is None  # a system without a plan
+    assert bt.rss_over_plan({**r, "ok": False}) is None
+    assert bt.rss_over_plan({k: v for k, v in r.items() if k != "rss_before_build"}) is None  # older results
+
+
 def test_sizes_match_the_baseline_model():
     f = bt.model_fields("1.1b", 1024)
     facts = bt.size_facts(f, "bf16", 4, 1024, True)
@@ -131,6 +139,11 @@ def test_bench_train_end_to_end_on_the_cpu(tmp_path):
     assert nv["bytes_moved_per_step"].get("optimizer.nvme.read", 0) > 0
     assert nv["disk_read_per_step"] > 0 and nv["placement"]["optimizer"].get("nvme", 0) > 0
     assert runs["pyinfinity-cpu"]["disk_read_per_step"] == 0
+    for s in ("pyinfinity-cpu", "pyinfinity-nvme"):  # the plan's host bytes against what the state took
+        r = runs[s]
+        assert r["rss_before_build"] > 0 and r["plan_host_bytes"] > 0 and r["peak_rss"] > r["rss_before_build"]
+        assert f"tiny {s}: host memory" in p.stdout and "x the plan" in p.stdout
+    assert "rss_before_build" in runs["torch"] and "plan_host_bytes" not in runs["torch"]
     assert (tmp_path / "bt.png").stat().st_size > 10_000
     md = (tmp_path / "bt.md").read_text()
     assert "| tiny |" in md and "pyinfinity-nvme" in md
