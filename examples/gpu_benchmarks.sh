@@ -5,7 +5,10 @@
 # 2. `pyinfinity bench train` under an 8 GiB device cap, every run appended to RESULTS_DIR/bench.json:
 #    1.1B: plain torch without a cap, pyinfinity auto / cpu, DeepSpeed ZeRO-3 cpu; the same with
 #    clipping to 1.0; 20 steps of plain torch and pyinfinity for the loss curves; optimizer on NVMe
-#    (pyinfinity and DeepSpeed); 7B and 10B with pyinfinity auto.
+#    (pyinfinity and DeepSpeed); 10B with pyinfinity auto; 7B with pyinfinity auto and DeepSpeed's
+#    optimizer on NVMe (a row that says so when the disk cannot hold its state);
+# 3. DeepSpeed as the engine with pyinfinity as its I/O backend (examples/deepspeed_backend_h200.py),
+#    its JSON in RESULTS_DIR/ds_backend.json.
 # DeepSpeed runs need `deepspeed` importable (they are reported as failed otherwise). Each stage's
 # log is RESULTS_DIR/<stage>.log; a failed stage does not stop the next one.
 set -u
@@ -28,6 +31,8 @@ bench b11_clip --sizes 1.1b --systems pyinfinity-auto,pyinfinity-cpu,deepspeed-c
   --no-trace
 bench b11_losses --sizes 1.1b --systems torch-nocap,pyinfinity-auto --steps 20 --warmup 0 --no-trace
 bench b11_nvme --sizes 1.1b --systems pyinfinity-nvme,deepspeed-nvme --steps 3 --warmup 1 --no-trace
-bench b7 --sizes 7b --systems pyinfinity-auto --steps 4 --warmup 1 --no-trace
 bench b10 --sizes 10b --systems pyinfinity-auto --steps 3 --warmup 1 --no-trace
+bench b7 --sizes 7b --systems pyinfinity-auto,deepspeed-nvme --steps 4 --warmup 1 --no-trace
+stage ds_backend "$PY" examples/deepspeed_backend_h200.py --configs pyinf-cpu-nvme,ds-cpu-nvme,pyinf-nvme-nvme,pyinf-nvme-nvme-fix \
+  --steps 4 --nvme-dir "$SWAP/ds_backend" --json "$OUT/ds_backend.json"
 echo "== $(date +%T) done"
