@@ -95,7 +95,8 @@ class MemoryReport:
                 f"{format_size(self.device_peak)}, budget "
                 f"{format_size(self.device_budget) if self.device_budget else 'none'}"]
         for name, d in (("params", self.params), ("optimizer", self.optimizer), ("grads", self.grads)):
-            rows.append(f"{name:9s} " + ", ".join(f"{k} {format_size(v)}" for k, v in sorted(d.items()) if v))
+            held = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(d.items()) if v)
+            rows.append(f"{name:9s} " + (held or "none held"))
         return "\n".join(rows)
 
 

@@ -267,6 +267,17 @@ def test_close_removes_swap_files_and_forbids_use(tiny_lm, lm_batches, engine_co
         eng(x, y)
 
 
+def test_memory_report_table_says_when_a_class_holds_nothing():
+    from pyinfinity.engine import MemoryReport
+
+    rep = MemoryReport(device="cuda:0", device_budget=8 << 30, device_resident=1 << 30, device_peak=2 << 30,
+                       device_allocated_peak=None, params={"cpu": 3 << 30, "nvme": 0}, optimizer={"cpu": 12 << 30},
+                       grads={"cpu": 0}, swap_files=[], host_rss=0)
+    lines = rep.table().splitlines()
+    assert lines[1].startswith("params") and "cpu 3.00 GiB" in lines[1] and "nvme" not in lines[1]
+    assert lines[3].split() == ["grads", "none", "held"]
+
+
 def test_swap_dir_in_use_by_another_engine_is_an_error(tiny_lm, engine_config):
     cfg = engine_config("nvme")
     with pyinfinity.initialize(tiny_lm(), cfg):
