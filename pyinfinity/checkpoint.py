@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from pyinfinity.config import format_size
-from pyinfinity.swap.ownership import clean_checkpoint_leftovers
+from pyinfinity.swap.ownership import clean_checkpoint_leftovers, write_fsynced
 from pyinfinity.swap.tensor_swapper import aligned_empty
 
 if TYPE_CHECKING:
@@ -154,14 +154,7 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
 def _write_file(path: str, data: bytes) -> None:
     """Writes and fsyncs ``path``; an OSError (ENOSPC...) names the file."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_fsynced(path, data)
     except OSError as exc:
         if exc.filename is not None:
             raise

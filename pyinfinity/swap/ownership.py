@@ -183,10 +183,9 @@ def read_manifest(directory: str) -> Optional[dict]:
     return m
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    d = os.path.dirname(path)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+def write_fsynced(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` (created or truncated) and fsyncs it; short writes are continued."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -194,6 +193,12 @@ def _write_atomic(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    d = os.path.dirname(path)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
+    write_fsynced(tmp, data)
     os.rename(tmp, path)
     dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
