@@ -16,6 +16,15 @@ so a job cut short keeps what it finished):
                           to the buffers)
     ds-nvme-nvme, ds-nvme-nvme-fix: DeepSpeed's own aio and swapper, both on nvme (not in the
                           default set; "-fix" sizes the knobs, DeepSpeed's swapper stays unpatched)
+    pyinf-cpu-nvme-pipe, ds-cpu-nvme-pipe: params cpu, optimizer nvme with DeepSpeed's pipelined
+                          optimizer swapper (pipeline_read + pipeline_write: the next sub-group is
+                          read and the previous one written while one steps), sub_group_size
+                          --pipe-sub-group-size, offload_optimizer.buffer_count at least 12
+
+Each row splits a step into forward, backward and engine.step() (device synchronised before each
+timer is read) and, for pyinfinity's rows, the seconds DeepSpeed was blocked in the handle's
+waits (read / write; pyinfinity.integrations.deepspeed.stats()). DeepSpeed's own aio handle is
+not instrumented: its rows say "n/a" there.
 
     python examples/deepspeed_backend_h200.py --json results.json
     python examples/deepspeed_backend_h200.py --dry-run          # configs and commands, runs nothing
@@ -49,6 +58,7 @@ class RunConfig:
     params: str                 # offload_param.device: "cpu" | "nvme"
     optimizer: str              # offload_optimizer.device: "cpu" | "nvme"
     sized: bool = False         # pyinfinity.integrations.deepspeed.size_nvme_offload() on the config
+    pipeline: bool = False      # DeepSpeed's pipelined optimizer swapper (pipeline_read + pipeline_write)
 
 
 CONFIGS: Dict[str, RunConfig] = {
@@ -58,7 +68,11 @@ CONFIGS: Dict[str, RunConfig] = {
     "pyinf-nvme-nvme-fix": RunConfig("pyinfinity", "nvme", "nvme", sized=True),
     "ds-nvme-nvme": RunConfig("deepspeed", "nvme", "nvme"),
     "ds-nvme-nvme-fix": RunConfig("deepspeed", "nvme", "nvme", sized=True),
+    "pyinf-cpu-nvme-pipe": RunConfig("pyinfinity", "cpu", "nvme", pipeline=True),
+    "ds-cpu-nvme-pipe": RunConfig("deepspeed", "cpu", "nvme", pipeline=True),
 }
+PIPELINE_BUFFERS = 12  # 4 per sub-group (fp32, exp_avg, exp_avg_sq, gradient) x (current, read ahead, write behind)
+PHASES = ("forward", "backward", "step")
 DEFAULT_CONFIGS = ("pyinf-cpu-nvme", "ds-cpu-nvme", "pyinf-nvme-nvme", "pyinf-nvme-nvme-fix")
 
 
@@ -84,6 +98,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--no-grad-ckpt", action="store_true", help="no gradient checkpointing")
     ap.add_argument("--pipeline", action="store_true", help="offload_optimizer pipeline_read/pipeline_write")
     ap.add_argument("--optimizer-buffer-count", type=int, default=4, help="offload_optimizer.buffer_count")
+    ap.add_argument("--pipe-sub-group-size", type=float, default=1e8,
+                    help="zero_optimization.sub_group_size of the -pipe configurations (DeepSpeed's 1e9 leaves "
+                         "the 1.1B model two sub-groups: little to read ahead; 12 buffers of 1e8 fp32 = 4.8 GB pinned)")
     ap.add_argument("--optimizer", choices=["ds", "torch"], default="ds",
                     help="ds: DeepSpeed's CPU Adam from the config (as the baseline); torch: torch.optim.AdamW")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -129,8 +146,11 @@ def ds_config(cfg: RunConfig, a: argparse.Namespace, nvme_path: str) -> Dict[str
         if not cfg.sized:  # size_nvme_offload chooses these from the budget
             zero["offload_param"].update(buffer_count=a.buffer_count, buffer_size=a.buffer_size)
     if cfg.optimizer == "nvme":
-        zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=a.optimizer_buffer_count,
-                                         pipeline_read=a.pipeline, pipeline_write=a.pipeline)
+        pipeline = a.pipeline or cfg.pipeline
+        zero["offload_optimizer"].update(nvme_path=nvme_path, pipeline_read=pipeline, pipeline_write=pipeline,
+                                         buffer_count=max(a.optimizer_buffer_count, PIPELINE_BUFFERS if pipeline else 0))
+        if cfg.pipeline:
+            zero["sub_group_size"] = int(a.pipe_sub_group_size)
     conf: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
         "zero_optimization": zero,
@@ -202,6 +222,8 @@ def run_child(name: str, a: argparse.Namespace) -> Dict[str, Any]:
             for line in sizing.changes:
                 print(f"size_nvme_offload: {line}", flush=True)
         res["offload_param"] = conf["zero_optimization"]["offload_param"]
+        res["offload_optimizer"] = conf["zero_optimization"]["offload_optimizer"]
+        res["sub_group_size"] = conf["zero_optimization"].get("sub_group_size", "DeepSpeed's default (1e9)")
         os.makedirs(nvme, exist_ok=True)
         t = time.perf_counter()
         torch.manual_seed(0)  # same initial weights in every configuration: losses are comparable
@@ -220,23 +242,46 @@ def run_child(name: str, a: argparse.Namespace) -> Dict[str, Any]:
         g = torch.Generator().manual_seed(0)
         times: List[float] = []
         losses: List[float] = []
+        phases: Dict[str, List[float]] = {k: [] for k in PHASES}
+        io_wait: Dict[str, List[float]] = {"wait": [], "read": [], "write": []}
+
+        def mark() -> float:
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
         for _ in range(a.steps):
             x = torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(dev)
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
+            io0 = pids.stats() if cfg.backend == "pyinfinity" else None
+            t0 = mark()
             loss = eng(input_ids=x, labels=x).loss
+            t1 = mark()
             eng.backward(loss)
+            t2 = mark()
             eng.step()
+            t3 = mark()
             losses.append(loss.item())
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+            times.append(t3 - t0)
+            for k, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+                phases[k].append(round(v, 3))
+            if io0 is not None:
+                io1 = pids.stats()
+                for k, attr in (("wait", "wait_s"), ("read", "read_wait_s"), ("write", "write_wait_s")):
+                    io_wait[k].append(round(getattr(io1, attr) - getattr(io0, attr), 3))
         steady = times[2:] if len(times) > 2 else times
         s_per_step = sum(steady) / len(steady)
+        first = 2 if len(times) > 2 else 0
+
+        def mean(v: List[float]) -> float:
+            return round(sum(v[first:]) / len(v[first:]), 3)
+
         res.update(step_s=[round(v, 3) for v in times], s_per_step=round(s_per_step, 3),
                    steps_per_s=round(1 / s_per_step, 4), tokens_per_s=round(a.batch * a.seq / s_per_step, 1),
-                   losses=losses, ok=True)
+                   losses=losses, phase_s=phases, phase_s_per_step={k: mean(v) for k, v in phases.items()}, ok=True)
+        if cfg.backend == "pyinfinity":
+            res.update(io_wait_s=io_wait, io_wait_s_per_step={k: mean(v) for k, v in io_wait.items()})
+        else:
+            res["io_wait_s"] = "n/a: DeepSpeed's own aio handle is not instrumented"
         if cuda:
             res["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
             res["peak_gpu_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2 ** 30, 2)
@@ -250,6 +295,8 @@ def run_child(name: str, a: argparse.Namespace) -> Dict[str, Any]:
             res["pyinfinity_io"] = {
                 "handles": st.handles, "reads": st.reads, "writes": st.writes,
                 "gb_read": round(st.bytes_read / 1e9, 2), "gb_written": round(st.bytes_written / 1e9, 2),
+                "wait_calls": st.wait_calls, "wait_s": round(st.wait_s, 2),
+                "read_wait_s": round(st.read_wait_s, 2), "write_wait_s": round(st.write_wait_s, 2),
                 "swap_files": len(swap_files),
                 "swap_files_not_through_pyinfinity": sorted(swap_files - st.files_written)[:10],
             }
@@ -331,15 +378,21 @@ def compare_losses(results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def table(results: List[Dict[str, Any]]) -> str:
-    head = ["config", "backend", "params", "optim", "s/step", "steps/s", "tokens/s", "peak GPU GiB", "note"]
+    head = ["config", "backend", "params", "optim", "s/step", "fwd s", "bwd s", "step() s", "I/O wait s (r/w)",
+            "steps/s", "tokens/s", "peak GPU GiB", "note"]
     rows = [head]
     for r in results:
         note = r.get("error", "")
         if r.get("ok") and "pyinfinity_io" in r:
             io = r["pyinfinity_io"]
             note = f"pyinfinity I/O: {io['gb_read']} GB read, {io['gb_written']} GB written"
+        ph = r.get("phase_s_per_step") or {}
+        w = r.get("io_wait_s_per_step")
+        wait = (f"{w['wait']:.2f} ({w['read']:.2f}/{w['write']:.2f})" if w else
+                "n/a (DeepSpeed aio)" if r.get("ok") else "-")
         rows.append([r["config"], r["backend"], r["params"], r["optimizer"],
                      f"{r['s_per_step']:.2f}" if r.get("ok") else "-",
+                     *(f"{ph[k]:.2f}" if k in ph else "-" for k in PHASES), wait,
                      f"{r['steps_per_s']:.3f}" if r.get("ok") else "-",
                      f"{r['tokens_per_s']:,.0f}" if r.get("ok") else "-",
                      f"{r['peak_gpu_gib']:.2f}" if r.get("peak_gpu_gib") is not None else "-",
@@ -381,6 +434,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         doc.update(results=results, loss_checks=compare_losses(results))
         out.write_text(json.dumps(doc, indent=1))
     print(table(results))
+    print("fwd/bwd/step() s: steady-state seconds per step in forward, backward and engine.step(); I/O wait: "
+          "seconds per step DeepSpeed was blocked in pyinfinity's handle (reads/writes; the rest waited for both); "
+          "n/a: DeepSpeed's own aio handle is not instrumented")
     for c in doc.get("loss_checks", []):
         print(f"losses {c['runs'][0]} vs {c['runs'][1]}: max relative difference {c['max_rel_loss_diff']:.2e}")
     print(f"results: {out}")

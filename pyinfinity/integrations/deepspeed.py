@@ -30,15 +30,18 @@ config.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.machinery
 import inspect
 import logging
+import math
 import os
 import re
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +78,11 @@ class DeepSpeedLayoutError(RuntimeError):
 # -- I/O counters --------------------------------------------------------------------------------
 @dataclass
 class IoStats:
-    """What DeepSpeed asked pyinfinity to do, counted at submission (failures raise at wait)."""
+    """What DeepSpeed asked pyinfinity to do, counted at submission (failures raise at wait), and
+    how long DeepSpeed's threads were blocked waiting for it: every ``wait()`` of a handle,
+    including those inside ``sync_pread``/``sync_pwrite``/``pread``/``pwrite``/``read``/``write``
+    and the module-level ``aio_read``/``aio_write``. A wait whose operations were all reads counts
+    in ``read_wait_s``, all writes in ``write_wait_s``; a wait over both only in ``wait_s``."""
     handles: int = 0
     reads: int = 0
     writes: int = 0
@@ -83,6 +90,10 @@ class IoStats:
     bytes_written: int = 0
     files_read: Set[str] = field(default_factory=set)
     files_written: Set[str] = field(default_factory=set)
+    wait_calls: int = 0
+    wait_s: float = 0.0
+    read_wait_s: float = 0.0
+    write_wait_s: float = 0.0
 
     def as_dict(self) -> Dict[str, Any]:
         d = dict(self.__dict__)
@@ -98,8 +109,7 @@ _stats_lock = threading.Lock()
 def stats() -> IoStats:
     """A snapshot of the counters since the last :func:`reset_stats`."""
     with _stats_lock:
-        return IoStats(_stats.handles, _stats.reads, _stats.writes, _stats.bytes_read, _stats.bytes_written,
-                       set(_stats.files_read), set(_stats.files_written))
+        return dataclasses.replace(_stats, files_read=set(_stats.files_read), files_written=set(_stats.files_written))
 
 
 def reset_stats() -> None:
@@ -130,10 +140,21 @@ def _record(write: bool, buffer: torch.Tensor, target: Any) -> None:
             _stats.files_read.add(path)
 
 
+def _record_wait(seconds: float, writes: Set[bool]) -> None:
+    """One blocking wait of ``seconds`` over operations of the directions in ``writes``."""
+    with _stats_lock:
+        _stats.wait_calls += 1
+        _stats.wait_s += seconds
+        if writes == {False}:
+            _stats.read_wait_s += seconds
+        elif writes == {True}:
+            _stats.write_wait_s += seconds
+
+
 # -- the handle DeepSpeed gets ---------------------------------------------------------------------
 class DeepSpeedAioHandle(AioHandle):
-    """``AioHandle`` as DeepSpeed's swappers use it, counting every read and write (see
-    :func:`stats`). Locked buffers are process-wide in AioHandle itself, as in DeepSpeed."""
+    """``AioHandle`` as DeepSpeed's swappers use it, counting every read and write and timing every
+    wait (see :func:`stats`). Locked buffers are process-wide in AioHandle itself, as in DeepSpeed."""
 
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128, single_submit: bool = False,
                  overlap_events: bool = False, intra_op_parallelism: int = 1) -> None:
@@ -144,6 +165,16 @@ class DeepSpeedAioHandle(AioHandle):
     def _submit(self, buffer: torch.Tensor, target: Any, write: bool, file_offset: int, validate: bool) -> None:
         super()._submit(buffer, target, write, file_offset, validate)
         _record(write, buffer, target)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """AioHandle.wait, timed (every sync_* / pread / pwrite without async waits through here)."""
+        with self._lock:
+            writes = {p.request.is_write for p in self._pending}
+        t = time.perf_counter()
+        try:
+            return super().wait(timeout)
+        finally:
+            _record_wait(time.perf_counter() - t, writes)
 
 
 def _aio_read(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
@@ -784,11 +815,18 @@ def fix_nvme_prefetch() -> None:
 # -- sizing DeepSpeed's NVMe offload knobs from the model ------------------------------------------
 #: DeepSpeed 0.19's defaults for the knobs sized here (``runtime/zero/offload_config.py``, ``config.py``)
 DS_DEFAULTS: Dict[str, float] = {"buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9,
-                                 "optimizer_buffer_count": 4, "stage3_prefetch_bucket_size": 5e7,
+                                 "optimizer_buffer_count": 4, "sub_group_size": 1e9, "stage3_prefetch_bucket_size": 5e7,
                                  "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
 MIN_AIO_BYTES = 1 << 20       # DeepSpeed swaps a partition only from this size (and from aio.block_size)
 AIO_ALIGNED_BYTES = 1024      # DeepSpeed aligns each swap buffer to this times intra_op_parallelism
 FETCH_RESERVE = 2             # buffers one module's fetch needs beyond what is held
+#: Pinned buffers a sub-group holds in DeepSpeed's optimizer swapper with Adam: the fp32 master,
+#: exp_avg and exp_avg_sq, and the gradient (``runtime/swap_tensor/pipelined_optimizer_swapper.py``,
+#: ``_swap_in_optimizer_state``: ``num_tensors() + 1``).
+OPTIMIZER_SWAP_BUFFERS = 4
+#: Sub-groups size_nvme_offload aims for when it turns the pipelined swapper on and
+#: ``sub_group_size`` is left out (DeepSpeed's 1e9 leaves a 1B model two: nothing to read ahead).
+PIPELINE_SUB_GROUPS = 8
 
 
 @dataclass
@@ -815,7 +853,7 @@ def _knob(section: Dict[str, Any], key: str) -> Optional[float]:
 def size_nvme_offload(config: Dict[str, Any], model: Any, *, dtype: Any = None, world_size: Optional[int] = None,
                       pinned_budget_bytes: Optional[int] = None,
                       cpu_budget_bytes: Optional[int] = None) -> NvmeOffloadSizing:
-    """Sizes DeepSpeed's parameter-swap knobs from the model, before ``deepspeed.zero.Init`` /
+    """Sizes DeepSpeed's parameter-swap and optimizer-swap knobs from the model, before ``deepspeed.zero.Init`` /
     ``deepspeed.initialize`` / the Hugging Face Trainer sees ``config`` (they build the swap buffers
     from it). Returns a new config (the input is not changed) and what was changed.
 
@@ -833,9 +871,12 @@ def size_nvme_offload(config: Dict[str, Any], model: Any, *, dtype: Any = None, 
     partition ("More elements ... than buffer size"), resolves absent/"auto" integer knobs (which
     DeepSpeed's schema rejects), and lowers the reuse distance, live-parameter and prefetch limits
     to what the buffers hold: (buffer_count - 2) x the smallest swapped partition.
+
+    With ``offload_optimizer.device: nvme`` (parameters on nvme or not) it turns DeepSpeed's
+    pipelined optimizer swapper on when ``pipeline_read``/``pipeline_write`` are left out, with the
+    buffers and sub-group size it needs (see :func:`_size_optimizer_swap`).
     """
     import copy
-    import math
 
     from pyinfinity.plan import model_sizes  # noqa: WPS433 - plan imports torch models lazily
 
@@ -843,7 +884,8 @@ def size_nvme_offload(config: Dict[str, Any], model: Any, *, dtype: Any = None, 
     changes: List[str] = []
     zero = cfg.setdefault("zero_optimization", {})
     param = zero.get("offload_param") or {}
-    if param.get("device") != "nvme":
+    opt = zero.get("offload_optimizer") or {}
+    if param.get("device") != "nvme" and opt.get("device") != "nvme":
         return NvmeOffloadSizing(cfg, [], 0, 0, 0)
 
     def change(where: str, key: str, old: Any, new: Any, why: str) -> None:
@@ -859,6 +901,10 @@ def size_nvme_offload(config: Dict[str, Any], model: Any, *, dtype: Any = None, 
     world = int(world_size or os.environ.get("WORLD_SIZE", 1) or 1)
     if world < 1:
         raise ValueError(f"world_size: must be >= 1, got {world}")
+    if opt.get("device") == "nvme":
+        _size_optimizer_swap(zero, opt, sum(math.ceil(n / world) for n in sizes.shard_numels), change)
+    if param.get("device") != "nvme":
+        return NvmeOffloadSizing(cfg, changes, 0, 0, 0)
     itemsize = sizes.itemsize
     aio = cfg.get("aio") or {}
     block = int(_knob(aio, "block_size") or 1048576)
@@ -923,12 +969,47 @@ def size_nvme_offload(config: Dict[str, Any], model: Any, *, dtype: Any = None, 
         param["max_in_cpu"] = new
     for key in ("buffer_count", "buffer_size"):
         param[key] = int(param[key])
-    opt = zero.get("offload_optimizer") or {}
-    if opt.get("device") == "nvme" and _knob(opt, "buffer_count") is None:
-        new = int(DS_DEFAULTS["optimizer_buffer_count"])
-        change("offload_optimizer.", "buffer_count", opt.get("buffer_count"), new, "absent/auto: DeepSpeed's default")
-        opt["buffer_count"] = new
     return NvmeOffloadSizing(cfg, changes, len(swappable), largest, smallest)
+
+
+def _size_optimizer_swap(zero: Dict[str, Any], opt: Dict[str, Any], rank_numel: int,
+                         change: Callable[[str, str, Any, Any, str], None]) -> None:
+    """The optimizer-swap knobs of :func:`size_nvme_offload` (``offload_optimizer.device: nvme``).
+
+    Without ``pipeline_read``/``pipeline_write`` DeepSpeed steps each sub-group in series: read its
+    states and gradient, wait, step, write, wait. Left out, both are turned on (the pipelined
+    swapper reads sub-group i+1 and writes i-1 while i steps) when the buffers allow it: it holds
+    OPTIMIZER_SWAP_BUFFERS pinned buffers per sub-group in flight (3 with both on, 2 with one) and
+    asserts with fewer. Each buffer holds the largest sub-group, so with ``sub_group_size`` left
+    out it is lowered to give PIPELINE_SUB_GROUPS sub-groups (DeepSpeed's 1e9 gives a model of
+    1B parameters two, and 12 buffers of 4 GB)."""
+    count = _knob(opt, "buffer_count")
+    given = [k for k in ("pipeline_read", "pipeline_write") if k in opt]
+    if not given:
+        need = OPTIMIZER_SWAP_BUFFERS * 3
+        if count is not None and count < need:
+            log.info("pyinfinity size_nvme_offload: offload_optimizer.buffer_count %s is below the %d the "
+                     "pipelined swapper needs: pipeline_read/pipeline_write left off", opt.get("buffer_count"), need)
+        else:
+            for key in ("pipeline_read", "pipeline_write"):
+                change("offload_optimizer.", key, None, True,
+                       "absent: overlap the next sub-group's read and the previous one's write with the step")
+                opt[key] = True
+    pipelined = bool(opt.get("pipeline_read")) + bool(opt.get("pipeline_write"))
+    need = OPTIMIZER_SWAP_BUFFERS * (1 + pipelined) if pipelined else int(DS_DEFAULTS["optimizer_buffer_count"])
+    if count is None or count < need:
+        why = ("absent/auto: " if count is None else "below what DeepSpeed asserts on: ") + (
+            f"{OPTIMIZER_SWAP_BUFFERS} per sub-group x {1 + pipelined} in flight" if pipelined
+            else "DeepSpeed's default")
+        change("offload_optimizer.", "buffer_count", opt.get("buffer_count"), need, why)
+        opt["buffer_count"] = need
+    if pipelined and _knob(zero, "sub_group_size") is None:
+        new = int(min(DS_DEFAULTS["sub_group_size"],  # never below what DeepSpeed swaps (fp32: 1 MiB)
+                      max(MIN_AIO_BYTES // 4, math.ceil(rank_numel / PIPELINE_SUB_GROUPS))))
+        change("zero_optimization.", "sub_group_size", zero.get("sub_group_size"), new,
+               f"absent/auto: {rank_numel} elements per rank in {PIPELINE_SUB_GROUPS} sub-groups, so that "
+               "the pipelined swapper has a next one to read and each pinned buffer holds one")
+        zero["sub_group_size"] = new
 
 
 def is_installed() -> bool:

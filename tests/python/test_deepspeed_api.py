@@ -171,7 +171,9 @@ def test_sizing_resolves_absent_and_auto_and_logs(caplog: pytest.LogCaptureFixtu
     assert param["buffer_size"] == HIDDEN * HIDDEN and param["buffer_count"] == 5 and param["max_in_cpu"] == 10 ** 9
     # 5 buffers >= 4 partitions + a fetch's 2? no: 5 < 6, so the limits fit 3 partitions of 1M elements
     assert zero["stage3_max_reuse_distance"] == zero["stage3_max_live_parameters"] == 3 * HIDDEN * HIDDEN
-    assert zero["offload_optimizer"]["buffer_count"] == 4
+    opt = zero["offload_optimizer"]  # pipelined (left out): 4 buffers x (current, next read, previous write)
+    assert opt["pipeline_read"] is opt["pipeline_write"] is True and opt["buffer_count"] == 12
+    assert zero["sub_group_size"] == 4 * HIDDEN * HIDDEN // 8
     assert all(isinstance(v, int) for v in (param["buffer_size"], param["buffer_count"], param["max_in_cpu"]))
     assert any("buffer_size: 'auto' -> 1048576" in c for c in s.changes)
     assert [r.getMessage() for r in caplog.records if "size_nvme_offload" in r.getMessage()] and len(s.changes) >= 5
@@ -207,3 +209,38 @@ def test_sizing_from_a_transformers_config_and_pinned_budget() -> None:
 def test_sizing_rejects_a_non_number() -> None:
     with pytest.raises(ValueError, match="buffer_count"):
         pids.size_nvme_offload(_config(buffer_count="many"), _mlp())
+
+
+def _optimizer_on_nvme(**opt: Any) -> Dict[str, Any]:
+    return {"bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": "/x", **opt}}}
+
+
+def test_sizing_turns_the_pipelined_optimizer_swapper_on_with_params_in_cpu_memory() -> None:
+    s = pids.size_nvme_offload(_optimizer_on_nvme(), _mlp(16))
+    zero = s.config["zero_optimization"]
+    opt = zero["offload_optimizer"]
+    assert opt["pipeline_read"] is opt["pipeline_write"] is True and opt["buffer_count"] == 12
+    assert zero["sub_group_size"] == 2 * HIDDEN * HIDDEN and zero["offload_param"] == {"device": "cpu"}
+    assert [c.split(":")[0] for c in s.changes] == ["offload_optimizer.pipeline_read", "offload_optimizer.pipeline_write",
+                                                    "offload_optimizer.buffer_count", "zero_optimization.sub_group_size"]
+    assert all("(" in c and c.endswith(")") for c in s.changes)  # each with its reason
+
+
+def test_sizing_leaves_the_users_pipeline_choice_and_fits_its_buffers() -> None:
+    off = pids.size_nvme_offload(_optimizer_on_nvme(pipeline_read=False), _mlp())
+    opt = off.config["zero_optimization"]["offload_optimizer"]
+    assert opt == {"device": "nvme", "nvme_path": "/x", "pipeline_read": False, "buffer_count": 4}
+    assert "sub_group_size" not in off.config["zero_optimization"]
+    # 4 buffers given: too few to pipeline, so it stays off and the count stays
+    few = pids.size_nvme_offload(_optimizer_on_nvme(buffer_count=4), _mlp())
+    assert few.config == _optimizer_on_nvme(buffer_count=4) and not few.changes
+    # pipelining asked for with DeepSpeed's 4 buffers: DeepSpeed asserts, so the count is raised
+    on = pids.size_nvme_offload(_optimizer_on_nvme(pipeline_read=True, buffer_count=4), _mlp())
+    opt = on.config["zero_optimization"]["offload_optimizer"]
+    assert opt["buffer_count"] == 8 and "pipeline_write" not in opt
+    assert any("buffer_count: 4 -> 8 (below what DeepSpeed asserts on" in c for c in on.changes), on.changes
+    given = pids.size_nvme_offload({**_optimizer_on_nvme(), "zero_optimization": {
+        **_optimizer_on_nvme()["zero_optimization"], "sub_group_size": 1e7}}, _mlp())
+    assert given.config["zero_optimization"]["sub_group_size"] == 1e7

@@ -40,10 +40,13 @@ def ds_config(offload: str, nvme_path: str, pipeline_read: bool = False, pipelin
         "stage3_prefetch_bucket_size": 5e7 if llama else 2 * HIDDEN * HIDDEN,
         "stage3_max_live_parameters": 1e8 if llama else 2 * HIDDEN * HIDDEN,
     }
+    if offload == "cpu-nvme":  # parameters in CPU memory, optimizer states on NVMe
+        zero["offload_param"]["device"] = "cpu"
     if offload == "nvme":
         zero["offload_param"].update(nvme_path=nvme_path, buffer_count=6 if llama else 4,
                                      buffer_size=LAYERS * HIDDEN * HIDDEN, max_in_cpu=0)
-        zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=4, fast_init=fast_init,
+    if offload in ("nvme", "cpu-nvme"):
+        zero["offload_optimizer"].update(device="nvme", nvme_path=nvme_path, buffer_count=4, fast_init=fast_init,
                                          pipeline_read=pipeline_read, pipeline_write=pipeline_write)
     return {
         "train_micro_batch_size_per_gpu": BATCH,
@@ -86,11 +89,12 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     conf = ds_config(cfg["offload"], cfg["nvme"], cfg["pipeline_read"], cfg["pipeline_write"], cfg["fast_init"],
                      llama)
     zero = conf["zero_optimization"]
-    for key, value in cfg.get("offload_param", {}).items():  # None: leave the knob out
-        if value is None:
-            zero["offload_param"].pop(key, None)
-        else:
-            zero["offload_param"][key] = value
+    for section in ("offload_param", "offload_optimizer"):
+        for key, value in cfg.get(section, {}).items():  # None: leave the knob out
+            if value is None:
+                zero[section].pop(key, None)
+            else:
+                zero[section][key] = value
     for key, value in cfg.get("zero", {}).items():
         if value is None:
             zero.pop(key, None)
@@ -103,6 +107,7 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
             meta = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(LAYERS)])
         sizing = pids.size_nvme_offload(conf, meta)
         conf = sizing.config
+        cfg["sizing"] = sizing.changes
         print("SIZING", json.dumps(sizing.changes), flush=True)
     if llama:  # imported outside zero.Init, which patches torch.Tensor.__new__
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -136,9 +141,12 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     swapper = getattr(eng.optimizer, "optimizer_swapper", None)
     out: Dict[str, Any] = {"losses": [float.hex(v) for v in losses],
                            "optimizer_swapper": type(swapper).__name__ if swapper is not None else None,
+                           "sizing": cfg.get("sizing"),
+                           "offload_optimizer": {k: v for k, v in conf["zero_optimization"]["offload_optimizer"].items()
+                                                 if k != "nvme_path"},
                            "loaded_ops": sorted(OpBuilder._loaded_ops),
                            "ds_aio_op_imported": "deepspeed.ops.aio.async_io_op" in sys.modules}
-    if cfg["offload"] == "nvme":
+    if cfg["offload"] != "cpu":
         every = sorted(p for p in Path(cfg["nvme"]).rglob("*") if p.is_file())
         claims = [p for p in every if p.parent.name.startswith("pyinfinity-rank")]  # pyinfinity's lock, manifest
         out["swap_files"] = {str(p): p.stat().st_size for p in every if p not in claims}
@@ -271,6 +279,19 @@ NVME_RUNS = {
     "fast_init": dict(backend="pyinfinity", offload="nvme", fast_init=True),
 }
 
+# Parameters in CPU memory, optimizer states on NVMe, one sub-group per weight (DeepSpeed's default
+# sub_group_size makes one sub-group here: nothing to pipeline)
+ONE_WEIGHT = {"sub_group_size": HIDDEN * HIDDEN}
+CPU_NVME_RUNS = {
+    "cpu_nvme": dict(backend="pyinfinity", offload="cpu-nvme", zero=ONE_WEIGHT),
+    # the knobs left out: size_nvme_offload() turns the pipelined swapper on and sizes it
+    "cpu_nvme_sized": dict(backend="pyinfinity", offload="cpu-nvme", size_nvme=True,
+                           offload_optimizer={"pipeline_read": None, "pipeline_write": None, "buffer_count": None}),
+    # pipelined with DeepSpeed's default 4 buffers: DeepSpeed asserts
+    "cpu_nvme_pipe4": dict(backend="pyinfinity", offload="cpu-nvme", zero=ONE_WEIGHT, pipeline_read=True,
+                           pipeline_write=True),
+}
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, deepspeed_importable: None) -> Dict[str, Dict[str, Any]]:
@@ -278,7 +299,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, deepspeed_importable: None) -
     t0 = time.perf_counter()
     res = run_workers(tmp, {"cpu": dict(backend="deepspeed", offload="cpu"), **NVME_RUNS,
                             "llama_cpu": dict(backend="deepspeed", offload="cpu", model="llama"),
-                            "llama_nvme_fixed": dict(backend="pyinfinity", offload="nvme", model="llama")})
+                            "llama_nvme_fixed": dict(backend="pyinfinity", offload="nvme", model="llama"),
+                            **CPU_NVME_RUNS})
     print(f"{len(res)} DeepSpeed trainings in {time.perf_counter() - t0:.1f} s")
     return res
 
@@ -392,6 +414,31 @@ def test_pipeline_flags_choose_deepspeeds_swapper(runs: Dict[str, Dict[str, Any]
         assert r["optimizer_swapper"] == "PipelinedOptimizerSwapper", name
         # the pipelined swapper builds a read and a write handle: one more than the plain one
         assert r["stats"]["handles"] == plain["stats"]["handles"] + 1, name
+
+
+def test_pipelined_optimizer_swapper_sized_by_pyinfinity_trains_like_the_plain_one(
+        runs: Dict[str, Dict[str, Any]]) -> None:
+    plain, piped = result(runs, "cpu_nvme"), result(runs, "cpu_nvme_sized")
+    assert plain["optimizer_swapper"] == "PartitionedOptimizerSwapper"
+    assert piped["optimizer_swapper"] == "PipelinedOptimizerSwapper"
+    assert any(c.startswith("offload_optimizer.pipeline_read: None -> True") for c in piped["sizing"]), piped["sizing"]
+    assert piped["offload_optimizer"]["buffer_count"] == 12
+    assert len(set(plain["losses"])) == STEPS
+    assert piped["losses"] == plain["losses"] == result(runs, "cpu")["losses"]  # float.hex: every bit
+    for r in (plain, piped):
+        files = r["swap_files"]
+        assert sum("exp_avg_sq" in f for f in files) == LAYERS and not [f for f in files if "bfloat16params" in f]
+        assert set(files) <= set(r["stats"]["files_written"]) & set(r["stats"]["files_read"])
+        st = r["stats"]
+        assert st["wait_calls"] > 0 and 0 < st["read_wait_s"] + st["write_wait_s"] <= st["wait_s"], st
+
+
+def test_deepspeeds_pipelined_swapper_asserts_with_its_default_buffer_count(runs: Dict[str, Dict[str, Any]]) -> None:
+    """With more than one sub-group the pipelined swapper holds a sub-group's buffers for the
+    read ahead and another's for the write behind; DeepSpeed's default of 4 runs out at the
+    first step's swap-out (the I/O backend is irrelevant). size_nvme_offload() asks for 12."""
+    err = runs["cpu_nvme_pipe4"].get("error", "")
+    assert "pipelined_optimizer_swapper.py" in err and "AssertionError" in err, err[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -658,6 +705,57 @@ def test_stats_count_paths_and_descriptors(tmp_path: Path) -> None:
     assert (st.bytes_written, st.bytes_read) == (2 * t.nbytes, t.nbytes)
     assert st.files_written == {str(p), str(tmp_path / "g.swp")} and st.files_read == {str(p)}
     pids.reset_stats()
+
+
+def test_stats_time_each_blocking_wait_by_direction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every wait (also inside sync_pwrite / pread(async=False)) is one call; its seconds go to
+    read_wait_s or write_wait_s by what it waited for, to wait_s only when it waited for both."""
+    import threading
+    import torch
+    from pyinfinity.aio import AioHandle
+    from pyinfinity.integrations import deepspeed as pids
+
+    slow = {"s": 0.0}
+    orig = AioHandle.wait
+
+    def wait(self: Any, timeout: Any = None) -> int:  # the engine's wait, made measurably long
+        time.sleep(slow["s"])
+        return orig(self, timeout)
+
+    monkeypatch.setattr(AioHandle, "wait", wait)
+    pids.reset_stats()
+    h = pids.DeepSpeedAioHandle(block_size=65536, queue_depth=4)
+    t = torch.arange(50_000, dtype=torch.float32)
+    p, q = str(tmp_path / "f.swp"), str(tmp_path / "g.swp")
+    slow["s"] = 0.05
+    assert h.sync_pwrite(t, p) == 1                       # write only: 50 ms
+    slow["s"] = 0.10
+    assert h.pread(torch.empty_like(t), p, False, False) == 1  # read only: 100 ms
+    slow["s"] = 0.20
+    h.async_pwrite(t, q)
+    h.async_pread(torch.empty_like(t), p)
+    assert h.wait() == 2                                  # both: 200 ms, in wait_s only
+    slow["s"] = 0.0
+    assert h.wait() == 0                                  # nothing pending: a call, no direction
+    st = pids.stats()
+    assert st.wait_calls == 4
+    assert 0.05 <= st.write_wait_s < 0.10 and 0.10 <= st.read_wait_s < 0.20, st
+    assert 0.35 <= st.wait_s < 0.5 and st.wait_s >= st.read_wait_s + st.write_wait_s + 0.2, st
+    assert {"wait_calls", "wait_s", "read_wait_s", "write_wait_s"} <= set(st.as_dict())
+
+    pids.reset_stats()                                    # waits from several threads add up
+    slow["s"] = 0.05
+    handles = [pids.DeepSpeedAioHandle() for _ in range(4)]
+    threads = [threading.Thread(target=g.sync_pwrite, args=(t, str(tmp_path / f"t{i}.swp")))
+               for i, g in enumerate(handles)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    st = pids.stats()
+    assert st.wait_calls == 4 and st.write_wait_s >= 4 * 0.05 and st.read_wait_s == 0.0, st
+    pids.reset_stats()
+    assert (pids.stats().wait_calls, pids.stats().wait_s) == (0, 0.0)
     assert pids.stats().writes == 0
 
 
@@ -720,6 +818,17 @@ def test_h200_example_dry_run_shows_each_configuration() -> None:
     assert cfgs["pyinf-nvme-nvme-fix"]["sized"] and not cfgs["pyinf-nvme-nvme"]["sized"]
     sized = cfgs["pyinf-nvme-nvme-fix"]["deepspeed_config"]["zero_optimization"]["offload_param"]
     assert "buffer_count" not in sized and "buffer_size" not in sized  # size_nvme_offload chooses them
+    r = run_example(["--dry-run", "--configs", "pyinf-cpu-nvme-pipe,ds-cpu-nvme-pipe,ds-cpu-nvme",
+                     "--pipe-sub-group-size", "2e7"])
+    assert r.returncode == 0, r.stderr
+    cfgs = json.loads(r.stdout)["configs"]
+    for name in ("pyinf-cpu-nvme-pipe", "ds-cpu-nvme-pipe"):
+        zero = cfgs[name]["deepspeed_config"]["zero_optimization"]
+        opt = zero["offload_optimizer"]
+        assert opt["pipeline_read"] is opt["pipeline_write"] is True and opt["buffer_count"] == 12, opt
+        assert zero["sub_group_size"] == 2 * 10 ** 7 and zero["offload_param"]["device"] == "cpu"
+    plain = cfgs["ds-cpu-nvme"]["deepspeed_config"]["zero_optimization"]
+    assert plain["offload_optimizer"]["pipeline_read"] is False and "sub_group_size" not in plain
 
 
 def test_h200_example_rejects_bad_arguments() -> None:
@@ -733,13 +842,19 @@ def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_pat
     out = tmp_path / "r.json"
     r = run_example(["--device", "cpu", "--tiny", "--optimizer", "torch", "--steps", "3", "--seq", "32",
                      "--batch", "2", "--max-in-cpu", "0", "--pinned-budget-gib", "0.05",
-                     "--configs", "pyinf-cpu-nvme,pyinf-nvme-nvme-fix",
-                     "--nvme-dir", str(tmp_path / "nv"), "--json", str(out)])
+                     "--configs", "pyinf-cpu-nvme,pyinf-nvme-nvme-fix,pyinf-cpu-nvme-pipe",
+                     "--pipe-sub-group-size", "1e6", "--nvme-dir", str(tmp_path / "nv"), "--json", str(out)])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert [x["config"] for x in doc["results"]] == ["pyinf-cpu-nvme", "pyinf-nvme-nvme-fix"]
+    assert [x["config"] for x in doc["results"]] == ["pyinf-cpu-nvme", "pyinf-nvme-nvme-fix", "pyinf-cpu-nvme-pipe"]
     for x in doc["results"]:
         assert x["ok"] and x["tokens_per_s"] > 0 and len(x["step_s"]) == 3, x
+        # forward + backward + step() make up each step; the waits are a part of it
+        for i, total in enumerate(x["step_s"]):
+            assert abs(sum(x["phase_s"][k][i] for k in ("forward", "backward", "step")) - total) < 0.01, x
+            assert 0 < x["io_wait_s"]["wait"][i] <= total, x
+            assert x["io_wait_s"]["read"][i] + x["io_wait_s"]["write"][i] <= x["io_wait_s"]["wait"][i] + 1e-3, x
+        assert set(x["phase_s_per_step"]) == {"forward", "backward", "step"}
         assert x["pyinfinity_io"]["swap_files"] > 0 and not x["pyinfinity_io"]["swap_files_not_through_pyinfinity"]
         assert "async_io" not in x["deepspeed_ops_loaded"]
     assert doc["loss_checks"] and doc["loss_checks"][0]["max_rel_loss_diff"] == 0.0
@@ -748,6 +863,9 @@ def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_pat
     fixed = doc["results"][1]
     assert any(line.startswith("offload_param.buffer_count") for line in fixed["sizing"])
     assert fixed["offload_param"]["buffer_size"] >= 4096 * 256  # the embedding's partition
+    piped = doc["results"][2]
+    assert piped["offload_optimizer"]["pipeline_read"] is True and piped["sub_group_size"] == 10 ** 6
+    assert [c["max_rel_loss_diff"] for c in doc["loss_checks"]] == [0.0, 0.0]
 
 
 def result_path(cfg: Dict[str, Any]) -> Path:
