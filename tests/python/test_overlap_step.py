@@ -302,7 +302,7 @@ def _close_quickly(eng) -> None:
 def test_an_io_error_in_the_background_step_surfaces_and_blocks_training(tiny_lm, lm_batches, engine_config,
                                                                           tmp_path):
     """Writes during backward are the background step's own (optimizer state write-backs): failing
-    them all makes backward() or step() raise that OSError; then the state is partly stepped, so
+    them all makes backward(), step() or, at the latest, synchronize() raise that OSError; then the state is partly stepped, so
     training refuses to go on until a checkpoint is loaded."""
     cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "overlap_step": True})
     (x, y), (x2, y2) = lm_batches(2)
@@ -314,7 +314,8 @@ def test_an_io_error_in_the_background_step_surfaces_and_blocks_training(tiny_lm
         with fault_injection("write", nth=1, action="errno", value=errno.EIO, count=0):
             with pytest.raises(OSError) as ei:
                 eng.backward(eng(x2, y2))
-                eng.step()
+                eng.step()  # returns at once in the background mode: the failing write-backs may come later
+                eng.synchronize()  # waits for the background step: its error surfaces here at the latest
         assert ei.value.errno == errno.EIO
         assert not eng.optimizer.overlap_open
         for call in (lambda: eng.step(), lambda: eng.backward(eng(x2, y2)), lambda: eng.save_checkpoint(str(tmp_path / "c2"))):
