@@ -694,13 +694,22 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
                          f"{fmt(max(0, (best.host_bytes if best else state) - budgets.host_memory))} free, or raise the "
                          "host budget (--cpu-memory / pyinfinity.host_memory)")
         elif v.startswith("host RAM"):
-            hints.append("raise the host budget (--cpu-memory / pyinfinity.host_memory): the fp32 gradients "
-                         f"({fmt(sizes.trainable_numel * GRAD_BYTES_PER_PARAM)}) and staging buffers stay in RAM")
+            grads = best.grads.ram if best else sizes.trainable_numel * GRAD_BYTES_PER_PARAM
+            hints.append("raise the host budget (--cpu-memory / pyinfinity.host_memory): "
+                         + (f"the fp32 gradients ({fmt(grads)}) and " if grads else "")
+                         + "the staging buffers stay in RAM")
         elif v.startswith("swap: needs") and "no nvme_path" in v:
             hints.append("give a swap directory (--nvme DIR / nvme_path)")
         elif v.startswith("swap"):
             hints.append("or lower the state on disk: raise the host budget (--cpu-memory / pyinfinity.host_memory, "
                          f"now {fmt(budgets.host_memory)}) or train a smaller model")
+    if best is not None and sizes.numel:
+        # what the state costs a parameter, so a refusal can be checked against the model's size
+        state = best.params.total + best.optimizer.total + best.grads.total
+        hints.append(f"the training state is {state / sizes.numel:.1f} bytes a parameter ({fmt(state)} for "
+                     f"{sizes.numel / 1e9:.2f}B parameters: weights {fmt(best.params.total)}, fp32 master and "
+                     f"moments {fmt(best.optimizer.total)}"
+                     + (f", fp32 gradients {fmt(best.grads.total)}" if best.grads.total else "") + ")")
     return "; ".join(msgs + hints)
 
 

@@ -370,6 +370,28 @@ def test_10b_for_a_gpu_with_8gib_is_placed_within_15_bytes_per_parameter(tmp_pat
     assert p.optimizer.disk > 0  # 147 GB of state cannot all be in 100 GiB of RAM
 
 
+def test_13b_refused_on_that_machine_says_what_the_state_costs_a_parameter(tmp_path):
+    """The 13B preset does not fit 100 GiB of RAM and a 64 GiB disk: the refusal names the swap it
+    needs and the state's bytes a parameter (bf16 weights 2 + fp32 master and moments 12)."""
+    import re
+
+    from pyinfinity.bench.train import SIZES
+    from pyinfinity.plan import Budgets, PlanError, Rates, SwapDir, TrainShape, solve
+    from pyinfinity.plan.sizes import llama_sizes
+
+    rates = Rates(h2d=55e9, d2h=55e9, disk_read=1.9e9, disk_write=3.6e9, adam=3.9e9, matmul=6.4e14, memcpy=38e9,
+                  device="cuda:0")
+    sizes = llama_sizes(dict(SIZES["13b"], model_type="llama"), dtype="bf16")
+    budgets = Budgets(device_memory=8 << 30, host_memory=100 << 30, swap=[SwapDir(str(tmp_path), 64 << 30)])
+    with pytest.raises(PlanError) as ei:
+        solve(sizes, TrainShape(micro_batch=4, seq_len=1024, checkpointing=True, overlap_step="auto"), budgets, rates)
+    msg = str(ei.value)
+    assert msg.startswith("swap: needs") and "free at" in msg
+    per = float(re.search(r"the training state is ([0-9.]+) bytes a parameter", msg).group(1))
+    assert 13.9 <= per <= 15.0, msg
+    assert "13.02B parameters" in msg and "fp32 gradients" not in msg  # they land in the weights' homes
+
+
 # ----------------------------------------------------------------------------------- planning for another machine
 
 
