@@ -33,6 +33,7 @@ bench b11_losses --sizes 1.1b --systems torch-nocap,pyinfinity-auto --steps 20 -
 bench b11_nvme --sizes 1.1b --systems pyinfinity-nvme,deepspeed-nvme --steps 3 --warmup 1 --no-trace
 bench b10 --sizes 10b --systems pyinfinity-auto --steps 3 --warmup 1 --no-trace
 bench b7 --sizes 7b --systems pyinfinity-auto,deepspeed-nvme --steps 4 --warmup 1 --no-trace
-stage ds_backend "$PY" examples/deepspeed_backend_h200.py --configs pyinf-cpu-nvme,ds-cpu-nvme,pyinf-nvme-nvme,pyinf-nvme-nvme-fix \
+stage ds_backend "$PY" examples/deepspeed_backend_h200.py \
+  --configs pyinf-cpu-nvme,ds-cpu-nvme,pyinf-cpu-nvme-pipe,ds-cpu-nvme-pipe,pyinf-nvme-nvme,pyinf-nvme-nvme-fix \
   --steps 4 --nvme-dir "$SWAP/ds_backend" --json "$OUT/ds_backend.json"
 echo "== $(date +%T) done"
