@@ -981,8 +981,10 @@ def _size_optimizer_swap(zero: Dict[str, Any], opt: Dict[str, Any], rank_numel: 
     swapper reads sub-group i+1 and writes i-1 while i steps) when the buffers allow it: it holds
     OPTIMIZER_SWAP_BUFFERS pinned buffers per sub-group in flight (3 with both on, 2 with one) and
     asserts with fewer. Each buffer holds the largest sub-group, so with ``sub_group_size`` left
-    out it is lowered to give PIPELINE_SUB_GROUPS sub-groups (DeepSpeed's 1e9 gives a model of
-    1B parameters two, and 12 buffers of 4 GB)."""
+    out it is lowered to give at least PIPELINE_SUB_GROUPS sub-groups (DeepSpeed's 1e9 gives a
+    model of 1B parameters two, and 12 buffers of 4 GB), and further where needed so that the
+    buffers pin no more than DeepSpeed's plain swapper does (4 x min(1e9, the rank's parameters)
+    fp32 elements)."""
     count = _knob(opt, "buffer_count")
     given = [k for k in ("pipeline_read", "pipeline_write") if k in opt]
     if not given:
@@ -1004,11 +1006,18 @@ def _size_optimizer_swap(zero: Dict[str, Any], opt: Dict[str, Any], rank_numel: 
         change("offload_optimizer.", "buffer_count", opt.get("buffer_count"), need, why)
         opt["buffer_count"] = need
     if pipelined and _knob(zero, "sub_group_size") is None:
-        new = int(min(DS_DEFAULTS["sub_group_size"],  # never below what DeepSpeed swaps (fp32: 1 MiB)
-                      max(MIN_AIO_BYTES // 4, math.ceil(rank_numel / PIPELINE_SUB_GROUPS))))
+        # the pinned buffers (count x sub_group_size fp32) stay within what DeepSpeed's default,
+        # plain swapper pins (4 buffers of min(1e9, the rank's parameters)): more, smaller
+        # sub-groups for a large model rather than three times the pinned RAM
+        plain = int(DS_DEFAULTS["optimizer_buffer_count"]) * min(int(DS_DEFAULTS["sub_group_size"]), rank_numel)
+        cap = max(1, plain // max(need, int(opt["buffer_count"])))
+        new = int(max(MIN_AIO_BYTES // 4,  # never below what DeepSpeed swaps (fp32: 1 MiB)
+                      min(DS_DEFAULTS["sub_group_size"], math.ceil(rank_numel / PIPELINE_SUB_GROUPS), cap)))
         change("zero_optimization.", "sub_group_size", zero.get("sub_group_size"), new,
-               f"absent/auto: {rank_numel} elements per rank in {PIPELINE_SUB_GROUPS} sub-groups, so that "
-               "the pipelined swapper has a next one to read and each pinned buffer holds one")
+               f"absent/auto: {rank_numel} elements per rank in at least {PIPELINE_SUB_GROUPS} sub-groups, so "
+               "that the pipelined swapper has a next one to read and each pinned buffer holds one; its "
+               f"{int(opt['buffer_count'])} buffers pin {int(opt['buffer_count']) * new * 4} bytes, no more than "
+               "DeepSpeed's plain swapper would")
         zero["sub_group_size"] = new
 
 

@@ -217,6 +217,20 @@ def _optimizer_on_nvme(**opt: Any) -> Dict[str, Any]:
                                   "offload_optimizer": {"device": "nvme", "nvme_path": "/x", **opt}}}
 
 
+def test_pipelined_sizing_pins_no_more_than_deepspeeds_plain_swapper_for_a_large_model() -> None:
+    """8.6B parameters: an eighth would be over DeepSpeed's 1e9 sub-group, and 12 buffers of 1e9
+    fp32 would pin 48 GB where the plain swapper pins 4 x 1e9 x 4 bytes = 16 GB: the sub-groups
+    are made smaller instead."""
+    with torch.device("meta"):
+        big = torch.nn.Sequential(*[torch.nn.Linear(32768, 32768, bias=False) for _ in range(8)])
+    s = pids.size_nvme_offload(_optimizer_on_nvme(), big, world_size=1)
+    zero = s.config["zero_optimization"]
+    count, sub = zero["offload_optimizer"]["buffer_count"], zero["sub_group_size"]
+    assert count == 12 and sub == 4 * 10 ** 9 // 12
+    assert count * sub * 4 <= 4 * 10 ** 9 * 4
+    assert any("no more than DeepSpeed's plain swapper" in c for c in s.changes)
+
+
 def test_sizing_turns_the_pipelined_optimizer_swapper_on_with_params_in_cpu_memory() -> None:
     s = pids.size_nvme_offload(_optimizer_on_nvme(), _mlp(16))
     zero = s.config["zero_optimization"]
