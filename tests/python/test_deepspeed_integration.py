@@ -853,7 +853,8 @@ def test_h200_example_runs_end_to_end_on_cpu(deepspeed_importable: None, tmp_pat
         for i, total in enumerate(x["step_s"]):
             assert abs(sum(x["phase_s"][k][i] for k in ("forward", "backward", "step")) - total) < 0.01, x
             assert 0 < x["io_wait_s"]["wait"][i] <= total, x
-            assert x["io_wait_s"]["read"][i] + x["io_wait_s"]["write"][i] <= x["io_wait_s"]["wait"][i] + 1e-3, x
+            # each figure is rounded to 1 ms on its own: the sum of two may exceed the total by 1.5 ms
+            assert x["io_wait_s"]["read"][i] + x["io_wait_s"]["write"][i] <= x["io_wait_s"]["wait"][i] + 1.6e-3, x
         assert set(x["phase_s_per_step"]) == {"forward", "backward", "step"}
         assert x["pyinfinity_io"]["swap_files"] > 0 and not x["pyinfinity_io"]["swap_files_not_through_pyinfinity"]
         assert "async_io" not in x["deepspeed_ops_loaded"]
