@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from pyinfinity.config import format_size
-from pyinfinity.swap.ownership import clean_checkpoint_leftovers, write_fsynced
+from pyinfinity.swap.ownership import clean_checkpoint_leftovers, fsync_path, write_fsynced
 from pyinfinity.swap.tensor_swapper import aligned_empty
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
     except BaseException:
         _unlink_quiet(latest_tmp)
         raise
-    _fsync_path(save_dir)
+    fsync_path(save_dir)
     log.info("checkpoint saved: %s (%s)", final, format_size(offset))
     return final
 
@@ -133,7 +133,7 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
         "client_state": client_state or {},
     }
     if os.path.exists(data_path):
-        _fsync_path(data_path)
+        fsync_path(data_path)
     try:
         meta_bytes = json.dumps(meta).encode()
     except (TypeError, ValueError) as exc:
@@ -147,7 +147,7 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
     sums = {"format": CHECKSUMS_FORMAT, "version": CHECKPOINT_VERSION,
             "files": {name: {"nbytes": len(data), "crc32c": _crc32c_bytes(data)} for name, data in files.items()}}
     _write_file(os.path.join(tmp, CHECKSUMS_NAME), json.dumps(sums).encode())  # last: its presence says done
-    _fsync_path(tmp)
+    fsync_path(tmp)
     return offset
 
 
@@ -460,11 +460,3 @@ def _check_entry(path: str, entry: dict, buf: torch.Tensor) -> None:
         raise CheckpointError(f"checkpoint {path!r}: state.bin bytes [{entry['offset']}, {entry['offset'] + entry['nbytes']})"
                          f" (shard {entry['shard']}, {entry['kind']}) fail their checksum (torn or changed on disk); "
                          "the engine's state is now partly loaded: load another checkpoint before training")
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -26,6 +26,7 @@ from pyinfinity.bench.records import (CACHE_CACHED, CACHE_DIRECT, CACHE_DROPPED,
                                       SCHEMA, PeerStatus, Result)
 from pyinfinity.bench.workload import (GiB, KiB, MiB, IoConfig, file_config, small_config,
                                        small_odd_config)
+from pyinfinity.swap.ownership import fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -214,14 +215,6 @@ def pinned_pair(nbytes: int, owner: Any) -> tuple[torch.Tensor, torch.Tensor]:
     owner._arena, owner._slabs = arena, slabs
     a, b = (s.tensor(torch.uint8, (per,)) for s in slabs)
     return a, b
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def working_backends(directory: str, wanted: Optional[list[str]] = None) -> dict[str, str]:

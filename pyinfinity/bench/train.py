@@ -12,7 +12,7 @@ rates measured in the same invocation:
       disk     = bytes read / disk read rate + bytes written / disk write rate, where the bytes are
                  what the run's tiers force: optimizer on disk = 12 B/param read and written
                  (fp32 master, m, v); parameters on disk = read twice (forward, backward), written once
-      CPU Adam = parameters / the CPU's fused AdamW rate (offloaded optimizer only)
+      CPU Adam = parameters / the CPU Adam rate measured on the engine's kernel (offloaded optimizer only)
 
 and the run's measured step time over it is printed (1.0 = at the bound).
 """

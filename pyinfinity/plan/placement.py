@@ -663,7 +663,7 @@ def _notes(p: Placement, sizes: ModelSizes, budgets: Budgets, n_eval: int, n_ok:
     if p.knobs.optimizer_step_device == "device":
         out.append("the optimizer steps on the device: states streamed through two device buffers")
     else:
-        out.append("the optimizer steps on the CPU (fused AdamW)")
+        out.append("the optimizer steps on the CPU (the one-pass Adam kernel)")
     return out
 
 

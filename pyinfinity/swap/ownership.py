@@ -195,16 +195,21 @@ def write_fsynced(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+def fsync_path(path: str) -> None:
+    """fsyncs a file or a directory (a directory: its entries, e.g. after a rename) by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     d = os.path.dirname(path)
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
     write_fsynced(tmp, data)
     os.rename(tmp, path)
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_path(d)
 
 
 # ----------------------------------------------------------------------------------- ownership

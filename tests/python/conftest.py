@@ -127,6 +127,17 @@ def tiny_lm():
     return make
 
 
+def train_steps(eng, batches) -> list[float]:
+    """One forward, backward and step() of ``eng`` per (x, y) batch; the losses as floats."""
+    losses = []
+    for x, y in batches:
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.fixture
 def lm_batches():
     """Factory of reproducible (x, y) token batches for TinyLM."""

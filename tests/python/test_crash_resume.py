@@ -16,6 +16,7 @@ import torch
 
 import pyinfinity
 from pyinfinity.swap.ownership import MANIFEST_NAME, read_manifest
+from tests.python.conftest import train_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 8
@@ -185,22 +186,12 @@ def test_a_checkpoint_renamed_away_by_a_crash_is_put_back(tiny_lm, lm_batches, e
             eng.backward(eng(x, y))
             eng.step()
         path = eng.save_checkpoint(str(ckpt), tag="mine")
-        want = []
-        for x, y in batches[2:]:
-            loss = eng(x, y)
-            eng.backward(loss)
-            eng.step()
-            want.append(loss.item())
+        want = train_steps(eng, batches[2:])
     os.rename(path, f"{path}.old-{_dead_pid()}")
     with pyinfinity.initialize(tiny_lm(seed=5), engine_config("nvme")) as eng:
         eng.load_checkpoint(str(ckpt))
         assert eng.global_steps == 2 and os.path.isdir(path)
-        got = []
-        for x, y in batches[2:]:
-            loss = eng(x, y)
-            eng.backward(loss)
-            eng.step()
-            got.append(loss.item())
+        got = train_steps(eng, batches[2:])
     assert got == want
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pyinfinity
+from tests.python.conftest import train_steps
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -147,12 +148,7 @@ def test_gpu_resident_units_and_background_step_are_exact(clip, tiny_lm, lm_batc
         with pyinfinity.initialize(tiny_lm(layers=3), cfg) as eng:
             kept = [s.persistent for s in eng.partition.shards]
             assert any(kept) and not all(kept)  # some units stay on the GPU, the others stream
-            losses = []
-            for x, y in batches:
-                loss = eng(x, y)
-                eng.backward(loss)
-                eng.step()
-                losses.append(loss.item())
+            losses = train_steps(eng, batches)
             eng.synchronize()
             vals = [eng._trained_values(sh).clone() for sh in eng.partition.shards]
             norms = [r.grad_norm for r in eng.history]

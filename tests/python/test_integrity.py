@@ -19,22 +19,13 @@ import torch
 import pyinfinity
 from pyinfinity import checkpoint
 from pyinfinity.checkpoint import CHECKSUMS_NAME, CheckpointError
+from tests.python.conftest import train_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _env():
     return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
-def _train(eng, batches):
-    losses = []
-    for x, y in batches:
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _snapshot(eng):
@@ -59,9 +50,9 @@ def saved(tiny_lm, lm_batches, engine_config, tmp_path):
     sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5}}
     eng = pyinfinity.initialize(tiny_lm(), engine_config("nvme", scheduler=sched))
     batches = lm_batches(4)
-    _train(eng, batches[:2])
+    train_steps(eng, batches[:2])
     path = eng.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 1})
-    _train(eng, batches[2:3])
+    train_steps(eng, batches[2:3])
     yield eng, path, batches
     eng.close()
 
@@ -97,7 +88,7 @@ def test_random_bit_flips_in_metadata_are_refused_before_any_state_changes(name,
         assert _same(_snapshot(eng), before), f"flip of bit {bit} at byte {at} of {name} changed the engine"
     assert refused == FLIPS
     # the engine still trains, and a good load gives the checkpoint's state
-    _train(eng, batches[3:])
+    train_steps(eng, batches[3:])
     _, client = eng.load_checkpoint(os.path.dirname(path))
     assert client == {"epoch": 1} and eng.global_steps == 2
 
@@ -186,7 +177,7 @@ def test_a_state_bin_entry_failing_its_checksum_refuses_training_until_a_good_lo
         with pytest.raises(RuntimeError, match="failed part-way"):
             call()
     eng.load_checkpoint(os.path.dirname(path))
-    _train(eng, batches[3:])
+    train_steps(eng, batches[3:])
     assert eng.global_steps == 3
 
 
@@ -212,7 +203,7 @@ def test_a_version_1_checkpoint_without_checksums_still_loads(saved, tmp_path):
 def test_a_save_that_runs_out_of_space_names_the_file_and_leaves_nothing(tiny_lm, lm_batches, engine_config,
                                                                           tiny_tmpfs_dir, monkeypatch):
     with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
-        _train(eng, lm_batches(1))
+        train_steps(eng, lm_batches(1))
         # fill the 1 MiB filesystem so that state.bin fits and meta.json does not
         big = os.path.join(tiny_tmpfs_dir, "filler")
         st = os.statvfs(tiny_tmpfs_dir)
@@ -239,7 +230,7 @@ def test_meta_json_out_of_space_names_the_file(tiny_lm, lm_batches, engine_confi
             return real_open("/dev/full", os.O_WRONLY)
         return real_open(path, flags, *args, **kw)
     with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
-        _train(eng, lm_batches(1))
+        train_steps(eng, lm_batches(1))
         monkeypatch.setattr(os, "open", open_full)
         with pytest.raises(OSError, match=r"No space left on device: writing checkpoint file meta\.json") as ei:
             eng.save_checkpoint(str(tmp_path / "ckpt"))
@@ -357,7 +348,7 @@ def test_one_directory_named_twice_is_one_swap_directory(how, tiny_lm, lm_batche
         cfg["zero_optimization"]["offload_param"]["nvme_path"] = [str(d), str(d) + "/"]
         cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(d) + "/"
     with pyinfinity.initialize(tiny_lm(), cfg) as eng:
-        _train(eng, lm_batches(2))
+        train_steps(eng, lm_batches(2))
         assert eng.global_steps == 2
     assert os.listdir(d) == []
 
@@ -365,7 +356,7 @@ def test_one_directory_named_twice_is_one_swap_directory(how, tiny_lm, lm_batche
 def test_a_wrapped_model_refuses_state_dict_and_a_second_wrap(tiny_lm, lm_batches, engine_config, tmp_path):
     model = tiny_lm()
     eng = pyinfinity.initialize(model, engine_config("cpu"))
-    _train(eng, lm_batches(1))
+    train_steps(eng, lm_batches(1))
     with pytest.raises(RuntimeError, match=r"state_dict\(\) while a pyinfinity engine trains it.*engine\.export"):
         model.state_dict()
     with pytest.raises(RuntimeError, match="state_dict"):
@@ -409,7 +400,7 @@ def test_a_step_failing_part_way_refuses_until_a_load(tiny_lm, lm_batches, engin
     cfg = engine_config("nvme", pyinfinity={"device": "cpu", "device_memory": "64MiB", "overlap_step": False})
     with pyinfinity.initialize(tiny_lm(), cfg) as eng:
         batches = lm_batches(3)
-        _train(eng, batches[:1])
+        train_steps(eng, batches[:1])
         ckpt = eng.save_checkpoint(str(tmp_path / "ckpt"))
         eng.backward(eng(*batches[1]))
         with fault_injection(op="write", nth=3, action="errno", value="EIO"):
@@ -419,7 +410,7 @@ def test_a_step_failing_part_way_refuses_until_a_load(tiny_lm, lm_batches, engin
             with pytest.raises(RuntimeError, match="load_checkpoint"):
                 call()
         eng.load_checkpoint(os.path.dirname(ckpt))
-        _train(eng, batches[2:])
+        train_steps(eng, batches[2:])
 
 
 def test_an_engine_dropped_without_close_is_collected(tiny_lm, lm_batches, engine_config, tmp_path):
@@ -428,9 +419,9 @@ def test_an_engine_dropped_without_close_is_collected(tiny_lm, lm_batches, engin
     cfg = engine_config("nvme")
     model = tiny_lm()
     eng = pyinfinity.initialize(model, cfg)
-    _train(eng, lm_batches(1))
+    train_steps(eng, lm_batches(1))
     del eng, model
     gc.collect()
     assert os.listdir(tmp_path / "swap") == []
     with pyinfinity.initialize(tiny_lm(), cfg) as eng2:  # a rebuild in the same process
-        _train(eng2, lm_batches(1))
+        train_steps(eng2, lm_batches(1))

@@ -18,6 +18,7 @@ import torch
 import pyinfinity
 from pyinfinity.config import ConfigError
 from pyinfinity.swap.faults import fault_injection
+from tests.python.conftest import train_steps
 
 
 def _overlap_threads() -> list[threading.Thread]:
@@ -45,12 +46,7 @@ def _model(tiny_lm, frozen_and_unused: bool):
 
 def _run(tiny_lm, batches, cfg, frozen_and_unused=False):
     with pyinfinity.initialize(_model(tiny_lm, frozen_and_unused), cfg) as eng:
-        losses = []
-        for x, y in batches:
-            loss = eng(x, y)
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
+        losses = train_steps(eng, batches)
         return losses, list(eng.history), _state(eng)
 
 
