@@ -217,6 +217,15 @@ class EngineConfig:
     activations, a working set and prefetch; 0 = none).
     unit_bytes: the largest block of modules moved as one unit ("auto" = pyinfinity.units'
     rule; 0 = one unit per module).
+    device_optimizer_bytes: device memory for the fp32 master and Adam moments (12 bytes a
+    parameter) of resident units, which then step on the device as their gradients are final
+    (no gradient leaves the device, no CPU time); whole units from the front of the model (their
+    gradients come last in backward). Their host homes are brought up to date before a
+    checkpoint or an export. "auto" = what the device budget leaves after the resident units,
+    activations and headroom (on a GPU; 0 on the CPU device); 0 = none.
+    optimizer_threads: threads of the CPU Adam step when the background worker runs it ("auto" =
+    every CPU this process may run on with a GPU compute device, 1 on the CPU device, where
+    backward has the cores).
     """
 
     device: str = AUTO
@@ -229,6 +238,8 @@ class EngineConfig:
     overlap_step: Union[bool, str] = AUTO  # True | False | "auto"
     resident_bytes: SizeOrAuto = AUTO
     unit_bytes: SizeOrAuto = AUTO
+    device_optimizer_bytes: SizeOrAuto = AUTO
+    optimizer_threads: Union[int, str] = AUTO
 
 
 @dataclass
@@ -504,11 +515,14 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.optimizer_step_device = _choice(d["optimizer_step_device"], "pyinfinity.optimizer_step_device",
                                           ("cpu", "device"))
 
+    if "optimizer_threads" in d:
+        v = d["optimizer_threads"]
+        e.optimizer_threads = AUTO if v == AUTO else _int(v, "pyinfinity.optimizer_threads", 1)
     if "log_every" in d:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
-    for key in ("resident_bytes", "unit_bytes"):
+    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes"):
         if key in d:
             v = d[key]
             setattr(e, key, AUTO if v == AUTO else parse_size(v, f"pyinfinity.{key}"))
@@ -518,6 +532,17 @@ def _parse_engine(d: dict) -> EngineConfig:
             raise ConfigError(f"pyinfinity.overlap_step: expected true, false or \"auto\", got {v!r}")
         e.overlap_step = v
     return e
+
+
+def default_optimizer_threads(device: str) -> int:
+    """``pyinfinity.optimizer_threads`` "auto": 1 on the CPU device (backward has the cores), else
+    every CPU this process may run on."""
+    if str(device).startswith("cpu"):
+        return 1
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def overlap_step_blocker(c: Config) -> Optional[str]:
@@ -633,6 +658,11 @@ def _validate(c: Config) -> None:
             raise ConfigError(f"pyinfinity.overlap_step: true is not exact here: {why}; set gradient_clipping "
                               "to 0, disable fp16 (bf16 is fine) and use optimizer_step_device \"cpu\", or "
                               "set overlap_step to \"auto\" (on only when it is exact) or false")
+    dob = c.pyinfinity.device_optimizer_bytes
+    if dob != AUTO and dob and c.pyinfinity.optimizer_step_device == "device":
+        raise ConfigError("pyinfinity.device_optimizer_bytes: optimizer_step_device \"device\" already steps every "
+                          "unit on the device (its state streamed there and back); set device_optimizer_bytes to 0 "
+                          "or optimizer_step_device to \"cpu\"")
     if z.stage != 3:
         raise ConfigError(f"zero_optimization.stage: pyinfinity offloads ZeRO stage 3 shards; "
                           f"stage {z.stage} with offload_param/offload_optimizer is not supported (use 3)")
@@ -765,6 +795,10 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
     if e.device_memory == AUTO or e.device_memory is None:
         e.device_memory = budgets.device_memory
         out.append(AutoDecision("pyinfinity.device_memory", e.device_memory, "measured device budget"))
+    if e.optimizer_threads == AUTO:
+        e.optimizer_threads = default_optimizer_threads(e.device)
+        out.append(AutoDecision("pyinfinity.optimizer_threads", e.optimizer_threads,
+                                "one on the CPU device, else every CPU of this process"))
     if e.overlap_step == AUTO:
         blocker = overlap_step_blocker(c)
         e.overlap_step = blocker is None
@@ -831,6 +865,9 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
     if e.resident_bytes == AUTO:
         e.resident_bytes = 0
         out.append(AutoDecision("pyinfinity.resident_bytes", 0, "the heuristic keeps no unit resident"))
+    if e.device_optimizer_bytes == AUTO:
+        e.device_optimizer_bytes = 0
+        out.append(AutoDecision("pyinfinity.device_optimizer_bytes", 0, "no unit is resident"))
     if e.unit_bytes == AUTO:
         from pyinfinity.units import auto_unit_bytes
 
@@ -854,4 +891,4 @@ def _deepcopy(c: Config) -> Config:
 
 __all__ = ["AUTO", "Config", "ConfigError", "load_config", "resolve_auto", "ModelSizes", "Budgets",
            "AutoDecision", "parse_size", "format_size", "measure_budgets", "check_swap_dir", "replace",
-           "overlap_step_blocker"]
+           "overlap_step_blocker", "default_optimizer_threads"]

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from pyinfinity import checkpoint, guards
-from pyinfinity.config import AUTO, Config, ConfigError, ModelSizes, format_size, load_config, overlap_step_blocker
+from pyinfinity.config import (AUTO, Config, ConfigError, ModelSizes, default_optimizer_threads, format_size,
+                               load_config, overlap_step_blocker)
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Done, Tier, TensorSwapper, aligned_empty
 from pyinfinity.units import auto_unit_bytes
@@ -317,6 +318,19 @@ class _ParamHomes:
             self.coordinator.update_resident(shard, src)
         return req
 
+    def write_home(self, shard: FlatShard, master: torch.Tensor) -> Any:
+        """A device-stepped unit's fp32 master (host) written into its parameter home only (its
+        device buffer is current already): for checkpoints and export. Returns a request or None."""
+        home = shard.home
+        if home.tier == Tier.GPU:  # the device buffer is the home
+            return None
+        if home.tier == Tier.CPU:
+            home.tensor.copy_(master)
+            return None
+        src = aligned_empty(shard.numel, shard.dtype)
+        src.copy_(master)
+        return self.param_swapper.write(home, src)
+
 
 
 class Engine:
@@ -400,8 +414,9 @@ class Engine:
                                           accumulate_steps=cfg.gradient_accumulation_steps)
         self.optimizer.background = self._overlap_mode == "on"
         self.optimizer.param_out = self._homes.param_out
-        if self.device.type == "cpu":
-            self.optimizer.threads = 1  # backward has the cores (see AUTO_OVERLAP_ON_CPU)
+        ot = cfg.pyinfinity.optimizer_threads
+        # on the CPU device backward has the cores (see AUTO_OVERLAP_ON_CPU)
+        self.optimizer.threads = int(ot) if ot != AUTO else default_optimizer_threads(str(self.device))
         self.optimizer._total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
                                                                if p.requires_grad}.values())
         self._cpu_params_left = int(op.max_in_cpu) if op.device == "nvme" else 0
@@ -431,13 +446,14 @@ class Engine:
                      time.perf_counter() - t0)
             self._ownership.flush()  # the manifest lists every slot
             self._keep_resident(self.partition.shards if self._param_tier == Tier.GPU else None)
+            self._place_device_states()
             self.coordinator = ParameterCoordinator(
                 model, self.partition, self.param_swapper, self.device,
                 device_memory=self.device_memory,
                 prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
                 on_grad=self.optimizer.grad_ready, grad_dest=self._homes.grad_dest, wait_home=_weakly(self._wait_home),
                 master_values=self.optimizer.master_values,
-                fixed_bytes=buf_bytes,
+                fixed_bytes=buf_bytes + self.device_state_bytes,
                 max_live_elements=int(z.stage3_max_live_parameters),
                 max_inflight_reads=int(op.buffer_count) if op.device == "nvme" else None)
         except BaseException:
@@ -496,6 +512,30 @@ class Engine:
         for sh in shards:
             sh.persistent = True
         self.resident_bytes = sum(sh.nbytes for sh in self.partition.shards if sh.persistent)
+
+    def _place_device_states(self) -> None:
+        """Resident units whose optimizer state also lives on the device, within
+        ``pyinfinity.device_optimizer_bytes``: whole units from the front of the model (their
+        gradients come last in backward, when a CPU step would have the least time left)."""
+        from pyinfinity.plan.placement import device_state_cost
+
+        budget = self.config.pyinfinity.device_optimizer_bytes
+        left = 0 if budget == AUTO else int(budget)
+        self.device_state_bytes = 0
+        if left <= 0 or self.optimizer.step_device is not None:
+            return
+        units = numel = 0
+        for sh in self.partition.shards:
+            cost = device_state_cost(sh.dtype.itemsize, self.gradient_accumulation_steps) * sh.numel
+            if not (sh.persistent and sh.trainable and sh.numel) or cost > left:
+                continue
+            left -= cost
+            self.device_state_bytes += self.optimizer.to_device(sh, self.device)
+            units += 1
+            numel += sh.numel
+        if units:
+            log.info("optimizer state of %d resident units (%s parameters, %s) on %s: they step there", units,
+                     f"{numel:,}", format_size(self.device_state_bytes), self.device)
 
     def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """The optimizer's new fp32 values of a shard, written home (``_ParamHomes.write_param``)."""
@@ -840,6 +880,7 @@ class Engine:
             raise RuntimeError(f"{what}: called between the boundary backward() and step() (the parameter homes "
                                "hold gradients, part of the model may already be stepped); call step() first")
         self._drain(what)
+        self.optimizer.sync_homes(self._homes.write_home)  # units stepped on the device: their homes
 
     @staticmethod
     def _cleanup(param_swapper: TensorSwapper, optim_swapper: TensorSwapper, engines: dict,

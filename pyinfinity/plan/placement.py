@@ -50,6 +50,7 @@ BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
 PERSISTENT_SHARE = 0.05  # small shards stay resident when they cost at most this share of the device
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
 TIE = 0.02  # candidates within 2% of the fastest are ties; less disk traffic wins
+DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optimizer.DEVICE_CHUNK)
 
 
 class PlanError(ValueError):
@@ -103,6 +104,7 @@ class Knobs:
     optimizer_step_device: str = "cpu"  # cpu | device      [pyinfinity.optimizer_step_device]
     pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
     resident_bytes: int = 0  # units kept on the device      [pyinfinity.resident_bytes]
+    device_optimizer_bytes: int = 0  # their state there     [pyinfinity.device_optimizer_bytes]
 
 
 @dataclass
@@ -158,6 +160,7 @@ class Placement:
     host_memory: int = 0
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    device_state_bytes: int = 0  # of device_bytes, resident units' optimizer state (a copy of its host home)
 
     @property
     def feasible(self) -> bool:
@@ -183,6 +186,9 @@ class Placement:
             "zero_optimization.stage3_param_persistence_threshold": int(k.persistence_threshold),
             "pyinfinity.optimizer_step_device": k.optimizer_step_device,
             "pyinfinity.resident_bytes": int(k.resident_bytes),
+            # the streamed device step steps everything there already (the config refuses both)
+            "pyinfinity.device_optimizer_bytes": int(k.device_optimizer_bytes) if k.optimizer_step_device != "device"
+            else 0,
             "pyinfinity.device_memory": int(self.device_memory),
             "pyinfinity.host_memory": int(self.host_memory),
         }
@@ -204,7 +210,8 @@ class Placement:
                  "",
                  f"  device peak {fmt(self.device_bytes)} of {fmt(self.device_memory)} (activations "
                  f"{fmt(self.activation_bytes)}, prefetch {fmt(k.prefetch_bytes)}, persistent <= "
-                 f"{k.persistence_threshold:,} elements)",
+                 f"{k.persistence_threshold:,} elements"
+                 + (f", optimizer state {fmt(self.device_state_bytes)}" if self.device_state_bytes else "") + ")",
                  f"  host RAM {fmt(self.host_bytes)} of {fmt(self.host_memory)} (pinned pool {fmt(self.pinned_bytes)})",
                  f"  swap {fmt(self.swap_bytes)}" + "".join(f"; {d}: {fmt(b)}" for d, b in self.swap_per_dir.items()),
                  f"  buffers: {k.param_buffer_count} parameter reads in flight of <= {fmt(k.param_buffer_size)}, "
@@ -320,6 +327,19 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         else:
             fetch_disk += nb
             fetch_disk_s += rates.read_time(nb)
+    # -- resident units whose optimizer state also lives on the device (stepped there): whole
+    # units from the front of the model within device_optimizer_bytes, as the engine picks them
+    dev_state: set[int] = set()
+    dev_state_numel = 0
+    per_param = device_state_cost(isz, train.grad_accum)
+    if k.device_optimizer_bytes > 0 and k.optimizer_step_device != "device":
+        dleft = k.device_optimizer_bytes
+        for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
+            on_device = k.param_device == "none" or i in resident or 0 < n <= k.persistence_threshold
+            if on_device and trainable and n and per_param * n <= dleft:
+                dleft -= per_param * n
+                dev_state.add(i)
+                dev_state_numel += n
     # -- optimizer states: the first (1 - ratio) of the trainable elements in RAM
     total_train = sizes.trainable_numel
     ram_share = total_train * (1.0 - (k.ratio if k.optimizer_device == "nvme" else 0.0))
@@ -331,7 +351,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
              "state": 0, "state_s": 0.0}
     biggest_disk_state = 0
     first_disk_state = 0
-    for n, trainable, ptier in zip(sizes.shard_numels, sizes.shard_trainable, param_tier):
+    for i, (n, trainable, ptier) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable, param_tier)):
         if not trainable:
             continue
         ram = placed + n <= ram_share
@@ -345,6 +365,8 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
             seg_b["state_s"] += rates.read_time(OPT_BYTES_PER_PARAM * n) + rates.write_time(OPT_BYTES_PER_PARAM * n)
             biggest_disk_state = max(biggest_disk_state, n)
             first_disk_state = first_disk_state or n
+        if i in dev_state:  # stepped on the device: no CPU Adam, no cast into the home
+            continue
         seg["adam"] += n
         seg["cast"] += n if isz != 4 else 0
         seg["param_dev" if ptier == "device" else f"param_{ptier}"] += n * isz
@@ -353,10 +375,12 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
     # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation
     if train.grad_accum > 1:
-        grads = Share(ram=GRAD_BYTES_PER_PARAM * total_train + isz * sizes.largest_shard_numel)
+        grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + isz * sizes.largest_shard_numel)
     else:
-        grads = Share(ram=sum(n * isz for n, t, pt in zip(sizes.shard_numels, sizes.shard_trainable, param_tier)
-                              if t and pt != "ram"))
+        grads = Share(ram=sum(n * isz for i, (n, t, pt) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable,
+                                                                           param_tier))
+                              if t and pt != "ram" and i not in dev_state))
+    device_state_bytes = per_param * dev_state_numel
     # -- device: persistent shards + one block's working set + the next shard + prefetch + activations
     acts = _activations(sizes, train)
     if k.param_device == "none":
@@ -365,7 +389,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         shard_peak = resident_bytes + persistent
     else:
         shard_peak = resident_bytes + persistent + _working_set(sizes, train) + (k.prefetch_bytes if k.prefetch else 0)
-    device_bytes = shard_peak + acts
+    device_bytes = shard_peak + acts + (device_state_bytes + DEVICE_STEP_SCRATCH if dev_state else 0)
     if k.optimizer_step_device == "device":  # two sets of [master|m|v] + grad buffers, after release_all
         device_bytes = max(device_bytes, persistent + 2 * 16 * sizes.largest_shard_numel)
     # -- host: homes in RAM, gradients, staging, write-back temporaries (+ the device pool on the CPU)
@@ -393,7 +417,9 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         violations.append(
             f"device memory: needs {fmt(device_bytes)} (parameters resident/in flight {fmt(shard_peak)}, "
             f"activations {fmt(acts)} for micro-batch {train.micro_batch} x {train.seq_len} tokens"
-            f"{' with checkpointing' if train.checkpointing else ''}), budget {fmt(budgets.device_memory)}")
+            f"{' with checkpointing' if train.checkpointing else ''}"
+            f"{', optimizer state ' + fmt(device_state_bytes) if device_state_bytes else ''}), "
+            f"budget {fmt(budgets.device_memory)}")
     if host_bytes > budgets.host_memory:
         violations.append(
             f"host RAM: needs {fmt(host_bytes)} (parameters {fmt(params.ram)}, optimizer states {fmt(optim.ram)}, "
@@ -414,13 +440,19 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     if resident_bytes:
         notes_resident = f"{fmt(resident_bytes)} of parameters stay on the device (pyinfinity.resident_bytes)"
     pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
-                   fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state)
+                   fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state,
+                   device_stepped=dev_state_numel)
+    notes = [notes_resident] if resident_bytes else []
+    if dev_state:
+        notes.append(f"the optimizer state of {len(dev_state)} resident units ({dev_state_numel / 1e6:,.0f}M "
+                     f"parameters, {fmt(device_state_bytes)} with their gradients) lives on the device too and steps there "
+                     "(pyinfinity.device_optimizer_bytes)")
     return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
                      host_bytes=host_bytes, pinned_bytes=pinned, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=k.optimizer_step_device,
-                     host_memory=budgets.host_memory, violations=violations,
-                     notes=[notes_resident] if resident_bytes else [])
+                     host_memory=budgets.host_memory, violations=violations, notes=notes,
+                     device_state_bytes=device_state_bytes)
 
 
 def _div(a: float, b: float) -> float:
@@ -430,7 +462,8 @@ def _div(a: float, b: float) -> float:
 
 
 def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *, cuda: bool, fetch_ram: int,
-            fetch_disk: int, fetch_disk_s: float, seg_a: dict, seg_b: dict, first_disk_state: int) -> StepTime:
+            fetch_disk: int, fetch_disk_s: float, seg_a: dict, seg_b: dict, first_disk_state: int,
+            device_stepped: int = 0) -> StepTime:
     """Seconds per optimizer step from the byte flows ``evaluate`` worked out (see the module doc)."""
     isz = sizes.itemsize
     train_numel = sizes.trainable_numel
@@ -442,7 +475,8 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     passes = FETCH_PASSES
     ram_copy = _div(passes * fetch_ram, rates.h2d)
     disk_read = passes * fetch_disk_s
-    grads_off = _div(train_numel * isz, rates.d2h) if cuda else 0.0
+    # gradients off the device (those of units stepped on the device stay there)
+    grads_off = _div((train_numel - device_stepped) * isz, rates.d2h) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
     # the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
     # bytes touched), later ones add to it (isz + 8)
@@ -528,6 +562,7 @@ class Fixed:
     prefetch: Optional[bool] = None
     optimizer_step_device: Optional[str] = None
     resident_bytes: Optional[int] = None
+    device_optimizer_bytes: Optional[int] = None
 
 
 def _optimizer_split(sizes: ModelSizes, ram_bytes: int) -> float:
@@ -567,6 +602,12 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
             k.resident_bytes, k.prefetch_bytes = offloaded, 0 if fixed.prefetch_bytes is None else k.prefetch_bytes
         else:
             k.resident_bytes = max(0, room - k.prefetch_bytes)
+    if fixed.device_optimizer_bytes is None:
+        res = fixed.resident_bytes if fixed.resident_bytes is not None else k.resident_bytes
+        step_on = fixed.optimizer_step_device or k.optimizer_step_device
+        k.device_optimizer_bytes = _device_state_room(sizes, train, budgets, rates,
+                                                      replace(k, resident_bytes=res, optimizer_step_device=step_on),
+                                                      persistent, acts)
     if fixed.max_live is None:
         k.max_live = max(1, (persistent + working + k.prefetch_bytes) // isz)
     if fixed.param_buffer_size is None:
@@ -578,13 +619,38 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
     return k
 
 
+def device_state_cost(itemsize: int, grad_accum: int) -> int:
+    """Device bytes a parameter of a unit stepped on the device costs beyond its weights: the fp32
+    master and moments, its gradient (kept there until the step when it cannot step during
+    backward) and under accumulation the fp32 accumulator."""
+    return OPT_BYTES_PER_PARAM + itemsize + (GRAD_BYTES_PER_PARAM if grad_accum > 1 else 0)
+
+
+def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                       persistent: int, acts: int) -> int:
+    """Device bytes for resident units' optimizer state: what the budget leaves (less headroom)
+    after the shards ``k`` keeps there, their working set and prefetch, and the activations. None
+    on the CPU device (the state is in RAM already) or with the streamed device step."""
+    if budgets.device_is_host or not _is_cuda(rates, budgets) or k.optimizer_step_device == "device":
+        return 0
+    if k.resident_bytes <= 0:
+        return 0
+    offloaded = sizes.param_bytes - persistent
+    shards = min(k.resident_bytes, offloaded) + persistent
+    if k.resident_bytes < offloaded:
+        shards += _working_set(sizes, train) + (k.prefetch_bytes if k.prefetch else 0)
+    room = int(budgets.device_memory * (1 - DEVICE_HEADROOM)) - shards - acts - DEVICE_STEP_SCRATCH
+    return max(0, room)
+
+
 def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
                have_disk: bool, steps: int = 16) -> Iterable[Knobs]:
     """Knob sets to evaluate: every parameter/optimizer tier split the config leaves open (parameters
     in RAM by whole shards on a grid of ``steps``, the optimizer state given the RAM that is left)."""
     base = _fill(sizes, train, budgets, rates, Knobs(), fixed)
     for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
-                 "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device", "resident_bytes"):
+                 "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device", "resident_bytes",
+                 "device_optimizer_bytes"):
         v = getattr(fixed, name)
         if v is not None:
             setattr(base, name, v)
@@ -713,5 +779,5 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
     return "; ".join(msgs + hints)
 
 
-__all__ = ["Placement", "Knobs", "Share", "StepTime", "TrainShape", "Fixed", "PlanError", "evaluate", "predict",
+__all__ = ["device_state_cost", "Placement", "Knobs", "Share", "StepTime", "TrainShape", "Fixed", "PlanError", "evaluate", "predict",
            "solve", "candidates", "fmt"]

@@ -39,7 +39,10 @@ KEYS = {
     "prefetch": "pyinfinity.prefetch",
     "optimizer_step_device": "pyinfinity.optimizer_step_device",
     "resident_bytes": "pyinfinity.resident_bytes",
+    "device_optimizer_bytes": "pyinfinity.device_optimizer_bytes",
 }
+# planned only when something else is: left "auto" in an otherwise fixed config, they become 0
+UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes"}
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
 
 
@@ -123,6 +126,7 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
         "persistence_threshold": z.stage3_param_persistence_threshold, "prefetch": cfg.pyinfinity.prefetch,
         "optimizer_step_device": cfg.pyinfinity.optimizer_step_device,
         "resident_bytes": cfg.pyinfinity.resident_bytes,
+        "device_optimizer_bytes": cfg.pyinfinity.device_optimizer_bytes,
     }
     owned = {name for name, v in values.items() if v == AUTO}
     for split, dev in SPLIT_OF.items():
@@ -136,9 +140,10 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
 
 def _placement_is_possible(cfg: Any) -> bool:
     """Whether anything placement-related is "auto" (else no rates need measuring). A config that
-    fixes everything but ``resident_bytes`` is not planned: it keeps no unit resident."""
+    fixes everything but ``resident_bytes`` is not planned: it keeps no unit resident (and so no
+    optimizer state on the device)."""
     fixed, owned = _fixed_from(cfg, None)
-    return bool(owned - {"resident_bytes"})
+    return bool(owned - UNPLANNED_ALONE)
 
 
 def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, train: TrainShape,
@@ -172,7 +177,19 @@ def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, tra
     if e.host_memory == AUTO:
         e.host_memory = budgets.host_memory
         decisions.append(Decision("pyinfinity.host_memory", e.host_memory, "measured host budget"))
+    decisions += _threads(e)
     return c, decisions, placement
+
+
+def _threads(e: Any) -> list[Decision]:
+    """``pyinfinity.optimizer_threads`` "auto" decided for the config's device."""
+    from pyinfinity.config import default_optimizer_threads
+
+    if e.optimizer_threads != AUTO or e.device == AUTO:
+        return []
+    e.optimizer_threads = default_optimizer_threads(e.device)
+    return [Decision("pyinfinity.optimizer_threads", e.optimizer_threads,
+                     "one on the CPU device, else every CPU of this process")]
 
 
 def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budgets] = None,
@@ -250,12 +267,15 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         decisions = []
         if c.pyinfinity.resident_bytes == AUTO:
             c.pyinfinity.resident_bytes = 0
+        if c.pyinfinity.device_optimizer_bytes == AUTO:
+            c.pyinfinity.device_optimizer_bytes = 0
         if dm in (AUTO, None):
             c.pyinfinity.device_memory = budgets.device_memory
             decisions.append(Decision("pyinfinity.device_memory", budgets.device_memory, "measured device budget"))
         if hm == AUTO:
             c.pyinfinity.host_memory = budgets.host_memory
             decisions.append(Decision("pyinfinity.host_memory", budgets.host_memory, "measured host budget"))
+        decisions += _threads(c.pyinfinity)
         return c, decisions, None
     ub = c.pyinfinity.unit_bytes
     sizes = model_sizes(model, _compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
@@ -287,12 +307,12 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     cfg = load_config(copy.deepcopy(config)) if isinstance(config, dict) else config
     sizes = model_sizes(model_or_sizes, _compute_dtype(cfg))
     fixed, owned = _fixed_from(cfg, None)
-    if owned - {"resident_bytes"}:
+    if owned - UNPLANNED_ALONE:
         raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
     from pyinfinity.plan.placement import Knobs
 
-    if "resident_bytes" in owned:  # as the engine does when nothing else is planned: none resident
-        fixed.resident_bytes = 0
+    for name in UNPLANNED_ALONE & owned:  # as the engine does when nothing else is planned: none resident
+        setattr(fixed, name, 0)
     k = Knobs(**{name: getattr(fixed, name) for name in KEYS})
     oo = cfg.zero_optimization.offload_optimizer
     k.pipeline = oo.pipeline_read or oo.pipeline_write

@@ -130,8 +130,9 @@ class ParameterCoordinator:
     device: compute device. swapper: homes of the shards. device_memory: budget for resident
     shard bytes (None = unlimited). prefetch_bytes: how far ahead (in bytes) the trace prefetches.
     on_grad(shard, host_flat, event, norm): called once per shard and backward with the unit's
-    whole gradient (compute dtype, on the host in ``grad_dest(shard)``), the CUDA event that
-    completes its copy (None on the CPU) and its L2 norm (fp32 scalar on the device); each
+    whole gradient (compute dtype, on the host in ``grad_dest(shard)``; on the device for a unit
+    whose optimizer state is there, ``shard.device_step``), the CUDA event that completes its
+    copy (None on the CPU or on the device) and its L2 norm (fp32 scalar on the device); each
     parameter's gradient is summed into one flat device buffer per unit as it arrives and
     ``param.grad`` is cleared. grad_dest(shard) -> (host tensor, whether it is the parameter home).
     wait_home(shard): waits until a home that holds a gradient has the new values (the step);
@@ -642,9 +643,12 @@ class ParameterCoordinator:
         flat gradient to its host destination, then ``on_grad``."""
         shard.grad_done = True
         g, shard.grad_dev = shard.grad_dev, None
+        norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
+        if shard.device_step:  # its optimizer state is on the device: the gradient stays, stepped there in order
+            self.on_grad(shard, g, None, norm)
+            return
         self.stats.grad_bytes += shard.nbytes
         dest, is_home = self.grad_dest(shard)
-        norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
         if is_home:
             shard.home_dirty = True  # its weights are overwritten until the step writes the new ones
         if not self._cuda:

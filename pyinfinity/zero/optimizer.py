@@ -13,6 +13,12 @@ rewrites from the fp32 master anyway, so no fp32 gradient copy is kept) with the
 completes its copy and its L2 norm. Under gradient accumulation they are added into an fp32
 accumulator instead.
 
+Units on the device (``to_device``): a resident unit's state may also live on the compute device
+(a copy of its host home); its gradient then never leaves the device and it is stepped there by
+torch's fused Adam kernel, on the compute stream, the new weights cast straight into the unit's
+device buffer: as soon as its gradient is final when nothing global is needed, else first thing
+in ``step``. The host home is brought up to date by ``sync_homes`` (checkpoints, export).
+
 Background stepping (``background``): a worker thread steps shards while the caller goes on.
 Without anything global to know first (no clipping, no fp16 loss scaling), each unit is handed to
 it as soon as its gradient is complete, during the boundary backward; otherwise ``step`` computes
@@ -43,6 +49,7 @@ log = logging.getLogger(__name__)
 
 WAIT_WARN_S = 30.0  # a wait on the background step logs what it waits for this often
 WAIT_STUCK_S = 600.0  # ... and gives up (TimeoutError) when one shard takes this long
+DEVICE_CHUNK = 16 << 20  # elements of a device-stepped unit converted to fp32 at a time (plan.placement counts it)
 
 
 @dataclass(eq=False)
@@ -61,6 +68,9 @@ class ShardOptimState:
     norm: Optional[torch.Tensor] = None  # L2 norm of ``src`` (fp32 scalar, on the compute device)
     busy: bool = False  # handed to the worker, not finished yet
     handed: bool = False  # handed to the worker in this step
+    dev: Optional[torch.Tensor] = None  # [master|m|v] on the compute device: the unit steps there (``to_device``)
+    dev_step: Optional[torch.Tensor] = None  # its step count, a device scalar (the fused kernel reads it there)
+    dev_stale: bool = False  # the host home lags ``dev`` (``sync_homes`` brings it up to date)
 
     @property
     def numel(self) -> int:
@@ -211,6 +221,86 @@ class OffloadOptimizer:
     def state_of(self, shard: FlatShard) -> Optional[ShardOptimState]:
         return self._by_shard.get(shard.index)
 
+    def to_device(self, shard: FlatShard, device: torch.device) -> int:
+        """Keeps the shard's state on ``device`` too (a copy of its home): from now on it is stepped
+        there. The unit must stay resident (its new weights go into ``shard.buffer``). Returns the
+        device bytes taken (0 for a frozen shard)."""
+        st = self._by_shard.get(shard.index)
+        if st is None:
+            return 0
+        if self.step_device is not None:
+            raise ValueError("to_device: the streamed device step already steps every unit on the device")
+        n = st.numel
+        host = st.home.tensor if st.home.tier == Tier.CPU else aligned_empty(3 * n, torch.float32)
+        if st.home.tier != Tier.CPU:
+            self.swapper.read(st.home, host).wait()
+        st.dev = torch.empty(3 * n, dtype=torch.float32, device=device)
+        st.dev.copy_(host)
+        st.dev_step = torch.full((), float(st.step), dtype=torch.float32, device=device)
+        st.dev_stale = False
+        shard.device_step = True
+        return st.dev.numel() * 4
+
+    @property
+    def device_states(self) -> list[ShardOptimState]:
+        return [st for st in self.states if st.dev is not None]
+
+    def _step_device(self, st: ShardOptimState, hyper: dict, inv_factor: Optional[torch.Tensor]) -> None:
+        """One Adam/AdamW step of a unit whose state is on the device, on the current stream (the
+        compute stream: after the gradient, before the unit's next use); the new weights are cast
+        into the unit's device buffer. ``inv_factor``: a scalar tensor on that device, or None."""
+        t0 = time.perf_counter()
+        n, dev = st.numel, st.dev
+        g = st.src if st.src is not None else st.grad
+        if g is None:  # no gradient in this window: zero (weight decay and momentum still apply)
+            g = st.grad = torch.zeros(n, dtype=torch.float32, device=dev.device)
+        st.step += 1
+        st.dev_step.add_(1)
+        kernel = torch._fused_adamw_ if self.cfg.adam_w_mode else torch._fused_adam_
+        out = st.shard.buffer
+        if out is None or out.numel() != n:
+            raise RuntimeError(f"shard {st.shard.index} ({st.shard.module_name or '<root>'}) steps on the device but is "
+                               "not resident there")
+        for a in range(0, n, DEVICE_CHUNK):  # Adam is elementwise: the fp32 gradient a chunk at a time
+            b = min(n, a + DEVICE_CHUNK)
+            gc = g[a:b] if g.dtype == torch.float32 else g[a:b].float()
+            master = dev[a:b]
+            kernel([master], [gc], [dev[n + a:n + b]], [dev[2 * n + a:2 * n + b]], [], [st.dev_step], lr=hyper["lr"],
+                   beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
+                   amsgrad=False, maximize=False, grad_scale=inv_factor)
+            out[a:b].copy_(master)
+        st.dev_stale = True
+        st.handed = True  # stepped in this step (a failure after this leaves the state partly stepped)
+        st.src = st.event = None
+        self._count(device=time.perf_counter() - t0)
+
+    def _inv_on_device(self, factor: float) -> Optional[torch.Tensor]:
+        devs = self.device_states
+        if factor == 1.0 or not devs:
+            return None
+        return torch.tensor(1.0 / factor, dtype=torch.float32, device=devs[0].dev.device)
+
+    def sync_homes(self, write_home: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None) -> int:
+        """Brings the host homes of device-stepped units up to date: their [master|m|v] and, through
+        ``write_home(shard, master)``, their parameter home (for a checkpoint, an export). Returns
+        how many units were written."""
+        done = 0
+        for st in self.states:
+            if st.dev is None or not st.dev_stale:
+                continue
+            n = st.numel
+            host = st.home.tensor if st.home.tier == Tier.CPU else aligned_empty(3 * n, torch.float32)
+            host.copy_(st.dev)  # waits for the step's kernels
+            if st.home.tier != Tier.CPU:
+                self.swapper.write(st.home, host).wait()
+            if write_home is not None:
+                req = write_home(st.shard, host[:n])
+                if req is not None:
+                    req.wait()
+            st.dev_stale = False
+            done += 1
+        return done
+
     # ------------------------------------------------------------------------- gradients
     def grad_ready(self, shard: FlatShard, src: torch.Tensor, event: Any, norm: Optional[torch.Tensor]) -> None:
         """One unit's gradient of this micro-batch: ``src`` (host, compute dtype) is complete once
@@ -219,6 +309,9 @@ class OffloadOptimizer:
         is needed)."""
         st = self._by_shard.get(shard.index)
         if st is None:
+            return
+        if st.dev is not None:
+            self._grad_on_device(st, src, norm)
             return
         if self.accumulate_steps > 1:
             # the worker may still be stepping the last window's accumulator: it must be done first
@@ -242,6 +335,20 @@ class OffloadOptimizer:
             self._hand(st, _Job(self._window, None))
             self._handed_early += 1
 
+    def _grad_on_device(self, st: ShardOptimState, src: torch.Tensor, norm: Optional[torch.Tensor]) -> None:
+        """A device-stepped unit's gradient (on the device, compute stream): accumulated there, or
+        kept for the step; stepped at once when nothing global is needed."""
+        if self.accumulate_steps > 1:
+            self._add_flat(st, src)
+        else:
+            if st.src is not None:
+                raise RuntimeError(f"shard {st.shard.index} ({st.shard.module_name or '<root>'}) got a second gradient "
+                                   "in one optimizer step without accumulation (backward() called twice before step()?)")
+            st.src, st.norm = src, norm
+        if self._window is not None and self._eager:
+            self._step_device(st, self._window, None)
+            self._handed_early += 1
+
     def accumulate(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
         """Adds one parameter's gradient (any device/dtype) into the shard's fp32 accumulator."""
         st = self._by_shard.get(shard.index)
@@ -261,7 +368,7 @@ class OffloadOptimizer:
 
     def _add_flat(self, st: ShardOptimState, src: torch.Tensor) -> None:
         if st.grad is None:
-            st.grad = torch.empty(st.numel, dtype=torch.float32)
+            st.grad = torch.empty(st.numel, dtype=torch.float32, device=src.device)
         if len(st.written) == len(st.shard.slices):
             st.grad.add_(src)
         else:
@@ -278,7 +385,8 @@ class OffloadOptimizer:
             if len(st.written) == len(st.shard.slices) and st.grad is not None:
                 continue
             if st.grad is None:
-                st.grad = torch.empty(st.numel, dtype=torch.float32)
+                st.grad = torch.empty(st.numel, dtype=torch.float32,
+                                      device=st.dev.device if st.dev is not None else "cpu")
             for sl in st.shard.slices:
                 if sl.offset not in st.written:
                     st.grad[sl.offset:sl.offset + sl.numel].zero_()
@@ -530,6 +638,9 @@ class OffloadOptimizer:
     def restore_homes(self) -> None:
         """Writes the current master values home for every shard whose home holds a gradient (a
         skipped or abandoned step): the parameters are as they were before the backward."""
+        for st in self.states:  # a device-stepped unit's gradient never touched its home: just drop it
+            if st.dev is not None and not st.handed:
+                st.src = st.norm = None
         dirty = [st for st in self.states if st.shard.home_dirty and not st.busy]
         if not dirty:
             return
@@ -576,6 +687,12 @@ class OffloadOptimizer:
         inv_factor = torch.tensor(1.0 / factor, device=self.step_device) if factor != 1.0 else None
         rest = [st for st in self.states if not st.handed]
         self._fill_unwritten([st for st in rest if st.src is None])
+        on_device = [st for st in rest if st.dev is not None]
+        if on_device:  # first: a few kernels on the compute stream, ahead of the next forward
+            inv_dev = self._inv_on_device(factor)
+            for st in on_device:
+                self._step_device(st, hyper, inv_dev)
+            rest = [st for st in rest if st.dev is None]
         if self.background and self.step_device is None:
             job = _Job(hyper, inv_factor)
             for st in rest:
@@ -813,6 +930,8 @@ class OffloadOptimizer:
             for st in self.states:
                 st.handed = False
                 st.norm = None
+                if st.dev is not None:  # its gradient is on the device, not in a home: forget it
+                    st.src = None
         return stepped
 
     def _device_buffers(self, which: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -833,17 +952,23 @@ class OffloadOptimizer:
         st.src = st.event = st.norm = None
         shard.home_dirty = False  # the caller writes the loaded values home next
         self.swapper.write(st.home, flat.contiguous()).wait()
+        if st.dev is not None:
+            st.dev.copy_(flat)
+            st.dev_step.fill_(float(step))
+            st.dev_stale = False
 
     @property
     def bytes_by_tier(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for st in self.states:
             out[st.home.tier.value] = out.get(st.home.tier.value, 0) + st.home.nbytes
+            if st.dev is not None:  # a copy of the home, stepped there
+                out["device"] = out.get("device", 0) + st.dev.numel() * 4
         return out
 
     @property
     def grad_bytes(self) -> int:
-        return sum(st.grad.numel() * 4 for st in self.states if st.grad is not None)
+        return sum(st.grad.numel() * 4 for st in self.states if st.grad is not None and st.grad.device.type == "cpu")
 
     def close(self) -> None:
         """Stops the worker (after the shard it is on) and frees the buffers."""

@@ -132,6 +132,31 @@ def test_gpu_checkpoint_resume_and_export(tiny_lm, lm_batches, tmp_path):
         torch.testing.assert_close(plain(batches[0][0]).float(), logits, rtol=0, atol=0)
 
 
+def _outcome(eng, losses: list[float]) -> tuple:
+    """A run's losses, trained values (every shard's fp32 master) and gradient norms."""
+    eng.synchronize()
+    return losses, [eng._trained_values(sh).clone() for sh in eng.partition.shards], [r.grad_norm for r in eng.history]
+
+
+def _assert_exact_and_like_torch(got: dict, model, batches, clip: float) -> None:
+    """The background run (got[True]) bit-identical to the serial one (got[False]), and its losses
+    those of plain torch AdamW (lr 1e-2, weight decay 0.01) on the GPU, clipped to ``clip``."""
+    assert got[False][0] == got[True][0] and got[False][2] == got[True][2]
+    assert all(torch.equal(a, b) for a, b in zip(got[False][1], got[True][1]))
+    ref = model.cuda()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_losses = []
+    for x, y in batches:
+        rl = ref(x, y)
+        rl.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(rl.item())
+    torch.testing.assert_close(torch.tensor(got[True][0]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+
+
 @cuda
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_gpu_resident_units_and_background_step_are_exact(clip, tiny_lm, lm_batches, tmp_path):
@@ -149,21 +174,37 @@ def test_gpu_resident_units_and_background_step_are_exact(clip, tiny_lm, lm_batc
             kept = [s.persistent for s in eng.partition.shards]
             assert any(kept) and not all(kept)  # some units stay on the GPU, the others stream
             losses = train_steps(eng, batches)
-            eng.synchronize()
-            vals = [eng._trained_values(sh).clone() for sh in eng.partition.shards]
-            norms = [r.grad_norm for r in eng.history]
-        got[overlap] = (losses, vals, norms)
-    assert got[False][0] == got[True][0] and got[False][2] == got[True][2]
-    assert all(torch.equal(a, b) for a, b in zip(got[False][1], got[True][1]))
-    ref = tiny_lm(layers=3).cuda()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    ref_losses = []
-    for x, y in batches:
-        rl = ref(x, y)
-        rl.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(rl.item())
-    torch.testing.assert_close(torch.tensor(got[True][0]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+            got[overlap] = _outcome(eng, losses)
+    _assert_exact_and_like_torch(got, tiny_lm(layers=3), batches, clip)
+
+
+@cuda
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_gpu_optimizer_state_on_the_device(clip, tiny_lm, lm_batches, tmp_path):
+    """Resident units whose optimizer state is on the GPU (device_optimizer_bytes) keep their
+    gradients there; the background paths (device units during backward or after the norm, the
+    others on the CPU worker) are bit-identical to the serial step, both follow torch AdamW, and a
+    checkpoint taken from the device state resumes exactly."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batches = [(x.cuda(), y.cuda()) for x, y in lm_batches(6)]
+    got = {}
+    for overlap in (False, True):
+        cfg = _cfg("cpu", tmp_path, gradient_accumulation_steps=1, gradient_clipping=clip)
+        cfg["pyinfinity"].update(overlap_step=overlap, resident_bytes="1GiB", unit_bytes=0,
+                                 device_optimizer_bytes="40KiB")
+        with pyinfinity.initialize(tiny_lm(layers=3), cfg) as eng:
+            on = [sh.device_step for sh in eng.partition.shards]
+            assert any(on) and not all(on)
+            assert all(eng.optimizer.state_of(sh).dev.is_cuda for sh in eng.partition.shards if sh.device_step)
+            losses = train_steps(eng, batches[:3])
+            eng.save_checkpoint(str(tmp_path / f"ckpt{overlap}"))
+            losses += train_steps(eng, batches[3:])
+            trainable = sum(sh.nbytes for sh in eng.partition.shards if sh.trainable)
+            d2h = eng.history[-1].bytes_moved.get("device.d2h", 0)
+            assert 0 < d2h < trainable  # the device units' gradients stayed on the GPU
+            got[overlap] = _outcome(eng, losses)
+    _assert_exact_and_like_torch(got, tiny_lm(layers=3), batches, clip)
+    cfg["pyinfinity"]["overlap_step"] = True
+    with pyinfinity.initialize(tiny_lm(seed=3, layers=3), cfg) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckptTrue"))
+        assert train_steps(eng, batches[3:]) == got[True][0][3:]

@@ -18,22 +18,11 @@ import torch
 import pyinfinity
 from pyinfinity.config import ConfigError
 from pyinfinity.swap.faults import fault_injection
-from tests.python.conftest import train_steps
+from tests.python.conftest import engine_state, train_steps
 
 
 def _overlap_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "pyinfinity-optimizer"]
-
-
-def _state(eng) -> dict:
-    """Every shard's [master | exp_avg | exp_avg_sq], step count and parameter values (its home)."""
-    out = {}
-    for st, flat in eng.optimizer.iter_states(write_back=False):
-        out[f"optim.{st.shard.index}"] = flat.clone()
-        out[f"step.{st.shard.index}"] = torch.tensor(st.step)
-    for sh in eng.partition.shards:
-        out[f"param.{sh.index}"] = eng._shard_param_values(sh).clone()
-    return out
 
 
 def _model(tiny_lm, frozen_and_unused: bool):
@@ -47,7 +36,7 @@ def _model(tiny_lm, frozen_and_unused: bool):
 def _run(tiny_lm, batches, cfg, frozen_and_unused=False):
     with pyinfinity.initialize(_model(tiny_lm, frozen_and_unused), cfg) as eng:
         losses = train_steps(eng, batches)
-        return losses, list(eng.history), _state(eng)
+        return losses, list(eng.history), engine_state(eng)
 
 
 @pytest.mark.parametrize("tier, ratio, gas, persistent, extra", [
@@ -424,6 +413,6 @@ def test_hyperparameters_are_those_backward_started_with(tiny_lm, lm_batches, en
                     eng.optimizer.param_groups[0]["lr"] = 1e-2 * (i + 2)
                 with caplog.at_level(logging.WARNING, logger="pyinfinity.zero.optimizer"):
                     eng.step()
-            got[overlap] = _state(eng)
+            got[overlap] = engine_state(eng)
     assert any("changed between backward() and step()" in r.getMessage() for r in caplog.records)
     assert all(torch.equal(got[False][k], got[True][k]) for k in got[False])
