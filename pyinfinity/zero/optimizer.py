@@ -1,6 +1,6 @@
 """The offloaded optimizer: fp32 master weights and Adam/AdamW moments per shard, in host RAM or on
-NVMe, stepped on the CPU with torch's fused Adam kernels; global-norm clipping; fp16 dynamic loss
-scaling.
+NVMe, stepped on the CPU by the one-pass kernel (``_C.adam_step``), or on the compute device for
+units whose state lives there too; global-norm clipping; fp16 dynamic loss scaling.
 
 The state of one shard is one flat fp32 home of ``3 * numel`` elements: ``[master | exp_avg |
 exp_avg_sq]`` (one read and one write per shard per step). On NVMe the step is pipelined over
