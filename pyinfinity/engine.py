@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import json
 import logging
 import os
 import time
@@ -27,16 +26,16 @@ from pyinfinity import checkpoint, guards
 from pyinfinity.config import (AUTO, Config, ConfigError, ModelSizes, default_optimizer_threads, format_size,
                                load_config, overlap_step_blocker)
 from pyinfinity.swap.ownership import claim_swap_dirs
-from pyinfinity.swap.tensor_swapper import Done, Tier, TensorSwapper, aligned_empty
+from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.units import auto_unit_bytes
 from pyinfinity.zero.coordinator import ParameterCoordinator
+from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import FlatShard, compute_dtype_for, partition_model
 
 log = logging.getLogger(__name__)
 
-EXPORT_FILE_BYTES = 4 << 30  # safetensors file size cap of export (HF-style sharding above it)
 HISTORY_STEPS = 10_000  # telemetry records kept (a run of days must not grow without bound)
 _overlap_off_logged: set[str] = set()  # why "auto" turned overlap_step off, logged once per process
 # "auto" on a CPU compute device: off. Backward then runs on the same cores as the background step;
@@ -256,83 +255,6 @@ def _model_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> Mo
                       small_shard_bytes=small)
 
 
-class _ParamHomes:
-    """The parameter homes as the coordinator's gradient hooks and the optimizer's worker see them:
-    where a unit's gradient lands, where the one-pass step may write new weights, how new values
-    go home. It holds no reference to the Engine, so an engine dropped without close() is freed
-    even while its worker is stepping (its finalizer then stops the worker and removes the files)."""
-
-    def __init__(self, param_swapper: TensorSwapper, device: torch.device, accumulation: int) -> None:
-        self.param_swapper = param_swapper
-        self.device = device
-        self.accumulation = accumulation
-        self.partition: Any = None  # set once the model is partitioned
-        self.coordinator: Optional[ParameterCoordinator] = None  # set once it exists
-        self.grad_bufs: dict[int, torch.Tensor] = {}
-        self.grad_staging: Optional[torch.Tensor] = None
-
-    def grad_dest(self, shard: FlatShard) -> tuple[torch.Tensor, bool]:
-        """Where a unit's gradient lands on the host: its parameter home in RAM (the step rewrites
-        the weights from the fp32 master anyway, so no extra RAM), else a buffer of its own (a
-        home on disk or on the device), or under gradient accumulation one staging buffer the
-        optimizer adds into its fp32 accumulator at once."""
-        home = shard.home
-        accumulating = self.accumulation > 1
-        if not accumulating and home.tier == Tier.CPU:
-            return home.tensor, True
-        pin = self.device.type == "cuda"
-        if accumulating:
-            biggest = max(s.numel * s.dtype.itemsize for s in self.partition.shards)
-            if self.grad_staging is None or self.grad_staging.numel() < biggest:
-                self.grad_staging = aligned_empty(biggest, torch.uint8, pin=pin)
-            return self.grad_staging[:shard.nbytes].view(shard.dtype), False
-        buf = self.grad_bufs.get(shard.index)
-        if buf is None:
-            buf = self.grad_bufs[shard.index] = aligned_empty(shard.numel, shard.dtype, pin=pin)
-        return buf, False
-
-    def param_out(self, shard: FlatShard) -> Optional[torch.Tensor]:
-        """The bf16 home the optimizer's one-pass step may write a shard's new weights into."""
-        home = shard.home
-        if home.tier == Tier.CPU and home.tensor is not None and home.tensor.device.type == "cpu":
-            return home.tensor
-        return None
-
-    def write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
-        """The optimizer's new fp32 values of a shard, written home in the compute dtype (and to
-        its device copy when the unit is resident). Called from the optimizer's worker too."""
-        home = shard.home
-        req: Any = Done()
-        if home.tier == Tier.CPU:
-            if not shard.home_fresh:  # the one-pass CPU step casts into the home itself
-                home.tensor.copy_(master)  # cast into the (pinned) home, in place
-            shard.home_fresh = False
-            src = home.tensor
-        else:
-            src = master
-            if shard.dtype != torch.float32 or home.tier == Tier.GPU:
-                src = aligned_empty(shard.numel, shard.dtype)  # kept alive by the request until written
-                src.copy_(master)
-            req = self.param_swapper.write(home, src)
-        if shard.persistent and self.coordinator is not None:
-            self.coordinator.update_resident(shard, src)
-        return req
-
-    def write_home(self, shard: FlatShard, master: torch.Tensor) -> Any:
-        """A device-stepped unit's fp32 master (host) written into its parameter home only (its
-        device buffer is current already): for checkpoints and export. Returns a request or None."""
-        home = shard.home
-        if home.tier == Tier.GPU:  # the device buffer is the home
-            return None
-        if home.tier == Tier.CPU:
-            home.tensor.copy_(master)
-            return None
-        src = aligned_empty(shard.numel, shard.dtype)
-        src.copy_(master)
-        return self.param_swapper.write(home, src)
-
-
-
 class Engine:
     """Offloaded ZeRO-3 training of one model on one device. Use ``initialize`` to make one."""
 
@@ -403,7 +325,7 @@ class Engine:
                 e.close()
             self._ownership.release()
             raise
-        self._homes = _ParamHomes(self.param_swapper, self.device, cfg.gradient_accumulation_steps)
+        self._homes = ParamHomes(self.param_swapper, self.device, cfg.gradient_accumulation_steps)
         self.optimizer = OffloadOptimizer(cfg.optimizer, self.optim_swapper,
                                           nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
                                           buffer_count=oo.buffer_count,
@@ -538,7 +460,7 @@ class Engine:
                      f"{numel:,}", format_size(self.device_state_bytes), self.device)
 
     def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
-        """The optimizer's new fp32 values of a shard, written home (``_ParamHomes.write_param``)."""
+        """The optimizer's new fp32 values of a shard, written home (``ParamHomes.write_param``)."""
         return self._homes.write_param(shard, master)
 
     # ------------------------------------------------------------------------- training API
@@ -813,60 +735,10 @@ class Engine:
         """Writes the trained weights as a consolidated safetensors state dict loadable by the
         plain model (``load_state_dict``; ``from_pretrained`` for a transformers model, whose
         config.json is written too). Values come from the fp32 masters, cast to each
-        parameter's original dtype. Returns the files written."""
-        from safetensors.torch import save_file
+        parameter's original dtype. Returns the files written (``pyinfinity.export``)."""
+        from pyinfinity import export
 
-        self._check_trainable("export()")
-        self._check_no_overlap("export()")
-        self.coordinator.release_all()
-        os.makedirs(out_dir, exist_ok=True)
-        names: dict[int, list[str]] = {}
-        buffers: dict[str, torch.Tensor] = {}
-        with guards.engine_state_dict():
-            sd = self.module.state_dict(keep_vars=True)
-        for key, val in sd.items():
-            if isinstance(val, nn.Parameter) and id(val) in self.partition.param_slice:
-                names.setdefault(id(val), []).append(key)
-            else:
-                buffers[key] = val.detach().to("cpu").contiguous()
-        # group tensors into files of at most EXPORT_FILE_BYTES, shard by shard
-        groups: list[list[FlatShard]] = [[]]
-        size = 0
-        for sh in self.partition.shards:
-            nb = sum(s.numel * s.orig_dtype.itemsize * len(names.get(id(s.param), [])) for s in sh.slices)
-            if groups[-1] and size + nb > EXPORT_FILE_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append(sh)
-            size += nb
-        n = len(groups)
-        files, weight_map = [], {}
-        for i, group in enumerate(groups):
-            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            tensors: dict[str, torch.Tensor] = dict(buffers) if i == n - 1 else {}
-            for sh in group:
-                vals = self._trained_values(sh)
-                for s in sh.slices:
-                    t = vals[s.offset:s.offset + s.numel].view(s.shape).to(s.orig_dtype)
-                    for key in names.get(id(s.param), []):
-                        tensors[key] = t.clone()
-            save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-            files.append(os.path.join(out_dir, fname))
-            weight_map.update({k: fname for k in tensors})
-        if n > 1:
-            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-            files.append(os.path.join(out_dir, "model.safetensors.index.json"))
-        cfg = getattr(self.module, "config", None)
-        if cfg is not None and hasattr(cfg, "save_pretrained"):
-            cfg.save_pretrained(out_dir)
-            files.append(os.path.join(out_dir, "config.json"))
-        if self.weights is not None:  # a model directory's tokenizer goes along (AutoTokenizer loads out_dir)
-            from pyinfinity.pretrained import copy_tokenizer_files
-
-            files += copy_tokenizer_files(self.weights.path, out_dir)
-        log.info("exported %d tensors to %s", len(weight_map), out_dir)
-        return files
+        return export.write(self, out_dir)
 
     # ------------------------------------------------------------------------- life
     def _check_open(self) -> None:

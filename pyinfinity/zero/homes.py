@@ -1,0 +1,92 @@
+"""Where a unit's parameter values live between uses (its *home*, a swap record on the cpu, nvme or
+gpu tier) as the coordinator's gradient hooks and the optimizer's worker see them: where a unit's
+gradient lands on the host, where the one-pass CPU step may write new weights, how new values go
+home (and to a resident unit's device buffer)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pyinfinity.swap.tensor_swapper import Done, Tier, TensorSwapper, aligned_empty
+from pyinfinity.zero.coordinator import ParameterCoordinator
+from pyinfinity.zero.partition import FlatShard
+
+
+class ParamHomes:
+    """The parameter homes as the coordinator's gradient hooks and the optimizer's worker see them:
+    where a unit's gradient lands, where the one-pass step may write new weights, how new values
+    go home. It holds no reference to the Engine, so an engine dropped without close() is freed
+    even while its worker is stepping (its finalizer then stops the worker and removes the files)."""
+
+    def __init__(self, param_swapper: TensorSwapper, device: torch.device, accumulation: int) -> None:
+        self.param_swapper = param_swapper
+        self.device = device
+        self.accumulation = accumulation
+        self.partition: Any = None  # set once the model is partitioned
+        self.coordinator: Optional[ParameterCoordinator] = None  # set once it exists
+        self.grad_bufs: dict[int, torch.Tensor] = {}
+        self.grad_staging: Optional[torch.Tensor] = None
+
+    def grad_dest(self, shard: FlatShard) -> tuple[torch.Tensor, bool]:
+        """Where a unit's gradient lands on the host: its parameter home in RAM (the step rewrites
+        the weights from the fp32 master anyway, so no extra RAM), else a buffer of its own (a
+        home on disk or on the device), or under gradient accumulation one staging buffer the
+        optimizer adds into its fp32 accumulator at once."""
+        home = shard.home
+        accumulating = self.accumulation > 1
+        if not accumulating and home.tier == Tier.CPU:
+            return home.tensor, True
+        pin = self.device.type == "cuda"
+        if accumulating:
+            biggest = max(s.numel * s.dtype.itemsize for s in self.partition.shards)
+            if self.grad_staging is None or self.grad_staging.numel() < biggest:
+                self.grad_staging = aligned_empty(biggest, torch.uint8, pin=pin)
+            return self.grad_staging[:shard.nbytes].view(shard.dtype), False
+        buf = self.grad_bufs.get(shard.index)
+        if buf is None:
+            buf = self.grad_bufs[shard.index] = aligned_empty(shard.numel, shard.dtype, pin=pin)
+        return buf, False
+
+    def param_out(self, shard: FlatShard) -> Optional[torch.Tensor]:
+        """The bf16 home the optimizer's one-pass step may write a shard's new weights into."""
+        home = shard.home
+        if home.tier == Tier.CPU and home.tensor is not None and home.tensor.device.type == "cpu":
+            return home.tensor
+        return None
+
+    def write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
+        """The optimizer's new fp32 values of a shard, written home in the compute dtype (and to
+        its device copy when the unit is resident). Called from the optimizer's worker too."""
+        home = shard.home
+        req: Any = Done()
+        if home.tier == Tier.CPU:
+            if not shard.home_fresh:  # the one-pass CPU step casts into the home itself
+                home.tensor.copy_(master)  # cast into the (pinned) home, in place
+            shard.home_fresh = False
+            src = home.tensor
+        else:
+            src = master
+            if shard.dtype != torch.float32 or home.tier == Tier.GPU:
+                src = aligned_empty(shard.numel, shard.dtype)  # kept alive by the request until written
+                src.copy_(master)
+            req = self.param_swapper.write(home, src)
+        if shard.persistent and self.coordinator is not None:
+            self.coordinator.update_resident(shard, src)
+        return req
+
+    def write_home(self, shard: FlatShard, master: torch.Tensor) -> Any:
+        """A device-stepped unit's fp32 master (host) written into its parameter home only (its
+        device buffer is current already): for checkpoints and export. Returns a request or None."""
+        home = shard.home
+        if home.tier == Tier.GPU:  # the device buffer is the home
+            return None
+        if home.tier == Tier.CPU:
+            home.tensor.copy_(master)
+            return None
+        src = aligned_empty(shard.numel, shard.dtype)
+        src.copy_(master)
+        return self.param_swapper.write(home, src)
+
+
+__all__ = ["ParamHomes"]
