@@ -30,7 +30,7 @@ bench b11 --sizes 1.1b --systems torch-nocap,pyinfinity-auto,pyinfinity-cpu,deep
 bench b11_clip --sizes 1.1b --systems pyinfinity-auto,pyinfinity-cpu,deepspeed-cpu --clip 1.0 --steps 6 --warmup 2 \
   --no-trace
 bench b11_losses --sizes 1.1b --systems torch-nocap,pyinfinity-auto --steps 20 --warmup 0 --no-trace
-bench b11_nvme --sizes 1.1b --systems pyinfinity-nvme,deepspeed-nvme --steps 3 --warmup 1 --no-trace
+bench b11_nvme --sizes 1.1b --systems pyinfinity-nvme,deepspeed-nvme --steps 5 --warmup 1 --no-trace
 bench b10 --sizes 10b --systems pyinfinity-auto --steps 3 --warmup 1 --no-trace
 bench b7 --sizes 7b --systems pyinfinity-auto,deepspeed-nvme --steps 4 --warmup 1 --no-trace
 stage ds_backend "$PY" examples/deepspeed_backend_h200.py \
