@@ -91,11 +91,14 @@ def test_background_paths_are_bit_identical_to_the_serial_step(clip, gas, tiny_l
         assert torch.equal(s0[k], s1[k]), k
 
 
-def test_checkpoint_resume_and_export_read_the_device_state(tiny_lm, lm_batches, engine_config, tmp_path):
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_checkpoint_resume_and_export_read_the_device_state(tier, tiny_lm, lm_batches, engine_config, tmp_path):
+    """The homes (in RAM, or on NVMe: read into the device copy at start, written back by
+    sync_homes) are brought up to date before a checkpoint and an export."""
     from safetensors.torch import load_file
 
     batches = lm_batches(6)
-    cfg = _cfg(engine_config, "1MiB", overlap=True)
+    cfg = _cfg(engine_config, "1MiB", overlap=True, tier=tier)
     with pyinfinity.initialize(tiny_lm(), cfg) as eng:
         train_steps(eng, batches[:3])
         eng.save_checkpoint(str(tmp_path / "ckpt"))
