@@ -990,3 +990,4 @@ class OffloadOptimizer:
         for st in self.states:
             st.grad = None
             st.src = None
+            st.dev = st.dev_step = None  # device copies of the state go with the engine (its homes stay the record)

@@ -46,6 +46,7 @@ def test_whole_units_from_the_front_within_the_budget(tiny_lm, engine_config):
         assert eng.device_state_bytes == sum(12 * eng.partition.shards[i].numel for i in on)
         assert eng.memory_report().optimizer["device"] == eng.device_state_bytes
         assert len(on) < len(trainable)
+    assert all(st.dev is None for st in eng.optimizer.states)  # close() frees the device copies
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5])
