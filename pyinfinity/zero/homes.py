@@ -55,11 +55,14 @@ class ParamHomes:
             return home.tensor
         return None
 
-    def write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
-        """The optimizer's new fp32 values of a shard, written home in the compute dtype (and to
-        its device copy when the unit is resident). Called from the optimizer's worker too."""
+    def write_param(self, shard: FlatShard, master: torch.Tensor, to_device: bool = True) -> Any:
+        """The optimizer's new fp32 values of a shard, written home in the compute dtype (and, with
+        ``to_device``, to its device copy when the unit is resident). Called from the optimizer's
+        worker too."""
         home = shard.home
         req: Any = Done()
+        if home.tier == Tier.GPU and not to_device:  # the device buffer is the home
+            return req
         if home.tier == Tier.CPU:
             if not shard.home_fresh:  # the one-pass CPU step casts into the home itself
                 home.tensor.copy_(master)  # cast into the (pinned) home, in place
@@ -71,22 +74,14 @@ class ParamHomes:
                 src = aligned_empty(shard.numel, shard.dtype)  # kept alive by the request until written
                 src.copy_(master)
             req = self.param_swapper.write(home, src)
-        if shard.persistent and self.coordinator is not None:
+        if to_device and shard.persistent and self.coordinator is not None:
             self.coordinator.update_resident(shard, src)
         return req
 
     def write_home(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """A device-stepped unit's fp32 master (host) written into its parameter home only (its
-        device buffer is current already): for checkpoints and export. Returns a request or None."""
-        home = shard.home
-        if home.tier == Tier.GPU:  # the device buffer is the home
-            return None
-        if home.tier == Tier.CPU:
-            home.tensor.copy_(master)
-            return None
-        src = aligned_empty(shard.numel, shard.dtype)
-        src.copy_(master)
-        return self.param_swapper.write(home, src)
+        device buffer is current already): for checkpoints and export."""
+        return self.write_param(shard, master, to_device=False)
 
 
 __all__ = ["ParamHomes"]

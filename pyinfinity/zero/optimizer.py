@@ -241,10 +241,6 @@ class OffloadOptimizer:
         shard.device_step = True
         return st.dev.numel() * 4
 
-    @property
-    def device_states(self) -> list[ShardOptimState]:
-        return [st for st in self.states if st.dev is not None]
-
     def _step_device(self, st: ShardOptimState, hyper: dict, inv_factor: Optional[torch.Tensor]) -> None:
         """One Adam/AdamW step of a unit whose state is on the device, on the current stream (the
         compute stream: after the gradient, before the unit's next use); the new weights are cast
@@ -274,17 +270,9 @@ class OffloadOptimizer:
         st.src = st.event = None
         self._count(device=time.perf_counter() - t0)
 
-    def _inv_on_device(self, factor: float) -> Optional[torch.Tensor]:
-        devs = self.device_states
-        if factor == 1.0 or not devs:
-            return None
-        return torch.tensor(1.0 / factor, dtype=torch.float32, device=devs[0].dev.device)
-
-    def sync_homes(self, write_home: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None) -> int:
+    def sync_homes(self, write_home: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None) -> None:
         """Brings the host homes of device-stepped units up to date: their [master|m|v] and, through
-        ``write_home(shard, master)``, their parameter home (for a checkpoint, an export). Returns
-        how many units were written."""
-        done = 0
+        ``write_home(shard, master)``, their parameter home (for a checkpoint, an export)."""
         for st in self.states:
             if st.dev is None or not st.dev_stale:
                 continue
@@ -298,8 +286,6 @@ class OffloadOptimizer:
                 if req is not None:
                     req.wait()
             st.dev_stale = False
-            done += 1
-        return done
 
     # ------------------------------------------------------------------------- gradients
     def grad_ready(self, shard: FlatShard, src: torch.Tensor, event: Any, norm: Optional[torch.Tensor]) -> None:
@@ -689,7 +675,8 @@ class OffloadOptimizer:
         self._fill_unwritten([st for st in rest if st.src is None])
         on_device = [st for st in rest if st.dev is not None]
         if on_device:  # first: a few kernels on the compute stream, ahead of the next forward
-            inv_dev = self._inv_on_device(factor)
+            inv_dev = (torch.tensor(1.0 / factor, dtype=torch.float32, device=on_device[0].dev.device)
+                       if factor != 1.0 else None)
             for st in on_device:
                 self._step_device(st, hyper, inv_dev)
             rest = [st for st in rest if st.dev is None]
