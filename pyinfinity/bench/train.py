@@ -11,7 +11,9 @@ rates measured in the same invocation:
       PCIe     = max(2 x parameter bytes / H2D, gradient bytes / D2H)   (GPU only; full duplex)
       disk     = bytes read / disk read rate + bytes written / disk write rate, where the bytes are
                  what the run's tiers force: optimizer on disk = 12 B/param read and written
-                 (fp32 master, m, v); parameters on disk = read twice (forward, backward), written once
+                 (fp32 master, m, v; for pyinfinity only the state its run steps from disk, as units
+                 stepped on the GPU never cross it); parameters on disk = read twice (forward,
+                 backward), written once
       CPU Adam = parameters / the CPU Adam rate measured on the engine's kernel (offloaded optimizer only)
 
 and the run's measured step time over it is printed (1.0 = at the bound).
@@ -32,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
-from pyinfinity.bench.train_worker import RESULT_PREFIX, SYSTEMS
+from pyinfinity.bench.train_worker import RESULT_PREFIX, SYSTEMS, TIERS
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +61,8 @@ SIZES: dict[str, dict[str, Any]] = {
 DEFAULT_SIZES_GPU = ("1.1b", "3b", "7b", "10b")
 DEFAULT_SIZES_CPU = ("tiny",)
 DEFAULT_SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-auto", "deepspeed-cpu", "deepspeed-nvme", "torch")
-# (param tier, optimizer tier) each system forces; "auto" is read from the run's placement
-TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "pyinfinity-nvme-all": ("nvme", "nvme"),
-         "deepspeed-cpu": ("cpu", "cpu"), "deepspeed-nvme": ("cpu", "nvme"), "deepspeed-nvme-all": ("nvme", "nvme"),
-         "pyinfinity-auto": ("auto", "auto"), "torch": ("device", "device"), "torch-nocap": ("device", "device")}
 PEERS = {"pyinfinity-cpu": "deepspeed-cpu", "pyinfinity-nvme": "deepspeed-nvme",
-         "pyinfinity-nvme-all": "deepspeed-nvme-all"}
+         "pyinfinity-nvme-params": "deepspeed-nvme-params", "pyinfinity-nvme-all": "deepspeed-nvme-all"}
 
 # DeepSpeed ZeRO-3 offload settings as commonly used for one GPU (BENCHMARKS.md lists them)
 DEEPSPEED_DEFAULTS: dict[str, Any] = {
@@ -162,8 +160,11 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
     if offloaded and cuda:
         terms["pcie"] = max(2 * pb / rates["h2d"], pb / rates["d2h"])
     f_par, f_opt = tier_fractions(system, placement) if offloaded else (0.0, 0.0)
-    read = 2 * pb * f_par + 12 * n * f_opt
-    write = pb * f_par + 12 * n * f_opt
+    opt_disk = 12 * n * f_opt
+    if placement and placement.get("optimizer_disk_per_step") is not None:
+        opt_disk = placement["optimizer_disk_per_step"]  # the run's own: state stepped on the GPU stays off the disk
+    read = 2 * pb * f_par + opt_disk
+    write = pb * f_par + opt_disk
     if read or write:
         if rates.get("disk_read", 0) <= 0 or rates.get("disk_write", 0) <= 0:
             terms["disk"] = float("nan")
@@ -544,7 +545,8 @@ def ratio_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
     for (size, system), r in sorted(by.items(), key=lambda kv: kv[1].get("params") or 0):
         peer = PEERS.get(system)
         if system == "pyinfinity-auto":
-            cands = [by.get((size, p)) for p in ("deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-all")]
+            cands = [by.get((size, p)) for p in ("deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-params",
+                                                      "deepspeed-nvme-all")]
             ok = [c for c in cands if c and c.get("ok")]
             best = max(ok, key=lambda c: c["tokens_per_s"]) if ok else None
             peer = best["system"] if best else None

@@ -25,6 +25,7 @@ EPILOG = f"""
 systems: {', '.join(SYSTEMS)}
   pyinfinity-cpu / deepspeed-cpu         parameters and optimizer states in RAM
   pyinfinity-nvme / deepspeed-nvme       parameters in RAM, optimizer states on --nvme
+  pyinfinity-nvme-params / deepspeed-nvme-params  parameters on --nvme, optimizer states in RAM
   pyinfinity-nvme-all / deepspeed-nvme-all  both on --nvme
   pyinfinity-auto                        the planner decides (only what does not fit in RAM goes to disk)
   torch                                  plain PyTorch under the cap (the smallest size only, unless --torch-all-sizes)

@@ -954,6 +954,12 @@ class OffloadOptimizer:
         return out
 
     @property
+    def disk_bytes_per_step(self) -> int:
+        """Bytes of optimizer state a step reads from disk and writes back: the homes on NVMe whose
+        units are stepped on the CPU (a unit with a device copy is stepped there, off the disk)."""
+        return sum(st.home.nbytes for st in self.states if st.home.tier.value == "nvme" and st.dev is None)
+
+    @property
     def grad_bytes(self) -> int:
         return sum(st.grad.numel() * 4 for st in self.states if st.grad is not None and st.grad.device.type == "cpu")
 

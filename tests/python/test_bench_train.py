@@ -50,6 +50,55 @@ def test_auto_bound_reads_the_share_on_disk_from_the_placement():
     assert b["disk_bytes"] == {"read": 3_000_000_000, "write": 3_000_000_000}
 
 
+def test_the_bound_counts_the_optimizer_state_a_run_steps_from_disk():
+    """pyinfinity's units stepped on the GPU keep their state off the disk: the run's own bytes, not 12 B/param."""
+    placement = {"params": {"cpu": 2_000_000_000}, "optimizer": {"nvme": 12_000_000_000, "device": 3_000_000_000},
+                 "optimizer_disk_per_step": 9_000_000_000}
+    b = bt.bound("pyinfinity-nvme", FACTS, RATES, cuda=True, placement=placement)
+    assert b["disk_bytes"] == {"read": 9_000_000_000, "write": 9_000_000_000}
+    assert b["terms"]["disk"] == pytest.approx(9e9 / 2e9 + 9e9 / 1e9)
+    # a run without the figure (DeepSpeed's, an older result file) keeps the tier's 12 B/param
+    del placement["optimizer_disk_per_step"]
+    assert bt.bound("pyinfinity-nvme", FACTS, RATES, cuda=True, placement=placement)["disk_bytes"]["read"] == 12e9
+
+
+def test_timed_steps_hold_one_background_optimizer_pass_each(monkeypatch):
+    """What the warm-up leaves in the background is finished before the first timed step; the last
+    timed step finishes its own inside its time."""
+    from pyinfinity.bench import train_worker as tw
+
+    events: list[str] = []
+
+    class FakeRun:
+        engine = None
+        params = 1
+        extra: dict = {}
+
+        def __init__(self, spec):
+            self.n = 0
+
+        def step(self, x, mark):
+            self.n += 1
+            events.append(f"step{self.n}")
+            return 1.0
+
+        def synchronize(self):
+            events.append("sync")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tw, "Run", FakeRun)
+    spec = {"system": "pyinfinity-cpu", "size": "tiny", "device": "cpu", "steps": 4, "warmup": 2, "batch": 1,
+            "seq": 4, "model": {"vocab_size": 16}}
+    res = tw.run(spec)
+    assert res["ok"], res
+    assert events == ["step1", "step2", "sync", "step3", "step4", "sync"]
+    events.clear()
+    assert tw.run(dict(spec, warmup=0))["ok"]
+    assert events == ["step1", "step2", "step3", "step4", "sync"]  # nothing to finish before the first
+
+
 def test_a_missing_disk_rate_leaves_the_disk_term_out_of_the_max_not_zero():
     b = bt.bound("pyinfinity-nvme", FACTS, dict(RATES, disk_read=0.0), cuda=True)
     assert b["terms"]["disk"] != b["terms"]["disk"]  # nan, shown as such
@@ -138,6 +187,9 @@ def test_bench_train_end_to_end_on_the_cpu(tmp_path):
     # the optimizer really went through the disk: the engine's counters and the kernel's agree it moved bytes
     assert nv["bytes_moved_per_step"].get("optimizer.nvme.read", 0) > 0
     assert nv["disk_read_per_step"] > 0 and nv["placement"]["optimizer"].get("nvme", 0) > 0
+    # no state on the device here: every home on disk is read and written a step, and the bound says so
+    assert nv["placement"]["optimizer_disk_per_step"] == nv["placement"]["optimizer"]["nvme"]
+    assert nv["bound"]["disk_bytes"]["read"] == nv["placement"]["optimizer_disk_per_step"]
     assert runs["pyinfinity-cpu"]["disk_read_per_step"] == 0
     for s in ("pyinfinity-cpu", "pyinfinity-nvme"):  # the plan's host bytes against what the state took
         r = runs[s]

@@ -21,15 +21,16 @@ def _cfg(engine_config, dob, overlap=False, clip=0.0, gas=1, tier="cpu"):
     return cfg
 
 
-def test_whole_units_from_the_front_within_the_budget(tiny_lm, engine_config):
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_whole_units_from_the_front_within_the_budget(tier, tiny_lm, engine_config):
     model = tiny_lm()
     model.blocks[0].up.requires_grad_(False)  # a frozen unit: no optimizer state to place
-    probe = pyinfinity.initialize(tiny_lm(), _cfg(engine_config, 0))
+    probe = pyinfinity.initialize(tiny_lm(), _cfg(engine_config, 0, tier=tier))
     sizes = [sh.numel for sh in probe.partition.shards]
     probe.close()
     per = device_state_cost(4, 1)
     budget = per * (sizes[0] + sizes[1]) + per - 1  # the first two units and not the third
-    with pyinfinity.initialize(model, _cfg(engine_config, budget)) as eng:
+    with pyinfinity.initialize(model, _cfg(engine_config, budget, tier=tier)) as eng:
         on = [sh.index for sh in eng.partition.shards if sh.device_step]
         trainable = [sh for sh in eng.partition.shards if sh.trainable]
         frozen = [sh.index for sh in eng.partition.shards if not sh.trainable]
@@ -46,6 +47,10 @@ def test_whole_units_from_the_front_within_the_budget(tiny_lm, engine_config):
         assert eng.device_state_bytes == sum(12 * eng.partition.shards[i].numel for i in on)
         assert eng.memory_report().optimizer["device"] == eng.device_state_bytes
         assert len(on) < len(trainable)
+        # a step reads and writes the disk homes of the units stepped on the CPU only
+        stepped_from_disk = sum(12 * sh.numel for sh in trainable if not sh.device_step) if tier == "nvme" else 0
+        assert eng.optimizer.disk_bytes_per_step == stepped_from_disk
+        assert eng.optimizer.bytes_by_tier.get("nvme", 0) == (sum(12 * sh.numel for sh in trainable) if tier == "nvme" else 0)
     assert all(st.dev is None for st in eng.optimizer.states)  # close() frees the device copies
 
 
