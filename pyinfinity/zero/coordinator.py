@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pyinfinity.swap.tensor_swapper import Tier, aligned_empty
+from pyinfinity.zero.budget import DeviceBudget, DeviceBudgetError, FetchStats, OverlapSample
 from pyinfinity.zero.partition import FlatShard, ParamSlice, Partition, ShardState, placeholder
 
 log = logging.getLogger(__name__)
@@ -36,63 +37,6 @@ log = logging.getLogger(__name__)
 LOOKAHEAD_ENTRIES = 512  # trace entries scanned per prefetch decision (bounds the cost per use)
 MAX_TRACE = 1 << 20  # uses recorded per iteration (a loop that never re-enters the root stops recording)
 MAX_EVENT_PAIRS = 8192  # CUDA event pairs kept between overlap() calls (eval loops never call it)
-
-
-class DeviceBudgetError(RuntimeError):
-    """The device budget cannot hold what one module call needs."""
-
-
-@dataclass
-class FetchStats:
-    """How shards reached the device (cumulative; the engine reports deltas per step)."""
-
-    prefetch_hits: int = 0  # uses served by a prefetch issued earlier
-    on_demand: int = 0  # uses that had to start the fetch themselves
-    prefetch_issued: int = 0
-    prefetch_wasted: int = 0  # prefetched, then released unused
-    divergences: int = 0  # iterations whose module order left the trace
-    releases: int = 0
-    fetch_wait_seconds: float = 0.0  # host time blocked waiting for a shard to arrive
-    fetched_bytes: int = 0  # shard bytes copied to the device (host -> device)
-    grad_bytes: int = 0  # gradient bytes handed off the device (device -> host)
-    step_wait_seconds: float = 0.0  # host time a fetch waited for the optimizer to write a unit's new values
-
-    def snapshot(self) -> "FetchStats":
-        return FetchStats(**self.__dict__)
-
-
-@dataclass
-class DeviceBudget:
-    """Bytes of shard buffers resident on the compute device, against ``device_memory``.
-
-    On a GPU the allocator's own figure (activations and workspaces included) must also leave
-    room: torch's per-process memory fraction enforces the same cap on everything, so a prefetch
-    that only counted shards would run the step out of memory.
-    """
-
-    capacity: Optional[int]
-    resident: int = 0
-    peak: int = 0
-    fixed: int = 0  # buffers and persistent shards, counted in resident too
-    cuda_device: Optional[torch.device] = None
-
-    def fits(self, nbytes: int) -> bool:
-        if self.capacity is None:
-            return True
-        if self.resident + nbytes > self.capacity:
-            return False
-        if self.cuda_device is not None:  # a host-side counter: no synchronisation
-            # keep headroom for the allocator's fragmentation and the step's transient tensors
-            headroom = min(256 << 20, self.capacity // 8)
-            return torch.cuda.memory_allocated(self.cuda_device) + nbytes <= self.capacity - headroom
-        return True
-
-    def add(self, nbytes: int) -> None:
-        self.resident += nbytes
-        self.peak = max(self.peak, self.resident)
-
-    def sub(self, nbytes: int) -> None:
-        self.resident -= nbytes
 
 
 @dataclass
@@ -114,14 +58,6 @@ class _ShardRef:
     offset: int
     size: tuple
     stride: tuple
-
-
-@dataclass
-class OverlapSample:
-    """Per-step transfer time and the part of it the compute waited for (seconds)."""
-
-    transfer_s: float = 0.0
-    stalled_s: float = 0.0
 
 
 class ParameterCoordinator:

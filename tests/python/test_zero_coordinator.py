@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import pyinfinity
-from pyinfinity.zero.coordinator import DeviceBudgetError
+from pyinfinity.zero.budget import DeviceBudgetError
 from pyinfinity.zero.partition import ShardState
 
 
