@@ -5,8 +5,9 @@
 # 2. `pyinfinity bench train` under an 8 GiB device cap, every run appended to RESULTS_DIR/bench.json:
 #    1.1B: plain torch without a cap, pyinfinity auto / cpu, DeepSpeed ZeRO-3 cpu; the same with
 #    clipping to 1.0; 20 steps of plain torch and pyinfinity for the loss curves; optimizer on NVMe
-#    (pyinfinity and DeepSpeed); 10B with pyinfinity auto; 7B with pyinfinity auto and DeepSpeed's
-#    optimizer on NVMe (a row that says so when the disk cannot hold its state);
+#    (pyinfinity and DeepSpeed); 10B with pyinfinity auto; 7B with pyinfinity auto and DeepSpeed with
+#    its optimizer on NVMe (a row that says so when the disk cannot hold its state) and with its
+#    parameters on NVMe and optimizer in RAM;
 # 3. DeepSpeed as the engine with pyinfinity as its I/O backend (examples/deepspeed_backend_h200.py),
 #    its JSON in RESULTS_DIR/ds_backend.json.
 # DeepSpeed runs need `deepspeed` importable (they are reported as failed otherwise). Each stage's
@@ -32,7 +33,7 @@ bench b11_clip --sizes 1.1b --systems pyinfinity-auto,pyinfinity-cpu,deepspeed-c
 bench b11_losses --sizes 1.1b --systems torch-nocap,pyinfinity-auto --steps 20 --warmup 0 --no-trace
 bench b11_nvme --sizes 1.1b --systems pyinfinity-nvme,deepspeed-nvme --steps 5 --warmup 1 --no-trace
 bench b10 --sizes 10b --systems pyinfinity-auto --steps 3 --warmup 1 --no-trace
-bench b7 --sizes 7b --systems pyinfinity-auto,deepspeed-nvme --steps 4 --warmup 1 --no-trace
+bench b7 --sizes 7b --systems pyinfinity-auto,deepspeed-nvme,deepspeed-nvme-params --steps 4 --warmup 1 --no-trace
 stage ds_backend "$PY" examples/deepspeed_backend_h200.py \
   --configs pyinf-cpu-nvme,ds-cpu-nvme,pyinf-cpu-nvme-pipe,ds-cpu-nvme-pipe,pyinf-nvme-nvme,pyinf-nvme-nvme-fix \
   --steps 4 --nvme-dir "$SWAP/ds_backend" --json "$OUT/ds_backend.json"
