@@ -18,9 +18,12 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     compute; gradients leave the device and are accumulated in fp32 on the host.
     With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
     without prefetch: the sum.
-  * optimizer: the gradient norm (memory bound), fused Adam over every parameter at the measured
-    rate; the RAM part first, then the disk part pipelined (read k+1 || step k || write k-1) with
-    the parameter write-back. Serial after the last backward, unless the step overlaps it
+  * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made;
+    under accumulation a read of the fp32 accumulators), the one-pass Adam kernel over every
+    parameter the CPU steps at the measured rate (which includes writing bf16 weights into a home
+    in RAM; a home on disk or on the device, or another dtype, adds a cast pass from the fp32
+    master); the RAM part first, then the disk part pipelined (read k+1 || step k || write k-1)
+    with the parameter write-back. Serial after the last backward, unless the step overlaps it
     (``pyinfinity.overlap_step``, :attr:`TrainShape.overlap_step`): then the boundary
     micro-batch's backward (and recompute) hides up to its own length of it (on the CPU device
     only the disk part: Adam would compete for the cores), and at least the largest shard's share
@@ -32,6 +35,8 @@ import logging
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence
+
+import torch
 
 from pyinfinity.plan.budgets import Budgets
 from pyinfinity.plan.rates import Rates
@@ -351,6 +356,9 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
              "state": 0, "state_s": 0.0}
     biggest_disk_state = 0
     first_disk_state = 0
+    # the one-pass CPU kernel writes the new bf16 weights into a home in RAM itself (its measured
+    # rate includes it); other homes and dtypes get a cast pass from the fp32 master
+    kernel_writes_home = sizes.dtype == torch.bfloat16 and k.optimizer_step_device != "device"
     for i, (n, trainable, ptier) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable, param_tier)):
         if not trainable:
             continue
@@ -368,7 +376,8 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         if i in dev_state:  # stepped on the device: no CPU Adam, no cast into the home
             continue
         seg["adam"] += n
-        seg["cast"] += n if isz != 4 else 0
+        if not (ptier == "ram" and kernel_writes_home):  # a cast pass into the home or a write buffer
+            seg["cast"] += n
         seg["param_dev" if ptier == "device" else f"param_{ptier}"] += n * isz
         if ptier == "disk":
             seg["param_disk_s"] += rates.write_time(n * isz)
@@ -499,8 +508,10 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         cpu_side = compute + ram_copy + accumulate
         micro = (max(cpu_side, disk_read) if overlap else cpu_side + disk_read) + latency
         h2d_busy = ram_copy + accumulate
-    # -- the optimizer step: norm + zeroing, RAM part, then the disk part pipelined
-    host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy)  # the gradient norm reads them once
+    # -- the optimizer step: norm, RAM part, then the disk part pipelined. The global norm is
+    # combined from per-unit norms taken as the gradients were made, except under accumulation,
+    # where it reads the fp32 accumulators once
+    host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy) if g > 1 else 0.0
     host += sum(sizes.shard_trainable) * rates.shard_step_overhead
 
     pageable = rates.h2d_pageable or rates.h2d  # gradients and write-back sources are pageable
@@ -512,8 +523,9 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         return _div(numel, rates.adam)
 
     def cpu_time(seg: dict) -> float:
+        # Adam, the cast pass from the fp32 master straight into the home (or the write buffer of a
+        # home on disk or on the device), and a device home's copy from that pageable buffer
         return (adam_time(seg["adam"]) + _div(seg["cast"] * (4 + isz), 2 * rates.memcpy)
-                + _div(seg["param_ram"] + seg["param_disk"], rates.memcpy)  # the cast into the home / a write buffer
                 + _div(seg["param_dev"], pageable))
 
     a = cpu_time(seg_a)

@@ -61,6 +61,7 @@ class ModelSizes:
     intermediate: int = 0
     act_width: int = 0  # sum of matmul output widths per token (generic activation estimate)
     source: str = ""
+    dtype: Optional[torch.dtype] = None  # the compute dtype when every shard has it (None: mixed or unknown)
 
     @property
     def numel(self) -> int:
@@ -89,8 +90,9 @@ class ModelSizes:
     def with_dtype(self, dtype: Union[str, torch.dtype]) -> "ModelSizes":
         from dataclasses import replace
 
-        itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
-        return replace(self, itemsize=itemsize, block_bytes=self.block_bytes // self.itemsize * itemsize)
+        dt = parse_dtype(dtype)
+        itemsize = torch.empty((), dtype=dt).element_size()
+        return replace(self, itemsize=itemsize, block_bytes=self.block_bytes // self.itemsize * itemsize, dtype=dt)
 
     def activation_bytes(self, micro_batch: int, seq: int, checkpointing: bool,
                          itemsize: Optional[int] = None) -> int:
@@ -193,8 +195,10 @@ def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]]
     largest = max((n * i for n, i in zip(numels, itemsizes)), default=0)
     block = max(block, largest)
     cfg = getattr(model, "config", None)
+    floats = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
     s = ModelSizes(shard_numels=numels, shard_trainable=trainable, itemsize=itemsize, block_bytes=block,
-                   flops_per_token=flops, act_width=act_width, source=type(model).__name__)
+                   flops_per_token=flops, act_width=act_width, source=type(model).__name__,
+                   dtype=dt if dt is not None else (floats.pop() if len(floats) == 1 else None))
     if cfg is not None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_hidden_layers", None):
         s.hidden = int(cfg.hidden_size)
         s.layers = int(cfg.num_hidden_layers)
@@ -243,7 +247,8 @@ def llama_sizes(d: dict, dtype: Union[str, torch.dtype] = "bf16") -> ModelSizes:
     return ModelSizes(shard_numels=shards, shard_trainable=[True] * len(shards), itemsize=isz,
                       block_bytes=sum(layer) * isz, flops_per_token=2.0 * (L * sum(layer[:7]) + V * h),
                       hidden=h, layers=L, heads=heads, vocab=V, intermediate=ff,
-                      act_width=(heads * hd + 2 * kv * hd + h + 3 * ff) * L + V, source="llama (analytic)")
+                      act_width=(heads * hd + 2 * kv * hd + h + 3 * ff) * L + V, source="llama (analytic)",
+                      dtype=parse_dtype(dtype))
 
 
 def sizes_from_config(config: Union[str, os.PathLike, dict],

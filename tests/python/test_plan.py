@@ -346,6 +346,29 @@ def test_calibrated_compute_replaces_the_flops_estimate(tmp_path):
     assert plan.predicted.compute == pytest.approx(3 * seconds)
 
 
+@pytest.mark.parametrize("dtype,accum", [("bf16", 1), ("fp16", 1), ("bf16", 2)])
+def test_the_optimizer_term_charges_the_passes_the_engine_makes(dtype, accum):
+    """State and weights in RAM on a GPU: the one-pass kernel writes new bf16 weights into their
+    home itself (the measured Adam rate includes it), so the term is Adam alone; fp16 weights take
+    one cast pass from the fp32 master (4 + 2 bytes); under accumulation the global norm reads the
+    fp32 accumulators once (per-unit norms are taken on the device otherwise)."""
+    from pyinfinity.plan import Fixed
+
+    sizes = llama_sizes(LLAMA_1B, dtype=dtype)
+    rates = Rates(h2d=50e9, d2h=50e9, disk_read=1.5e9, disk_write=1.2e9, adam=3.4e9, matmul=600e12, memcpy=20e9,
+                  device="cuda")
+    fixed = Fixed(param_device="cpu", optimizer_device="cpu", resident_bytes=0, device_optimizer_bytes=0)
+    p = solve(sizes, TrainShape(micro_batch=1, seq_len=1024, grad_accum=accum, checkpointing=True),
+              _budgets(8 << 30, 100 * GB), rates, fixed)
+    n = sizes.trainable_numel
+    want = n / rates.adam
+    if dtype == "fp16":
+        want += n * (4 + 2) / (2 * rates.memcpy)
+    if accum > 1:
+        want += n * 4 / (2 * rates.memcpy)
+    assert p.predicted.optimizer == pytest.approx(want, rel=1e-6)
+
+
 def test_10b_for_a_gpu_with_8gib_is_placed_within_15_bytes_per_parameter(tmp_path):
     """The 10.49B preset for a CUDA device with an 8 GiB cap, rates saved from a GPU machine, 100 GiB
     of RAM and a 64 GiB disk: placed, not refused; host + disk state stays within 15 bytes per
