@@ -335,13 +335,20 @@ def disk_probe_size(directory: str, nbytes: int) -> int:
     return min(nbytes, fit)
 
 
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
 def measure_decoder_compute(model_config: dict, device: Union[str, torch.device], micro_batch: int, seq_len: int,
                             dtype: torch.dtype = torch.bfloat16, checkpointing: bool = False,
                             reps: int = 5) -> tuple[float, int]:
     """Seconds of one micro-batch's forward + backward of a transformers decoder, and its activation
     bytes, extrapolated from the same model built with 1 and 2 layers on ``device`` (resident, no
     offload): t = t1 + (layers - 1) * (t2 - t1). Non-matmul work (norms, attention kernels, the
-    loss over the vocabulary) is in the figure, which FLOPs / matmul rate misses."""
+    loss over the vocabulary) is in the figure, which FLOPs / matmul rate misses. The activation
+    bytes are the device peak above the resident weights, with each parameter's gradient dropped
+    as soon as it is made (as the engine moves gradients off the device unit by unit: the
+    planner counts their buffers apart)."""
     import transformers
 
     dev = torch.device(device)
@@ -358,6 +365,8 @@ def measure_decoder_compute(model_config: dict, device: Union[str, torch.device]
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(_drop_grad)
         x = torch.randint(0, int(cfg.vocab_size), (micro_batch, seq_len), device=dev)
 
         def step() -> None:
@@ -366,11 +375,9 @@ def measure_decoder_compute(model_config: dict, device: Union[str, torch.device]
 
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
-            base = torch.cuda.memory_allocated(dev)
+            base = torch.cuda.memory_allocated(dev)  # the weights (and the batch)
         t = _median_time(step, reps, warmup=2, sync=sync)
-        pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # above the weights: their gradients, then activations and temporaries
-        acts = max(0, torch.cuda.max_memory_allocated(dev) - base - pbytes) if cuda else 0
+        acts = max(0, torch.cuda.max_memory_allocated(dev) - base) if cuda else 0
         out.append((t, acts))
         del model
         if cuda:
