@@ -142,13 +142,14 @@ def tier_fractions(system: str, placement: Optional[dict]) -> tuple[float, float
     if ptier != "auto":
         return float(ptier == "nvme"), float(otier == "nvme")
 
-    def share(d: Optional[dict]) -> float:
-        d = {k: v for k, v in (d or {}).items() if k in ("cpu", "nvme", "device")}
+    def share(d: Optional[dict], homes: tuple[str, ...]) -> float:
+        d = {k: v for k, v in (d or {}).items() if k in homes}
         total = sum(d.values())
         return d.get("nvme", 0) / total if total else 0.0
 
     placement = placement or {}
-    return share(placement.get("params")), share(placement.get("optimizer"))
+    # the optimizer's "device" bytes are copies of homes in RAM or on disk, not homes of their own
+    return share(placement.get("params"), ("gpu", "cpu", "nvme")), share(placement.get("optimizer"), ("cpu", "nvme"))
 
 
 def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: bool,

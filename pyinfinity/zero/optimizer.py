@@ -230,11 +230,8 @@ class OffloadOptimizer:
             return 0
         if self.step_device is not None:
             raise ValueError("to_device: the streamed device step already steps every unit on the device")
-        n = st.numel
-        host = st.home.tensor if st.home.tier == Tier.CPU else aligned_empty(3 * n, torch.float32)
-        if st.home.tier != Tier.CPU:
-            self.swapper.read(st.home, host).wait()
-        st.dev = torch.empty(3 * n, dtype=torch.float32, device=device)
+        host = self._state_in_ram(st, read=True)
+        st.dev = torch.empty(3 * st.numel, dtype=torch.float32, device=device)
         st.dev.copy_(host)
         st.dev_step = torch.full((), float(st.step), dtype=torch.float32, device=device)
         st.dev_stale = False
@@ -276,16 +273,25 @@ class OffloadOptimizer:
         for st in self.states:
             if st.dev is None or not st.dev_stale:
                 continue
-            n = st.numel
-            host = st.home.tensor if st.home.tier == Tier.CPU else aligned_empty(3 * n, torch.float32)
+            host = self._state_in_ram(st, read=False)
             host.copy_(st.dev)  # waits for the step's kernels
             if st.home.tier != Tier.CPU:
                 self.swapper.write(st.home, host).wait()
             if write_home is not None:
-                req = write_home(st.shard, host[:n])
+                req = write_home(st.shard, host[:st.numel])
                 if req is not None:
                     req.wait()
             st.dev_stale = False
+
+    def _state_in_ram(self, st: ShardOptimState, read: bool) -> torch.Tensor:
+        """A shard's [master|m|v] in RAM: its home there, else a buffer of its size (filled from
+        the home on disk when ``read``)."""
+        if st.home.tier == Tier.CPU:
+            return st.home.tensor
+        buf = aligned_empty(3 * st.numel, torch.float32)
+        if read:
+            self.swapper.read(st.home, buf).wait()
+        return buf
 
     # ------------------------------------------------------------------------- gradients
     def grad_ready(self, shard: FlatShard, src: torch.Tensor, event: Any, norm: Optional[torch.Tensor]) -> None:
@@ -873,12 +879,7 @@ class OffloadOptimizer:
         home that holds a gradient while no step has consumed it (a forward between backward()
         and step(), e.g. an evaluation)."""
         st = self._by_shard[shard.index]
-        if st.home.tier == Tier.CPU:
-            dst.copy_(st.home.tensor[:st.numel])
-            return
-        buf = aligned_empty(3 * st.numel, torch.float32)
-        self.swapper.read(st.home, buf).wait()
-        dst.copy_(buf[:st.numel])
+        dst.copy_(self._state_in_ram(st, read=True)[:st.numel])
 
     def drain(self) -> None:
         """Waits until the worker has finished everything handed to it; raises its failure."""
@@ -957,7 +958,7 @@ class OffloadOptimizer:
     def disk_bytes_per_step(self) -> int:
         """Bytes of optimizer state a step reads from disk and writes back: the homes on NVMe whose
         units are stepped on the CPU (a unit with a device copy is stepped there, off the disk)."""
-        return sum(st.home.nbytes for st in self.states if st.home.tier.value == "nvme" and st.dev is None)
+        return sum(st.home.nbytes for st in self.states if st.home.tier == Tier.NVME and st.dev is None)
 
     @property
     def grad_bytes(self) -> int:

@@ -48,6 +48,10 @@ def test_auto_bound_reads_the_share_on_disk_from_the_placement():
     b = bt.bound("pyinfinity-auto", FACTS, RATES, cuda=True, placement=placement)
     assert b["disk_share"] == {"params": 0.0, "optimizer": 0.25}
     assert b["disk_bytes"] == {"read": 3_000_000_000, "write": 3_000_000_000}
+    # device copies of optimizer homes are not homes of their own; parameter homes on the GPU are
+    placement = {"params": {"cpu": 2, "nvme": 1, "gpu": 1, "device(resident)": 4},
+                 "optimizer": {"cpu": 9, "nvme": 3, "device": 6}}
+    assert bt.tier_fractions("pyinfinity-auto", placement) == (0.25, 0.25)
 
 
 def test_the_bound_counts_the_optimizer_state_a_run_steps_from_disk():
