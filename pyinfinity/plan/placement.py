@@ -351,8 +351,8 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     optim = Share()
     placed = 0
     # optimizer state in RAM (segment a, stepped first), on disk (b); *_s: seconds of disk I/O
-    seg_a = {"adam": 0, "param_ram": 0, "param_disk": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0}
-    seg_b = {"adam": 0, "param_ram": 0, "param_disk": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0,
+    seg_a = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0}
+    seg_b = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0,
              "state": 0, "state_s": 0.0}
     biggest_disk_state = 0
     first_disk_state = 0
@@ -378,8 +378,9 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         seg["adam"] += n
         if not (ptier == "ram" and kernel_writes_home):  # a cast pass into the home or a write buffer
             seg["cast"] += n
-        seg["param_dev" if ptier == "device" else f"param_{ptier}"] += n * isz
-        if ptier == "disk":
+        if ptier == "device":
+            seg["param_dev"] += n * isz
+        elif ptier == "disk":
             seg["param_disk_s"] += rates.write_time(n * isz)
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
     # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation
