@@ -787,10 +787,10 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
     itemsize = max(1, sizes.param_bytes // max(1, sizes.numel))
     e = c.pyinfinity
     if e.device == AUTO:
-        import torch
+        from pyinfinity.device import resolve_device
 
-        e.device = "cuda" if torch.cuda.is_available() else "cpu"
-        out.append(AutoDecision("pyinfinity.device", e.device, "CUDA device present" if e.device == "cuda"
+        e.device = str(resolve_device(AUTO))
+        out.append(AutoDecision("pyinfinity.device", e.device, "CUDA device present" if e.device != "cpu"
                                 else "no CUDA device"))
     if e.device_memory == AUTO or e.device_memory is None:
         e.device_memory = budgets.device_memory

@@ -152,17 +152,14 @@ def initialize(model: nn.Module, config: Union[dict, str, os.PathLike, Config],
 
 
 def _resolve_device(spec: str) -> torch.device:
-    if spec == AUTO:
-        try:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        except Exception:  # noqa: BLE001
-            return torch.device("cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"pyinfinity.device: {spec!r} asked for, but no CUDA device is available")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    """``pyinfinity.device`` as a torch.device; ``cuda`` and ``auto`` with a GPU become an indexed
+    CUDA device (``LOCAL_RANK`` under torchrun), which torch's per-device memory calls require."""
+    from pyinfinity.device import resolve_device
+
+    try:
+        return resolve_device(spec)
+    except ValueError as e:
+        raise ConfigError(f"pyinfinity.device: {e}") from None
 
 
 def _resolve_overlap_step(cfg: Config, device: torch.device) -> str:
@@ -269,6 +266,8 @@ class Engine:
 
             self.weights = WeightLoader(weights, model)
         self.device = _resolve_device(cfg.pyinfinity.device)
+        if self.device.type == "cuda":  # streams, pinned memory and the user's .cuda() follow it
+            torch.cuda.set_device(self.device)
         z = cfg.zero_optimization
         fp16, bf16 = cfg.fp16.enabled, cfg.bf16.enabled
         sizes = _model_sizes(model, fp16, bf16, z.stage3_param_persistence_threshold)

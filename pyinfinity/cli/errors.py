@@ -59,13 +59,25 @@ def system_exit_message(exc: SystemExit) -> Optional[str]:
     return exc.code if isinstance(exc.code, str) else None
 
 
-def check_device_here(spec: str, flag: str = "--device") -> None:
-    """UsageError when ``spec`` names a CUDA device this machine does not have."""
+def check_device_here(spec: str, flag: str = "--device") -> str:
+    """The device ``spec`` names on this machine ("auto" and "cuda" with the GPU's index, as
+    ``pyinfinity.device.resolve_device``); UsageError when it is a CUDA device this machine does
+    not have."""
     import torch
 
-    dev = torch.device(spec)
+    from pyinfinity.device import resolve_device
+
+    if spec == "auto":
+        try:
+            return str(resolve_device(spec))
+        except ValueError as e:  # LOCAL_RANK names a GPU this process does not see
+            raise UsageError(f"{flag}: {spec}: {e}") from None
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"{flag}: expected cpu, cuda, cuda:N or auto, got {spec!r}") from None
     if dev.type != "cuda":
-        return
+        return str(dev)
     if not torch.cuda.is_available():
         why = ("this torch is built without CUDA" if torch.version.cuda is None
                else "no CUDA GPU is visible (driver, CUDA_VISIBLE_DEVICES)")
@@ -73,3 +85,7 @@ def check_device_here(spec: str, flag: str = "--device") -> None:
                          "`pyinfinity plan --device cuda --gpu-memory SIZE` to plan for a GPU elsewhere")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"{flag}: {spec} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    try:
+        return str(resolve_device(dev))
+    except ValueError as e:  # LOCAL_RANK names a GPU this process does not see
+        raise UsageError(f"{flag}: {spec}: {e}") from None

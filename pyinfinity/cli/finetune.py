@@ -85,6 +85,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     import torch
 
     import pyinfinity
+    from pyinfinity.cli.errors import check_device_here
     from pyinfinity.cli.train import _mean, build_config
     from pyinfinity.config import format_size
     from pyinfinity.data import TextData, load_tokenizer
@@ -92,9 +93,7 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     check_finetune_arguments(args)
     torch.manual_seed(args.seed)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = check_device_here(args.device)  # cuda and auto with the GPU's index
     cfg = build_config(args, device)
     # the data first: a bad file fails before anything is loaded or written
     data = TextData.from_file(args.data, load_tokenizer(args.model), args.seq, field=args.data_field,

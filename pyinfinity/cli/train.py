@@ -206,10 +206,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model or args.data:
         return run_finetune(args)
     torch.manual_seed(args.seed)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device_here(device)
+    device = check_device_here(args.device)  # cuda and auto with the GPU's index
     for flag, value, low in (("--steps", args.steps, 1), ("--seq", args.seq, 1), ("--batch", args.batch, 1),
                              ("--grad-accum", args.grad_accum, 1), ("--warmup", args.warmup, 0),
                              ("--save-every", args.save_every, 0)):

@@ -105,12 +105,11 @@ def _compute_dtype(cfg: Any) -> Optional[torch.dtype]:
 
 
 def _device(cfg: Any, device: Optional[Union[str, torch.device]]) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    spec = cfg.pyinfinity.device
-    if spec == AUTO:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+    """The device planned for: ``device`` if given, else ``pyinfinity.device``; ``cuda``/``auto``
+    on a GPU machine with its index (a CUDA device not on this machine stays as given)."""
+    from pyinfinity.device import resolve_device
+
+    return resolve_device(device if device is not None else cfg.pyinfinity.device, must_exist=False)
 
 
 def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
