@@ -10,6 +10,23 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (the GPU suite, `make test-gpu`: "
+                                       "pytest -m gpu); skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    why = ("this torch is built without CUDA" if torch.version.cuda is None
+           else "no CUDA device is visible")
+    skip = pytest.mark.skip(reason=f"gpu: needs a CUDA device ({why})")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
     """n random bytes (never zeros-only), reproducible."""
     g = torch.Generator().manual_seed(seed)

@@ -148,6 +148,7 @@ def test_filesystem_without_o_direct(nodirect_dir):
     assert h.engine.backend_for(p) == "posix"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_are_staged(tmp_path):
     h = AioHandle()

@@ -83,6 +83,7 @@ def test_one_registry_behind_the_pin_op_and_every_aio_handle() -> None:
     assert len(LOCKED_TENSORS) == before
 
 
+@pytest.mark.gpu
 def test_torch_pinned_buffers_count_as_pinned() -> None:
     if not torch.cuda.is_available():
         pytest.skip("torch pins memory only with a CUDA device")

@@ -11,6 +11,7 @@ import pyinfinity
 from tests.python.conftest import train_steps
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 
 def _cfg(tier, tmp_path, **over):

@@ -8,7 +8,11 @@ from pyinfinity import _C
 from pyinfinity.swap import CudaStager, PinnedArena, SwapEngine, cuda_available
 from tests.python.conftest import random_bytes
 
-needs_gpu = pytest.mark.skipif(not cuda_available(), reason=f"no CUDA device: {_C.cuda_status()}")
+
+
+def needs_gpu(test):
+    """Part of the GPU suite (``-m gpu``); skipped unless the extension sees a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not cuda_available(), reason=f"no CUDA device: {_C.cuda_status()}")(test))
 
 
 def test_no_device_is_a_clear_error_not_a_crash():
