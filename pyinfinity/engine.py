@@ -464,8 +464,12 @@ class Engine:
 
     # ------------------------------------------------------------------------- training API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the module's forward through the coordinator's hooks; returns its output as is."""
+        """Runs the module's forward through the coordinator's hooks; returns its output as is.
+        Tensor arguments (also inside a list, tuple or dict) on another device, e.g. a CPU batch
+        from a DataLoader, are moved to the engine's device first."""
         self._check_open()
+        if self.device.type != "cpu":
+            args, kwargs = _inputs_to(args, self.device), _inputs_to(kwargs, self.device)
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         self._tokens += _count_tokens(args, kwargs)
@@ -807,6 +811,17 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _inputs_to(x: Any, device: torch.device) -> Any:
+    """``x`` with every tensor in it (through plain lists, tuples and dicts) on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x if x.device == device else x.to(device)
+    if type(x) in (list, tuple):
+        return type(x)(_inputs_to(v, device) for v in x)
+    if type(x) is dict:
+        return {k: _inputs_to(v, device) for k, v in x.items()}
+    return x
 
 
 def _count_tokens(args: tuple, kwargs: dict) -> int:

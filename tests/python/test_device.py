@@ -124,3 +124,19 @@ def test_the_engine_caps_an_indexed_device(gpus, monkeypatch, tiny_lm, engine_co
         pyinfinity.initialize(tiny_lm(), cfg)
     assert seen == [("set_device", torch.device("cuda", 1)), torch.device("cuda", 1)]
     assert planned == [torch.device("cuda", 1)]
+
+
+def test_engine_inputs_move_to_its_device():
+    """A CPU batch (what a DataLoader yields) given to an engine on a GPU is moved there; other
+    values pass through as they are."""
+    from pyinfinity.engine import _inputs_to
+
+    meta = torch.device("meta")  # a device that is not the CPU, without a GPU
+    x, y = torch.ones(2, 3, dtype=torch.long), torch.zeros(2)
+    out = _inputs_to({"input_ids": x, "labels": [y, (y, 3)], "n": 4, "s": "a"}, meta)
+    assert out["input_ids"].device == meta and out["input_ids"].dtype == torch.long
+    assert out["labels"][0].device == meta and out["labels"][1][0].device == meta
+    assert isinstance(out["labels"][1], tuple) and out["labels"][1][1] == 3
+    assert out["n"] == 4 and out["s"] == "a"
+    m = torch.empty(2, device=meta)
+    assert _inputs_to((m,), meta)[0] is m  # already there: not copied
