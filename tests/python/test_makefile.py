@@ -35,3 +35,43 @@ def test_a_second_build_with_nothing_changed_does_not_reinstall(tmp_path):
     assert "pip install" in dry_run(venv, "-W", src)
     os.unlink(os.path.join(venv, ".built"))
     assert "pip install" in dry_run(venv)  # never built
+
+
+def fake_venv(tmp_path, gpu: bool) -> str:
+    """A venv whose python answers the Makefile's GPU probe (and is never run otherwise: make -n)."""
+    venv = tmp_path / ("venv-gpu" if gpu else "venv-cpu")
+    (venv / "bin").mkdir(parents=True)
+    py = venv / "bin" / "python"
+    py.write_text("#!/bin/sh\necho %s\n" % ("1" if gpu else ""))
+    py.chmod(0o755)
+    future = time.time() + 3600
+    for stamp in (".bootstrapped", ".built"):
+        path = venv / stamp
+        path.touch()
+        os.utime(path, (future, future))
+    return str(venv)
+
+
+def train_command(venv: str, *extra: str) -> str:
+    p = subprocess.run(["make", "-n", "-C", ROOT, "train", f"VENV={venv}", *extra], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return next(line for line in p.stdout.splitlines() if "-m pyinfinity train" in line)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_train_uses_the_gpu_when_the_venv_sees_one(tmp_path):
+    cpu = train_command(fake_venv(tmp_path, gpu=False))
+    assert "--device cpu" in cpu and "--offload nvme" in cpu and "--model-size small" in cpu
+    gpu = train_command(fake_venv(tmp_path, gpu=True))
+    assert "--device cuda" in gpu and "--device cpu" not in gpu
+    assert "--model-size 1b" in gpu and "--gpu-memory 1GiB" in gpu
+    # the preset's bf16 weights exceed the budget it sets: a real offload run
+    from pyinfinity.cli.train import PRESETS, VOCAB
+    from pyinfinity.config import parse_size
+
+    hidden, layers, _, inter = PRESETS["1b"]
+    params = layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + 2 * VOCAB * hidden + hidden
+    assert 2 * params > parse_size("1GiB", "budget")
+    # TRAIN_ARGS given on the command line wins on either machine
+    assert "--steps 3" in train_command(fake_venv(tmp_path / "x", gpu=True), "TRAIN_ARGS=--steps 3")
