@@ -2,6 +2,7 @@
 #   make train   - the main job: a real training run with offload (on the GPU when the venv's torch
 #                  sees one, else on the CPU)
 #   make test    - every test suite: C++ tests, ASan+UBSan and TSan builds of them, pytest
+#   make test-gpu - the GPU suite (pytest -m gpu): every user path on CUDA, a few minutes
 # Both set up a local virtual environment (.venv) first (.ci/bootstrap.sh).
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,7 +31,7 @@ TRAIN_ARGS_GPU ?= --model-size 1b --steps 40 --seq 512 --batch 4 --checkpoint-ac
 HAS_GPU = $(shell $(PY) -c "import torch; print(1 if torch.cuda.is_available() else '')" 2>/dev/null)
 TRAIN_ARGS ?= $(if $(HAS_GPU),$(TRAIN_ARGS_GPU),$(TRAIN_ARGS_CPU))
 
-.PHONY: train test venv build test-cpp test-asan test-tsan test-python clean
+.PHONY: train test test-gpu venv build test-cpp test-asan test-tsan test-python clean
 
 # What the extension is built from: `make build` reinstalls it only when one of these is newer
 # than the stamp (a second `make build` with nothing changed does nothing).
@@ -73,6 +74,13 @@ test-tsan: venv
 
 test-python: build
 	$(PY) -m pytest -q -p no:cacheprovider tests/python
+
+# The GPU suite in one process: every user path on CUDA (README's examples, `train` at `make
+# train`'s GPU size, fine-tune/export/from_pretrained, save/SIGKILL/resume, DeepSpeed with
+# pyinfinity as its backend when deepspeed is installed, the 1.1B budget grid) and the CUDA tests
+# of the other files. Without a CUDA device every test is skipped (-rs says why).
+test-gpu: build
+	$(PY) -m pytest -q -p no:cacheprovider -rs -m gpu tests/python
 
 clean:
 	rm -rf build build-tests build-asan build-tsan pyinfinity/_C*.so *.egg-info $(VENV)/.built
