@@ -1,7 +1,8 @@
 """Fine-tune a 7B-shaped Llama checkpoint that does not fit the device: the whole user path, measured.
 
     python examples/finetune_7b_shape.py --dir /mnt/nvme0/llama7b --swap /mnt/nvme0/swap \\
-        --gpu-memory 8GiB --steps 5 --json finetune_7b.json
+        --gpu-memory 8GiB --steps 5 --json finetune_7b.json            # micro-batch 1 x 1024 tokens
+    ... --batch 4 --seq 1024    or    --batch 1 --seq 4096             # the other shapes
 
 1. Writes a random-weight checkpoint of the Llama-2-7B shape (hidden 4096, 32 layers, vocab 32000)
    to ``--dir`` as sharded bf16 safetensors with an index, its config.json and a byte-level BPE
@@ -13,9 +14,12 @@
 3. Prints load time, peak RSS and tokens/s and writes them with the run's summary to ``--json``.
 
 ``--hidden/--layers/--intermediate/--vocab`` shrink the shape for a dry run on a small machine.
-Disk and RAM at the 7B shape (bf16 weights, fp32 optimizer state): checkpoint 13.5 GB, parameter
-swap 13.5 GB, export 13.5 GB, optimizer state 81 GB (on disk by ``--optimizer-nvme-ratio``, the
-rest in RAM), fp32 gradients 27 GB of RAM; choose the ratio so that both fit.
+Disk and RAM at the 7B shape (bf16 weights, fp32 optimizer state): checkpoint 13.5 GB, export
+13.5 GB, and 94 GB of training state (bf16 parameter homes, fp32 master and Adam moments: 14 bytes
+a parameter). The default ``--offload auto`` lets the planner split that state between RAM and
+``--swap`` so that both fit: on a machine with 125 GiB of RAM and a 64 GiB disk (where all of it on
+the disk, ``--offload nvme``, is refused: 94.9 GB of swap) it keeps most of it in RAM. ``--offload
+nvme`` with ``--optimizer-nvme-ratio`` (the optimizer's share on disk) places it by hand.
 The data file defaults to the Python standard library's sources written into ``--dir``.
 """
 from __future__ import annotations
@@ -44,16 +48,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--shard-bytes", type=int, default=2 << 30, help="safetensors file size of the checkpoint")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch size (sequences per step)")
+    p.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute activations in backward (on by default: at 7B, 1 x 4096 or 4 x 1024 tokens "
+                        "of stored activations alone exceed an 8 GiB device)")
     p.add_argument("--gpu-memory", default="8GiB", help="device memory cap")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
-    p.add_argument("--offload", default="nvme", choices=["cpu", "nvme", "auto"])
+    p.add_argument("--offload", default="auto", choices=["cpu", "nvme", "auto"],
+                   help="where parameters and optimizer state live (auto: the planner splits them between RAM "
+                        "and --swap to fit both)")
     p.add_argument("--offload-optimizer", choices=["cpu", "nvme", "auto"],
                    help="optimizer-state tier if not --offload (7B: 84 GB of fp32 master + Adam moments)")
-    p.add_argument("--optimizer-nvme-ratio", type=float, default=1.0,
-                   help="with the optimizer on nvme: the share of its state on disk (the rest in RAM)")
+    p.add_argument("--optimizer-nvme-ratio", type=float,
+                   help="with the optimizer on nvme: the share of its state on disk, the rest in RAM "
+                        "(default: pyinfinity train's, all of it)")
     p.add_argument("--model-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="dtype the model is built and exported in (auto: the checkpoint's, bf16)")
     p.add_argument("--export", help="export directory (default: DIR-finetuned)")
@@ -136,6 +146,23 @@ def write_checkpoint(args: argparse.Namespace, data: str) -> float:
     return time.perf_counter() - t0
 
 
+def train_command(args: argparse.Namespace, data: str, export: str | None, run_json: str) -> list[str]:
+    """The ``pyinfinity train --model DIR --data FILE`` command this script runs."""
+    cmd = [sys.executable, "-m", "pyinfinity", "train", "--model", args.dir, "--data", data, "--steps",
+           str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch), "--offload", args.offload,
+           "--nvme", args.swap, "--gpu-memory", args.gpu_memory, "--device", args.device, "--dtype", args.dtype,
+           "--warmup", "1", "--lr", "1e-5", "--no-progress", "--json", run_json, "--model-dtype", args.model_dtype]
+    if args.checkpoint_activations:
+        cmd += ["--checkpoint-activations"]
+    if args.optimizer_nvme_ratio is not None:
+        cmd += ["--optimizer-nvme-ratio", str(args.optimizer_nvme_ratio)]
+    if args.offload_optimizer:
+        cmd += ["--offload-optimizer", args.offload_optimizer]
+    if export:
+        cmd += ["--export", export]
+    return cmd
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args = parse_args(argv)
@@ -149,15 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("checkpoint written in %.0fs", build_s)
     export = None if args.no_export else (args.export or args.dir.rstrip("/") + "-finetuned")
     run_json = args.json + ".run.json"
-    cmd = [sys.executable, "-m", "pyinfinity", "train", "--model", args.dir, "--data", data, "--steps",
-           str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch), "--offload", args.offload,
-           "--nvme", args.swap, "--gpu-memory", args.gpu_memory, "--device", args.device, "--dtype", args.dtype,
-           "--warmup", "1", "--lr", "1e-5", "--no-progress", "--json", run_json, "--model-dtype", args.model_dtype,
-           "--optimizer-nvme-ratio", str(args.optimizer_nvme_ratio)]
-    if args.offload_optimizer:
-        cmd += ["--offload-optimizer", args.offload_optimizer]
-    if export:
-        cmd += ["--export", export]
+    cmd = train_command(args, data, export, run_json)
     log.info("running: %s", " ".join(cmd))
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -169,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
               "checkpoint_build_seconds": build_s, "load_seconds": s["load_seconds"],
               "peak_rss_before_load": s["peak_rss_before_load"], "peak_rss_load": s["peak_rss_load"], "peak_rss": s["peak_rss"], "tokens_per_s": s["tokens_per_s"],
               "step_seconds": s["step_seconds"], "first_loss": s["first_loss"], "last_loss": s["last_loss"],
-              "eval_loss": s["eval_loss"], "export_dir": export, "run_wall_seconds": wall, "summary": s}
+              "eval_loss": s["eval_loss"], "export_dir": export, "run_wall_seconds": wall, "batch": args.batch,
+              "seq": args.seq, "offload": args.offload, "checkpoint_activations": args.checkpoint_activations,
+              "summary": s}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"load {s['load_seconds']:.1f}s, peak RSS {s['peak_rss'] / 2**30:.2f} GiB (load "

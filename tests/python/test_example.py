@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -62,3 +64,59 @@ def test_finetune_7b_shape_example_at_a_tiny_shape(tmp_path):
     # built in the checkpoint's dtype (config.json: bfloat16), so exported in it
     assert {t.dtype for t in read_header(os.path.join(r["export_dir"], "model.safetensors")).values()} == {
         torch.bfloat16}
+
+
+def _finetune_example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_7b_shape",
+                                                  os.path.join(ROOT, "examples", "finetune_7b_shape.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_finetune_7b_shape_defaults_fit_the_box_it_documents(tmp_path):
+    """The example's defaults at the 7B shape, planned for the box its docstring names (8 GiB of
+    GPU, 125 GiB of RAM, a 64 GiB disk): --offload auto places the 94.9 GB of training state so
+    that it fits, where --offload nvme is refused; --batch/--seq reach the train command."""
+    import argparse
+
+    from pyinfinity.cli.train import add_arguments, build_config
+    from pyinfinity.plan import PlanError
+    from pyinfinity.plan.budgets import Budgets, SwapDir
+    from pyinfinity.plan.rates import preset_rates
+    from pyinfinity.plan.resolve import resolve_auto
+
+    ex = _finetune_example()
+    GiB = 1 << 30
+    swap = tmp_path / "swap"
+    swap.mkdir()
+
+    def plan(*flags: str):
+        a = ex.parse_args(["--dir", str(tmp_path / "ck"), "--swap", str(swap), "--json", "r.json", *flags])
+        cmd = ex.train_command(a, "data.txt", None, "run.json")
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        args = p.parse_args(cmd[cmd.index("train") + 1:])
+        model = {"model_type": "llama", "vocab_size": a.vocab, "hidden_size": a.hidden,
+                 "intermediate_size": a.intermediate, "num_hidden_layers": a.layers, "num_attention_heads": a.heads,
+                 "num_key_value_heads": a.heads, "torch_dtype": "bfloat16"}
+        box = Budgets(device_memory=8 * GiB, host_memory=int(125 * GiB * 0.8), swap=[SwapDir(str(swap), 60 * GiB, 1)])
+        return cmd, resolve_auto(build_config(args, "cuda:0"), model, budgets=box, seq_len=a.seq, device="cuda",
+                                 checkpointing=args.checkpoint_activations,
+                                 rates=preset_rates("cuda", link="h200-sxm", disk="nvme-gen4", matmul=400e12))[1]
+
+    cmd, placed = plan()
+    assert cmd[cmd.index("--offload") + 1] == "auto" and "--optimizer-nvme-ratio" not in cmd
+    assert "--checkpoint-activations" in cmd
+    assert (cmd[cmd.index("--batch") + 1], cmd[cmd.index("--seq") + 1]) == ("1", "1024")
+    assert placed.swap_bytes <= 60 * GiB and placed.host_bytes <= 125 * GiB * 0.8
+    with pytest.raises(PlanError, match="swap"):
+        plan("--offload", "nvme")
+    for batch, seq in (("1", "4096"), ("4", "1024")):
+        cmd, placed = plan("--batch", batch, "--seq", seq)
+        assert (cmd[cmd.index("--batch") + 1], cmd[cmd.index("--seq") + 1]) == (batch, seq)
+        assert placed.device_bytes <= 8 * GiB
+    with pytest.raises(PlanError, match="activation checkpointing"):  # what the default avoids
+        plan("--batch", "4", "--seq", "1024", "--no-checkpoint-activations")
