@@ -198,7 +198,8 @@ class BF16Config:
 class EngineConfig:
     """``pyinfinity``: what DeepSpeed's format has no key for.
 
-    device: compute device ("auto" = cuda when present, else cpu). device_memory: the budget the
+    device: compute device ("auto" = cuda when present, else cpu; cuda = cuda:$LOCAL_RANK under
+    torchrun, else the current device: pyinfinity.device.resolve_device). device_memory: the budget the
     engine keeps resident parameters, buffers and prefetch within ("auto" = heuristic, None = no
     cap). host_memory: RAM the engine may use for offloaded state ("auto" = 80% of available).
     prefetch: trace-driven prefetch on/off. Swap files are always removed on close (and a crashed
