@@ -422,6 +422,19 @@ def _batches(spec: dict, n: int) -> list[Any]:
             for _ in range(n)]
 
 
+def error_text(exc: BaseException) -> str:
+    """One line naming the error; a config validation error (DeepSpeed's pydantic models) names each
+    rejected key with its model, e.g. ``DeepSpeedZeroConfig.overlap_comms: Extra inputs are not permitted``."""
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ == "ValidationError" and callable(errors):
+        try:
+            parts = [f"{getattr(exc, 'title', '')}.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errors()]
+            return f"{type(exc).__name__}: " + "; ".join(parts)[:600]
+        except (TypeError, KeyError):
+            pass
+    return f"{type(exc).__name__}: " + " ".join(str(exc).split())[:600]
+
+
 def _is_oom(exc: BaseException) -> bool:
     import torch
 
@@ -524,7 +537,7 @@ def run(spec: dict) -> dict:
             res["error"] = "out of memory: " + str(exc).split("\n")[0][:300]
             res["oom"] = True
         else:
-            res["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+            res["error"] = error_text(exc)
             res["traceback"] = traceback.format_exc()[-4000:]
     finally:
         if r is not None:
