@@ -371,8 +371,21 @@ class Run:
         # ZeRO-3 partitions the parameters as the model is built; ZeRO-2 takes the whole model,
         # which deepspeed.initialize casts and moves to the GPU
         stage3 = (cfg.get("zero_optimization") or {}).get("stage") == 3
-        with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage3):
-            model = LlamaForCausalLM(_llama(self.spec))
+        if stage3:
+            with deepspeed.zero.Init(config_dict_or_path=cfg):
+                model = LlamaForCausalLM(_llama(self.spec))
+        else:
+            # built on the device in the training dtype: a model too big for the cap fails at once,
+            # not after minutes of building it in fp32 in RAM
+            import torch
+
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(_dtype(self.spec))
+            try:
+                with self.device:
+                    model = LlamaForCausalLM(_llama(self.spec))
+            finally:
+                torch.set_default_dtype(prev)
         self._ckpt(model)
         eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         self.params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
