@@ -558,9 +558,9 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
 
     for label in settings.systems:
         parse_system(label)  # unknown systems and malformed variants, before anything runs
-    if len(set(settings.systems)) != len(settings.systems):
-        raise BenchTrainError(f"--systems: {', '.join(sorted({s for s in settings.systems if settings.systems.count(s) > 1}))} "
-                              "given twice")
+    twice = sorted({s for s in settings.systems if settings.systems.count(s) > 1})
+    if twice:
+        raise BenchTrainError(f"--systems: {', '.join(twice)} given twice")
     if not settings.sizes or not settings.systems:
         raise BenchTrainError("nothing to run: --sizes and --systems must name at least one each")
     if settings.steps <= settings.warmup:

@@ -39,7 +39,8 @@ TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "
          "pyinfinity-nvme-all": ("nvme", "nvme"), "pyinfinity-auto": ("auto", "auto"),
          "deepspeed-cpu": ("cpu", "cpu"), "deepspeed-nvme": ("cpu", "nvme"), "deepspeed-nvme-params": ("nvme", "cpu"),
          "deepspeed-nvme-all": ("nvme", "nvme"), "deepspeed-z2-cpu": ("device", "cpu"),
-         "deepspeed-z3-gpu-params": ("device", "cpu"), "torch": ("device", "device"), "torch-nocap": ("device", "device")}
+         "deepspeed-z3-gpu-params": ("device", "cpu"), "torch": ("device", "device"),
+         "torch-nocap": ("device", "device")}
 # DeepSpeed's ZeRO-Offload settings (its ZeRO and ZeRO-Offload tutorials) for the systems that keep
 # the parameters on the GPU and offload the optimizer: gradients reduced into contiguous buffers in
 # 5e8-element buckets, their copy to the CPU overlapped with backward

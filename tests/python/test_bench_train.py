@@ -273,6 +273,8 @@ def test_a_swap_dir_too_small_skips_the_run_with_the_numbers(tiny_tmpfs_dir, tmp
     (["--ds", "buffer_cnt=4"], "--ds buffer_cnt: unknown setting"),
     (["--ds", "buffer_count"], "expected KEY=VALUE"),
     (["--report-only"], "--report-only needs --json"),
+    (["--grad-accum", "0"], "--grad-accum: 0 is below 1"),
+    (["--systems", "torch,pyinfinity-auto[resident_bytes=0"], "unclosed bracket"),
 ])
 def test_bad_arguments_are_errors_that_say_which(args, msg, tmp_path):
     p = _cli(*TINY, "--nvme", str(tmp_path / "swap"), *args)
