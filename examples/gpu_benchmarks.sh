@@ -3,8 +3,10 @@
 #   bash examples/gpu_benchmarks.sh RESULTS_DIR [SWAP_DIR]
 # 1. the CUDA tests (engine, stager, GPU figures of bench io);
 # 2. `pyinfinity bench train` under an 8 GiB device cap, every run appended to RESULTS_DIR/bench.json:
-#    1.1B: plain torch without a cap, pyinfinity auto / cpu, DeepSpeed ZeRO-3 cpu; the same with
-#    clipping to 1.0; 20 steps of plain torch and pyinfinity for the loss curves; optimizer on NVMe
+#    1.1B: plain torch without a cap, pyinfinity auto / cpu and every DeepSpeed configuration that fits
+#    (ZeRO-3 with everything in RAM, ZeRO-2 with the optimizer in RAM, ZeRO-3 with the parameters on
+#    the GPU); the same pair with 4 micro-batches a step (--grad-accum 4); the same with clipping to
+#    1.0; 20 steps of plain torch and pyinfinity for the loss curves; optimizer on NVMe
 #    (pyinfinity and DeepSpeed); 10B with pyinfinity auto; 7B with pyinfinity auto and DeepSpeed with
 #    its optimizer on NVMe (a row that says so when the disk cannot hold its state) and with its
 #    parameters on NVMe and optimizer in RAM;
@@ -27,9 +29,11 @@ bench() { stage "$1" "$PY" -m pyinfinity bench train --device cuda --gpu-memory 
   --no-progress "${@:2}"; }
 stage gpu_tests "$PY" -m pytest -q -p no:cacheprovider tests/python/test_engine_gpu.py tests/python/test_stager.py \
   tests/python/test_bench_gpu.py
-bench b11 --sizes 1.1b --systems torch-nocap,pyinfinity-auto,pyinfinity-cpu,deepspeed-cpu --steps 6 --warmup 2
-bench b11_clip --sizes 1.1b --systems pyinfinity-auto,pyinfinity-cpu,deepspeed-cpu --clip 1.0 --steps 6 --warmup 2 \
-  --no-trace
+bench b11 --sizes 1.1b --steps 6 --warmup 2 \
+  --systems torch-nocap,pyinfinity-auto,pyinfinity-cpu,deepspeed-cpu,deepspeed-z2-cpu,deepspeed-z3-gpu-params
+bench b11_accum --sizes 1.1b --systems torch-nocap,pyinfinity-auto --grad-accum 4 --steps 6 --warmup 2 --no-trace
+bench b11_clip --sizes 1.1b --systems pyinfinity-auto,pyinfinity-cpu,deepspeed-cpu,deepspeed-z2-cpu --clip 1.0 \
+  --steps 6 --warmup 2 --no-trace
 bench b11_losses --sizes 1.1b --systems torch-nocap,pyinfinity-auto --steps 20 --warmup 0 --no-trace
 bench b11_nvme --sizes 1.1b --systems pyinfinity-nvme,deepspeed-nvme --steps 5 --warmup 1 --no-trace
 bench b10 --sizes 10b --systems pyinfinity-auto --steps 3 --warmup 1 --no-trace

@@ -31,12 +31,21 @@ from typing import Any, Callable, Optional
 
 RESULT_PREFIX = "RESULT "
 SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-nvme-params", "pyinfinity-nvme-all", "pyinfinity-auto",
-           "deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-params", "deepspeed-nvme-all", "torch", "torch-nocap")
-# (param tier, optimizer tier) each system forces; "auto" is read from the run's placement
+           "deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-params", "deepspeed-nvme-all", "deepspeed-z2-cpu",
+           "deepspeed-z3-gpu-params", "torch", "torch-nocap")
+# (param tier, optimizer tier) each system forces; "auto" is read from the run's placement; "device":
+# the parameters stay on the GPU (ZeRO-2 keeps them there, ZeRO-3 with offload_param "none" too)
 TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "pyinfinity-nvme-params": ("nvme", "cpu"),
          "pyinfinity-nvme-all": ("nvme", "nvme"), "pyinfinity-auto": ("auto", "auto"),
          "deepspeed-cpu": ("cpu", "cpu"), "deepspeed-nvme": ("cpu", "nvme"), "deepspeed-nvme-params": ("nvme", "cpu"),
-         "deepspeed-nvme-all": ("nvme", "nvme"), "torch": ("device", "device"), "torch-nocap": ("device", "device")}
+         "deepspeed-nvme-all": ("nvme", "nvme"), "deepspeed-z2-cpu": ("device", "cpu"),
+         "deepspeed-z3-gpu-params": ("device", "cpu"), "torch": ("device", "device"),
+         "torch-nocap": ("device", "device")}
+# DeepSpeed's ZeRO-Offload settings (its ZeRO and ZeRO-Offload tutorials) for the systems that keep
+# the parameters on the GPU and offload the optimizer: gradients reduced into contiguous buffers in
+# 5e8-element buckets, their copy to the CPU overlapped with backward
+ZERO_OFFLOAD = {"overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
+                "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
 
 
 def proc_io() -> tuple[int, int]:
@@ -160,6 +169,31 @@ def _adamw(spec: dict) -> dict:
     return {"type": "AdamW", "params": {"lr": spec["lr"], "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}}
 
 
+def set_key(cfg: dict, key: str, value: Any) -> None:
+    """Sets a dotted ``key`` (``bf16.enabled``) in the nested dict ``cfg``, making the sections it
+    names; a section that is already a value is an error naming the key."""
+    parts = key.split(".")
+    d = cfg
+    for i, part in enumerate(parts[:-1]):
+        nxt = d.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ValueError(f"{key}: {'.'.join(parts[:i + 1])} is {nxt!r} in the config, not a section")
+        d = nxt
+    d[parts[-1]] = value
+
+
+# the top-level sections of a pyinfinity config; a variant's key naming none of them is a key of the
+# ``pyinfinity`` section (``pyinfinity-auto[resident_bytes=0]``)
+PYINFINITY_SECTIONS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                       "gradient_clipping", "fp16", "bf16", "optimizer", "scheduler", "zero_optimization", "aio",
+                       "pyinfinity")
+
+
+def pyinfinity_key(key: str) -> str:
+    """A variant's key as a path in the pyinfinity config."""
+    return key if key.split(".")[0] in PYINFINITY_SECTIONS else f"pyinfinity.{key}"
+
+
 def pyinfinity_config(spec: dict) -> dict:
     system = spec["system"]
     param_dev, opt_dev = TIERS[system]
@@ -169,7 +203,8 @@ def pyinfinity_config(spec: dict) -> dict:
     if "nvme" in (param_dev, opt_dev) or system == "pyinfinity-auto":
         zero["offload_param"]["nvme_path"] = spec["nvme_dir"]
         zero["offload_optimizer"]["nvme_path"] = spec["nvme_dir"]
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["batch"],
+                           "gradient_accumulation_steps": int(spec.get("grad_accum", 1)),
                            "gradient_clipping": float(spec.get("clip", 0.0)), "optimizer": _adamw(spec),
                            "zero_optimization": zero, "pyinfinity": {"device": spec["device"], "log_every": 1 << 30}}
     if system == "pyinfinity-cpu":
@@ -181,6 +216,8 @@ def pyinfinity_config(spec: dict) -> dict:
     elif spec["dtype"] == "fp16":
         cfg["fp16"] = {"enabled": True}
     cfg["pyinfinity"].update(spec.get("pyinfinity_overrides") or {})
+    for key, value in (spec.get("variant") or {}).items():
+        set_key(cfg, pyinfinity_key(key), value)
     return cfg
 
 
@@ -188,18 +225,27 @@ def deepspeed_config(spec: dict) -> dict:
     system = spec["system"]
     param_dev, opt_dev = TIERS[system]
     ds = spec["deepspeed"]
-    zero: dict[str, Any] = {"stage": 3, "offload_param": {"device": param_dev, "pin_memory": True},
-                            "offload_optimizer": {"device": opt_dev, "pin_memory": True},
-                            "stage3_prefetch_bucket_size": ds["prefetch_bucket_size"],
-                            "stage3_max_live_parameters": ds["max_live_parameters"],
-                            "stage3_param_persistence_threshold": ds["param_persistence_threshold"]}
+    zero: dict[str, Any]
+    if system == "deepspeed-z2-cpu":  # ZeRO-Offload: ZeRO-2, parameters and gradients on the GPU
+        zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}, **ZERO_OFFLOAD}
+    else:
+        zero = {"stage": 3, "offload_param": {"device": "none" if param_dev == "device" else param_dev,
+                                              "pin_memory": True},
+                "offload_optimizer": {"device": opt_dev, "pin_memory": True},
+                "stage3_prefetch_bucket_size": ds["prefetch_bucket_size"],
+                "stage3_max_live_parameters": ds["max_live_parameters"],
+                "stage3_param_persistence_threshold": ds["param_persistence_threshold"]}
+        if system == "deepspeed-z3-gpu-params":
+            zero.update(overlap_comm=True, contiguous_gradients=True,
+                        reduce_bucket_size=ZERO_OFFLOAD["reduce_bucket_size"])
     if param_dev == "nvme":
         zero["offload_param"].update(nvme_path=spec["nvme_dir"], buffer_count=ds["buffer_count"],
                                      buffer_size=ds["buffer_size"], max_in_cpu=ds["max_in_cpu"])
     if opt_dev == "nvme":
         zero["offload_optimizer"].update(nvme_path=spec["nvme_dir"], pipeline_read=ds["pipeline"],
                                          pipeline_write=ds["pipeline"], buffer_count=ds["optimizer_buffer_count"])
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["batch"],
+                           "gradient_accumulation_steps": int(spec.get("grad_accum", 1)),
                            "gradient_clipping": float(spec.get("clip", 0.0)),
                            "zero_optimization": zero, "optimizer": _adamw(spec), "aio": dict(ds["aio"]),
                            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
@@ -207,12 +253,24 @@ def deepspeed_config(spec: dict) -> dict:
         cfg["bf16"] = {"enabled": True}
     elif spec["dtype"] == "fp16":
         cfg["fp16"] = {"enabled": True}
+    for key, value in (spec.get("variant") or {}).items():
+        set_key(cfg, key, value)
     return cfg
 
 
+def system_config(spec: dict) -> Optional[dict]:
+    """The config a run of ``spec`` hands its engine (None for plain torch)."""
+    if spec["system"].startswith("pyinfinity"):
+        return pyinfinity_config(spec)
+    if spec["system"].startswith("deepspeed"):
+        return deepspeed_config(spec)
+    return None
+
+
 class Run:
-    """The model and one training step of a system; ``step`` runs forward, backward and the
-    optimizer, calling ``mark(phase)`` after each (for the traced step)."""
+    """The model and one optimizer step of a system; ``step(xs, mark)`` runs forward and backward
+    on each micro-batch of ``xs`` (gradient accumulation over all of them), then the optimizer,
+    calling ``mark(phase)`` after each phase (for the traced step)."""
 
     def __init__(self, spec: dict) -> None:
         import torch
@@ -249,17 +307,20 @@ class Run:
 
         clip = float(self.spec.get("clip", 0.0))
 
-        def step(x: Any, mark: Callable[[str], None]) -> float:
-            loss = model(input_ids=x, labels=x).loss
-            mark("forward")
-            loss.backward()
-            mark("backward")
+        def step(xs: list, mark: Callable[[str], None]) -> float:
+            total = 0.0
+            for x in xs:  # gradients summed over the micro-batches, each loss scaled by 1/N
+                loss = model(input_ids=x, labels=x).loss
+                mark("forward")
+                (loss / len(xs)).backward()
+                mark("backward")
+                total += float(loss.detach())
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             mark("step")
-            return float(loss.detach())
+            return total / len(xs)
 
         self.step = step
 
@@ -280,15 +341,18 @@ class Run:
         self.extra["config"] = cfg
         self.records: list[Any] = []
 
-        def step(x: Any, mark: Callable[[str], None]) -> float:
-            loss = eng(input_ids=x, labels=x).loss
-            mark("forward")
-            eng.backward(loss)
-            mark("backward")
-            rec = eng.step()
+        def step(xs: list, mark: Callable[[str], None]) -> float:
+            rec, losses = None, []
+            for x in xs:  # DeepSpeed's protocol: step() after each micro-batch, applied at the boundary
+                loss = eng(input_ids=x, labels=x).loss
+                mark("forward")
+                eng.backward(loss)
+                mark("backward")
+                losses.append(float(loss.detach()))
+                rec = eng.step()
             mark("step")
             self.records.append(rec)
-            return float(rec.loss) if rec is not None else float(loss.detach())
+            return float(rec.loss) if rec is not None else sum(losses) / len(losses)
 
         self.step = step
         self.close = eng.close
@@ -305,22 +369,41 @@ class Run:
         from transformers import LlamaForCausalLM
 
         cfg = deepspeed_config(self.spec)
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = LlamaForCausalLM(_llama(self.spec))
+        # ZeRO-3 partitions the parameters as the model is built; ZeRO-2 takes the whole model,
+        # which deepspeed.initialize casts and moves to the GPU
+        stage3 = (cfg.get("zero_optimization") or {}).get("stage") == 3
+        if stage3:
+            with deepspeed.zero.Init(config_dict_or_path=cfg):
+                model = LlamaForCausalLM(_llama(self.spec))
+        else:
+            # built on the device in the training dtype: a model too big for the cap fails at once,
+            # not after minutes of building it in fp32 in RAM
+            import torch
+
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(_dtype(self.spec))
+            try:
+                with self.device:
+                    model = LlamaForCausalLM(_llama(self.spec))
+            finally:
+                torch.set_default_dtype(prev)
         self._ckpt(model)
         eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         self.params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         self.extra["config"] = cfg
         self.extra["deepspeed"] = deepspeed.__version__
 
-        def step(x: Any, mark: Callable[[str], None]) -> float:
-            loss = eng(input_ids=x, labels=x).loss
-            mark("forward")
-            eng.backward(loss)
-            mark("backward")
-            eng.step()
+        def step(xs: list, mark: Callable[[str], None]) -> float:
+            total = 0.0
+            for x in xs:  # DeepSpeed's protocol: step() after each micro-batch, applied at the boundary
+                loss = eng(input_ids=x, labels=x).loss
+                mark("forward")
+                eng.backward(loss)
+                mark("backward")
+                total += float(loss.detach())
+                eng.step()
             mark("step")
-            return float(loss.detach())
+            return total / len(xs)
 
         self.step = step
 
@@ -353,6 +436,19 @@ def _batches(spec: dict, n: int) -> list[Any]:
             for _ in range(n)]
 
 
+def error_text(exc: BaseException) -> str:
+    """One line naming the error; a config validation error (DeepSpeed's pydantic models) names each
+    rejected key with its model, e.g. ``DeepSpeedZeroConfig.overlap_comms: Extra inputs are not permitted``."""
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ == "ValidationError" and callable(errors):
+        try:
+            parts = [f"{getattr(exc, 'title', '')}.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errors()]
+            return f"{type(exc).__name__}: " + "; ".join(parts)[:600]
+        except (TypeError, KeyError):
+            pass
+    return f"{type(exc).__name__}: " + " ".join(str(exc).split())[:600]
+
+
 def _is_oom(exc: BaseException) -> bool:
     import torch
 
@@ -373,7 +469,9 @@ def run(spec: dict) -> dict:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
             res["cap_bytes"] = int(cap)
     steps, warmup = int(spec["steps"]), int(spec["warmup"])
-    batches = _batches(spec, steps + 1)
+    accum = int(spec.get("grad_accum", 1))
+    micro = _batches(spec, (steps + 1) * accum)
+    batches = [micro[i * accum:(i + 1) * accum] for i in range(steps + 1)]  # the micro-batches of each step
     r: Optional[Run] = None
     phase = "build"
     try:
@@ -395,7 +493,7 @@ def run(spec: dict) -> dict:
                 # predecessor's in its forward, the last its own as well (below)
                 r.synchronize()
                 _sync(device)
-            x = batches[i].to(device)
+            x = [b.to(device) for b in batches[i]]
             io0 = proc_io()
             _sync(device)
             t = time.perf_counter()
@@ -443,7 +541,7 @@ def run(spec: dict) -> dict:
                 res["plan_host_bytes"] = int(plan.host_bytes)
         if spec.get("trace"):
             phase = "trace"
-            res["trace"] = _traced_step(r, batches[steps].to(device), device)
+            res["trace"] = _traced_step(r, [b.to(device) for b in batches[steps]], device)
         res["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a row of the table
         if isinstance(exc, KeyboardInterrupt):
@@ -453,7 +551,7 @@ def run(spec: dict) -> dict:
             res["error"] = "out of memory: " + str(exc).split("\n")[0][:300]
             res["oom"] = True
         else:
-            res["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+            res["error"] = error_text(exc)
             res["traceback"] = traceback.format_exc()[-4000:]
     finally:
         if r is not None:
@@ -470,7 +568,7 @@ def run(spec: dict) -> dict:
 STEP_LABEL = "pyinfinity.bench.step"
 
 
-def _traced_step(r: Run, x: Any, device: Any) -> dict[str, Any]:
+def _traced_step(r: Run, x: list, device: Any) -> dict[str, Any]:
     """One more step under the tracers; returns the timeline (seconds from the step's start)."""
     import torch
 

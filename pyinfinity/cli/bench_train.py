@@ -1,10 +1,12 @@
-"""`pyinfinity bench train`: pyinfinity vs DeepSpeed ZeRO-3 vs plain PyTorch, training the same
-Llama-architecture models on the same data under the same device-memory cap.
+"""`pyinfinity bench train`: pyinfinity vs DeepSpeed (ZeRO-3 and ZeRO-2 offload) vs plain PyTorch,
+training the same Llama-architecture models on the same data under the same device-memory cap.
 
 Every (size, system) pair runs in its own process; results are appended to --json, so the matrix
 can be measured over several sessions and reported together (--report-only redraws the table and
 the plot from the file). Each run's measured step time is set against an analytic bound
-(max of compute, PCIe, disk and CPU Adam time at rates measured in the same invocation).
+(max of compute, PCIe, disk and CPU Adam time at rates measured in the same invocation); a run
+below its bound is flagged and its figure enters no ratio. pyinfinity runs are set against the
+fastest DeepSpeed configuration of the same invocation ("vs best DS").
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import tempfile
 from typing import Any, Optional
 
 from pyinfinity.bench.train import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
-                                    SIZES, BenchTrainError, Settings, load_results, plot, report, run_bench)
-from pyinfinity.bench.train_worker import SYSTEMS
+                                    SIZES, BenchTrainError, Settings, load_results, parse_systems, plot, report,
+                                    run_bench)
+from pyinfinity.bench.train_worker import SYSTEMS, ZERO_OFFLOAD
 
 EPILOG = f"""
 systems: {', '.join(SYSTEMS)}
@@ -28,11 +31,21 @@ systems: {', '.join(SYSTEMS)}
   pyinfinity-nvme-params / deepspeed-nvme-params  parameters on --nvme, optimizer states in RAM
   pyinfinity-nvme-all / deepspeed-nvme-all  both on --nvme
   pyinfinity-auto                        the planner decides (only what does not fit in RAM goes to disk)
+  deepspeed-z2-cpu                       ZeRO-2 with offload_optimizer cpu (ZeRO-Offload): parameters and
+                                         gradients on the GPU, optimizer states and Adam on the CPU
+  deepspeed-z3-gpu-params                ZeRO-3 with offload_param none: parameters on the GPU, optimizer on the CPU
   torch                                  plain PyTorch under the cap (the smallest size only, unless --torch-all-sizes)
   torch-nocap                            plain PyTorch without the cap (the compute reference)
+variants: SYSTEM[KEY=VALUE,...] sets dotted config keys in that system's config, e.g.
+  pyinfinity-auto[resident_bytes=0]  deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]
+  (values are JSON where they parse, else strings; a pyinfinity key outside the config's top-level
+  sections is a key of its "pyinfinity" section; the full name labels the run; plain torch has none)
 sizes: {', '.join(f'{k}' for k in SIZES)}, or a Llama config.json path
 DeepSpeed settings (defaults: DeepSpeed ZeRO-3 offload as commonly configured for one GPU):
   {json.dumps(DEEPSPEED_DEFAULTS)}
+ZeRO-Offload settings of deepspeed-z2-cpu (DeepSpeed's ZeRO and ZeRO-Offload tutorials; deepspeed-z3-gpu-params
+takes overlap_comm, contiguous_gradients and reduce_bucket_size from it):
+  {json.dumps(ZERO_OFFLOAD)}
 """
 
 
@@ -42,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", help=f"comma-separated sizes, smallest first (default: {','.join(DEFAULT_SIZES_GPU)} "
                                    f"with a GPU, {','.join(DEFAULT_SIZES_CPU)} without)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated systems (default: %(default)s)")
+                   help="comma-separated systems, each optionally SYSTEM[KEY=VALUE,...] (default: %(default)s)")
     p.add_argument("--nvme", metavar="DIR", help="swap directory for the nvme tiers (default: a temp dir under "
                                                  "$PYINFINITY_SWAP_DIR or /tmp; removed per run)")
     p.add_argument("--gpu-memory", default="8GiB", help="device-memory cap (torch's per-process memory "
@@ -50,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
     p.add_argument("--batch", type=int, default=4, help="micro-batch size (default: %(default)s)")
     p.add_argument("--seq", type=int, default=1024, help="sequence length (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=5, help="steps per run, warm-up included (default: %(default)s)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step, every system (torch included); s/step and tokens/s "
+                        "are per optimizer step of N x batch x seq tokens (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run, warm-up included "
+                                                        "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="auto: bf16 on a GPU, fp32 on the CPU")
@@ -124,15 +141,17 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         gpu = a.device.startswith("cuda") or (a.device == "auto" and torch.cuda.is_available())
         sizes = list(DEFAULT_SIZES_GPU if gpu else DEFAULT_SIZES_CPU)
     for name, v, lo in (("--batch", a.batch, 1), ("--seq", a.seq, 2), ("--steps", a.steps, 1),
+                        ("--grad-accum", a.grad_accum, 1),
                         ("--warmup", a.warmup, 0), ("--clip", a.clip, 0)):
         if v < lo:
             raise BenchTrainError(f"{name}: {v} is below {lo}")
     if a.timeout <= 0:
         raise BenchTrainError(f"--timeout: {a.timeout} must be positive")
+    systems = parse_systems(a.systems)
     # temporary directories last, once the flags are known good; main() removes them (made_dirs)
     nvme = a.nvme or _temp_dir(a, dir=os.environ.get("PYINFINITY_SWAP_DIR") or None)
     log_dir = a.log_dir or _temp_dir(a)
-    s = Settings(sizes=sizes, systems=[x.strip() for x in a.systems.split(",") if x.strip()], nvme_dir=nvme,
+    s = Settings(sizes=sizes, systems=systems, nvme_dir=nvme, grad_accum=a.grad_accum,
                  device=a.device, cap_bytes=cap, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
                  dtype=a.dtype, checkpointing=not a.no_checkpointing, trace=not a.no_trace, timeout=a.timeout,
                  clip=a.clip,

@@ -34,7 +34,9 @@ def test_bound_terms_follow_the_tiers():
     # optimizer on disk: 12 B/param read and written
     b = bt.bound("deepspeed-nvme", FACTS, RATES, cuda=True)
     assert b["disk_bytes"] == {"read": 12_000_000_000, "write": 12_000_000_000}
-    assert b["terms"]["disk"] == pytest.approx(12e9 / 2e9 + 12e9 / 1e9) and b["bound_by"] == "disk"
+    # the disk serves reads and writes at once: the slower bounds the step; their sum is kept beside it
+    assert b["terms"]["disk"] == pytest.approx(max(12e9 / 2e9, 12e9 / 1e9)) and b["bound_by"] == "disk"
+    assert b["disk_serial_seconds"] == pytest.approx(12e9 / 2e9 + 12e9 / 1e9)
     # parameters on disk too: read twice, written once
     b = bt.bound("pyinfinity-nvme-all", FACTS, RATES, cuda=True)
     assert b["disk_bytes"] == {"read": 16_000_000_000, "write": 14_000_000_000}
@@ -60,7 +62,7 @@ def test_the_bound_counts_the_optimizer_state_a_run_steps_from_disk():
                  "optimizer_disk_per_step": 9_000_000_000}
     b = bt.bound("pyinfinity-nvme", FACTS, RATES, cuda=True, placement=placement)
     assert b["disk_bytes"] == {"read": 9_000_000_000, "write": 9_000_000_000}
-    assert b["terms"]["disk"] == pytest.approx(9e9 / 2e9 + 9e9 / 1e9)
+    assert b["terms"]["disk"] == pytest.approx(max(9e9 / 2e9, 9e9 / 1e9))
     # a run without the figure (DeepSpeed's, an older result file) keeps the tier's 12 B/param
     del placement["optimizer_disk_per_step"]
     assert bt.bound("pyinfinity-nvme", FACTS, RATES, cuda=True, placement=placement)["disk_bytes"]["read"] == 12e9
@@ -271,6 +273,8 @@ def test_a_swap_dir_too_small_skips_the_run_with_the_numbers(tiny_tmpfs_dir, tmp
     (["--ds", "buffer_cnt=4"], "--ds buffer_cnt: unknown setting"),
     (["--ds", "buffer_count"], "expected KEY=VALUE"),
     (["--report-only"], "--report-only needs --json"),
+    (["--grad-accum", "0"], "--grad-accum: 0 is below 1"),
+    (["--systems", "torch,pyinfinity-auto[resident_bytes=0"], "unclosed bracket"),
 ])
 def test_bad_arguments_are_errors_that_say_which(args, msg, tmp_path):
     p = _cli(*TINY, "--nvme", str(tmp_path / "swap"), *args)
@@ -283,3 +287,241 @@ def test_a_foreign_json_file_is_not_overwritten(tmp_path):
     p = _cli(*TINY, "--systems", "torch", "--nvme", str(tmp_path / "swap"), "--json", str(out))
     assert p.returncode == 2 and "not a `pyinfinity bench train` results file" in p.stderr
     assert out.read_text() == '{"results": []}'
+
+
+# ----------------------------------------------------------------------------------- systems and variants
+
+
+def test_systems_parse_variants_with_brackets_inside_the_comma_list():
+    labels = bt.parse_systems("torch-nocap, pyinfinity-auto[resident_bytes=0,prefetch=false],"
+                              "deepspeed-z2-cpu[bf16.bf16_optimizer_states=true,aio.block_size=[1,2]],deepspeed-cpu")
+    assert labels == ["torch-nocap", "pyinfinity-auto[resident_bytes=0,prefetch=false]",
+                      "deepspeed-z2-cpu[bf16.bf16_optimizer_states=true,aio.block_size=[1,2]]", "deepspeed-cpu"]
+    s = bt.parse_system(labels[2])
+    assert s.base == "deepspeed-z2-cpu"
+    assert s.variant == (("bf16.bf16_optimizer_states", True), ("aio.block_size", [1, 2]))
+    assert bt.parse_system("pyinfinity-auto[optimizer_state=8bit]").variant == (("optimizer_state", "8bit"),)
+    assert bt.parse_system('pyinfinity-auto[x="a,b"]').variant == (("x", "a,b"),)
+    assert bt.base_system(labels[1]) == "pyinfinity-auto"
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("pyinfinity-auto[resident_bytes=0", "unclosed bracket"),
+    ("pyinfinity-auto]", "unbalanced"),
+    ("pyinfinity-auto[resident_bytes]", "is not KEY=VALUE"),
+    ("pyinfinity-auto[a..b=1]", "is not KEY=VALUE"),
+    ("pyinfinity-auto[]", "empty variant"),
+    ("pyinfinity-auto[a=1,a=2]", "a is set twice"),
+    ("torch[lr=1]", "torch has no config for a variant"),
+    ("deepspeed-z9[a=1]", "unknown deepspeed-z9"),
+    ("pyinfinity-cpu,pyinfinity-cpu", "pyinfinity-cpu is given twice"),
+])
+def test_malformed_systems_are_errors_that_say_which(text, msg):
+    with pytest.raises(bt.BenchTrainError, match=msg.replace("[", r"\[")):
+        bt.parse_systems(text)
+
+
+def _spec(system, variant=None, **kw):
+    return dict({"system": system, "variant": variant or {}, "batch": 2, "seq": 8, "lr": 1e-4, "dtype": "bf16",
+                 "device": "cuda:0", "nvme_dir": "/swap", "cap_bytes": 8 << 30, "grad_accum": 1,
+                 "deepspeed": json.loads(json.dumps(bt.DEEPSPEED_DEFAULTS))}, **kw)
+
+
+def test_the_new_deepspeed_systems_keep_the_parameters_on_the_gpu_with_zero_offloads_settings():
+    from pyinfinity.bench.train_worker import ZERO_OFFLOAD, deepspeed_config
+
+    z2 = deepspeed_config(_spec("deepspeed-z2-cpu", grad_accum=4))
+    zero = z2["zero_optimization"]
+    assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+    assert {k: zero[k] for k in ZERO_OFFLOAD} == ZERO_OFFLOAD
+    assert zero["overlap_comm"] is True and zero["contiguous_gradients"] is True
+    assert z2["gradient_accumulation_steps"] == 4 and z2["bf16"] == {"enabled": True}
+    z3 = deepspeed_config(_spec("deepspeed-z3-gpu-params"))["zero_optimization"]
+    assert z3["stage"] == 3 and z3["offload_param"]["device"] == "none" and z3["offload_optimizer"]["device"] == "cpu"
+    assert z3["overlap_comm"] is True and z3["contiguous_gradients"] is True
+    # the ZeRO-3 offload of every parameter is unchanged
+    assert deepspeed_config(_spec("deepspeed-cpu"))["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_a_variant_sets_its_keys_in_that_systems_config():
+    from pyinfinity.bench.train_worker import deepspeed_config, pyinfinity_config
+
+    ds = deepspeed_config(_spec("deepspeed-z2-cpu", {"bf16.bf16_optimizer_states": True,
+                                                     "zero_optimization.reduce_bucket_size": 2e8}))
+    assert ds["bf16"] == {"enabled": True, "bf16_optimizer_states": True}
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 2e8
+    # pyinfinity: a key outside the top-level sections is one of the "pyinfinity" section
+    pc = pyinfinity_config(_spec("pyinfinity-auto", {"resident_bytes": 0, "zero_optimization.offload_optimizer.device":
+                                                     "nvme", "gradient_clipping": 1.0}))
+    assert pc["pyinfinity"]["resident_bytes"] == 0 and pc["gradient_clipping"] == 1.0
+    assert pc["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    with pytest.raises(ValueError, match="bf16.enabled.x: bf16.enabled is True in the config, not a section"):
+        deepspeed_config(_spec("deepspeed-z2-cpu", {"bf16.enabled.x": 1}))
+
+
+def test_a_pyinfinity_variant_key_the_config_rejects_stops_the_bench_before_it_runs(tmp_path):
+    p = _cli(*TINY, "--systems", "torch,pyinfinity-auto[optimizer_stat=8bit]", "--nvme", str(tmp_path / "swap"),
+             "--json", str(tmp_path / "bt.json"))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--systems pyinfinity-auto[optimizer_stat=8bit]: unknown config key 'pyinfinity.optimizer_stat'" in p.stderr
+    assert not (tmp_path / "bt.json").exists()
+
+
+def test_parameters_on_the_gpu_cross_pcie_once():
+    b = bt.bound("deepspeed-z2-cpu[bf16.enabled=true]", FACTS, RATES, cuda=True)
+    assert b["terms"]["pcie"] == pytest.approx(max(2e9 / 50e9, 2e9 / 40e9))
+    assert b["terms"]["cpu_adam"] == pytest.approx(0.25) and "disk" not in b["terms"]
+    assert not bt.uses_disk("deepspeed-z3-gpu-params") and bt.uses_disk("pyinfinity-auto[resident_bytes=0]")
+
+
+def test_the_best_disk_rates_of_several_probes():
+    assert bt.best_disk_rates({"disk_read": 1.16e9, "disk_write": 3e9}, {"disk_read": 2.44e9, "disk_write": 2e9}) == \
+        {"disk_read": 2.44e9, "disk_write": 3e9}
+    assert bt.best_disk_rates({"disk_read": 0.0, "disk_write": 0.0, "disk_error": "x"}) == \
+        {"disk_read": 0.0, "disk_write": 0.0}
+
+
+# ----------------------------------------------------------------------------------- the invocation, faked
+
+
+def _fake_bench(monkeypatch, tmp_path, systems, seconds, probes, grad_accum=1):
+    """run_bench with its rates and workers faked: ``seconds[label]`` is each run's step time (None: it fails)."""
+    calls: list[str] = []
+    monkeypatch.setattr(bt, "measure_bound_rates", lambda device, d: dict(RATES, disk_read=1e9, disk_write=1e9))
+    monkeypatch.setattr(bt, "measure_matmul_rate", lambda *a: RATES["matmul"])
+    it = iter(probes)
+
+    def probe(d):
+        calls.append("probe")
+        return next(it)
+
+    def run_one(spec, timeout, log_path, on_line=None):
+        calls.append(spec["label"])
+        t = seconds[spec["label"]]
+        if t is None:
+            return {"system": spec["system"], "size": spec["size"], "ok": False, "error": "simulated failure"}
+        steps = [{"seconds": t, "loss": 1.0, "disk_read": 0, "disk_write": 0}] * spec["steps"]
+        return {"system": spec["system"], "size": spec["size"], "ok": True, "steps": steps, "params": 1}
+
+    monkeypatch.setattr(bt, "probe_disk", probe)
+    monkeypatch.setattr(bt, "run_one", run_one)
+    s = bt.Settings(sizes=["tiny"], systems=systems, nvme_dir=str(tmp_path / "swap"), device="cpu", steps=3,
+                    warmup=1, batch=2, seq=32, grad_accum=grad_accum, trace=False, progress=False,
+                    log_dir=str(tmp_path / "logs"))
+    data = bt.run_bench(s, str(tmp_path / "bt.json"))
+    return data, calls
+
+
+def test_vs_the_best_deepspeed_of_the_invocation_and_flagged_runs_left_out(monkeypatch, tmp_path):
+    systems = ["pyinfinity-auto", "pyinfinity-auto[resident_bytes=0]", "deepspeed-cpu", "deepspeed-z2-cpu",
+               "deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]", "deepspeed-z3-gpu-params", "torch"]
+    # the tiny model's compute bound is microseconds; deepspeed-z2-cpu[...] runs "below" a bound faked high
+    seconds = {"pyinfinity-auto": 0.5, "pyinfinity-auto[resident_bytes=0]": 0.8, "deepspeed-cpu": 2.0,
+               "deepspeed-z2-cpu": 1.0, "deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]": 0.1,
+               "deepspeed-z3-gpu-params": None, "torch": 0.2}
+    real_bound = bt.bound
+
+    def bound(system, facts, rates, cuda, placement=None):
+        b = real_bound(system, facts, rates, cuda, placement)
+        if system.endswith("[bf16.bf16_optimizer_states=true]"):
+            b["seconds"] = 0.3
+        return b
+
+    monkeypatch.setattr(bt, "bound", bound)
+    probes = [{"disk_read": 1.2e9, "disk_write": 3e9}, {"disk_read": 2.4e9, "disk_write": 2e9},
+              {"disk_read": 1.0e9, "disk_write": 1e9}, {"disk_read": 1.0e9, "disk_write": 1e9}]
+    data, calls = _fake_bench(monkeypatch, tmp_path, systems, seconds, probes)
+    # the disk is probed right before and right after each run that may use it (the pyinfinity ones here)
+    assert calls[:4] == ["probe", "pyinfinity-auto", "probe", "probe"]
+    runs = {r["system"]: r for r in json.loads((tmp_path / "bt.json").read_text())["runs"]}
+    assert runs["pyinfinity-auto"]["bound"]["rates"] == {"disk_read": 2.4e9, "disk_write": 3e9}
+    assert runs["pyinfinity-auto"]["disk_probes"] == probes[:2]
+    assert "disk_probes" not in runs["deepspeed-cpu"]
+    flagged = runs["deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]"]
+    assert flagged["below_bound"] and flagged["base_system"] == "deepspeed-z2-cpu"
+    assert flagged["variant"] == {"bf16.bf16_optimizer_states": True}
+    # the fastest usable DeepSpeed of the run is deepspeed-z2-cpu (the faster variant is below its bound)
+    assert runs["pyinfinity-auto"]["vs_best_deepspeed"] == {"ratio": pytest.approx(2.0), "peer": "deepspeed-z2-cpu",
+                                                            "peer_tokens_per_s": pytest.approx(64 / 1.0)}
+    assert runs["pyinfinity-auto[resident_bytes=0]"]["vs_best_deepspeed"]["ratio"] == pytest.approx(1.25)
+    assert "vs_best_deepspeed" not in runs["deepspeed-cpu"]
+    text = bt.report(data)
+    assert "tiny: pyinfinity-auto / the best DeepSpeed configuration of the same run (deepspeed-z2-cpu) = 2.00x" in text
+    assert "BELOW BOUND: bound wrong, figure not used" in text
+    assert "deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]: ran 0.100 s/step, below its bound" in text
+    over = next(line for line in text.splitlines() if "step time over plain torch" in line)
+    assert "bf16_optimizer_states" not in over and "pyinfinity-auto 2.50x" in over
+    row = next(line for line in text.splitlines() if line.startswith("tiny") and " pyinfinity-auto " in line)
+    assert "2.00x deepspeed-z2-cpu" in row
+    # the table's rows: every label, the variants after their system
+    labels = [r["system"] for r in bt.latest_runs(data)]
+    assert labels.index("pyinfinity-auto[resident_bytes=0]") == labels.index("pyinfinity-auto") + 1
+    # a later invocation's DeepSpeed run is not this one's peer
+    data2, _ = _fake_bench(monkeypatch, tmp_path, ["deepspeed-cpu"], {"deepspeed-cpu": 0.01}, [])
+    assert len(data2["invocations"]) == 2
+    pa = next(r for r in data2["runs"] if r["system"] == "pyinfinity-auto")
+    bt.report(data2)
+    assert pa["vs_best_deepspeed"]["peer"] == "deepspeed-z2-cpu"
+
+
+def test_tokens_per_step_count_every_micro_batch(monkeypatch, tmp_path):
+    data, _ = _fake_bench(monkeypatch, tmp_path, ["torch", "pyinfinity-cpu"], {"torch": 0.5, "pyinfinity-cpu": 1.0},
+                          [], grad_accum=4)
+    for r in data["runs"]:
+        assert r["grad_accum"] == 4 and r["tokens_per_step"] == 4 * 2 * 32
+        assert r["tokens_per_s"] == pytest.approx(4 * 64 / r["step_seconds"])
+    one = bt.size_facts(bt.model_fields("tiny", 32), "fp32", 2, 32, True)["flops_per_step"]
+    assert data["runs"][0]["flops_per_step"] == pytest.approx(4 * one)
+    assert "per optimizer step (grad-accum 4 micro-batches)" in bt.report(data)
+
+
+def test_torch_accumulates_over_micro_batches_as_one_big_batch():
+    """batch 2 in one step and 2 micro-batches of 1 see the same tokens (one generator) and train alike."""
+    from pyinfinity.bench import train_worker as tw
+
+    spec = {"system": "torch", "size": "tiny", "device": "cpu", "dtype": "fp32", "steps": 3, "warmup": 1,
+            "seq": 16, "model": dict(bt.model_fields("tiny", 16)), "checkpointing": False, "lr": 1e-3, "seed": 0}
+    whole = tw.run(dict(spec, batch=2, grad_accum=1))
+    micro = tw.run(dict(spec, batch=1, grad_accum=2))
+    assert whole["ok"] and micro["ok"], (whole, micro)
+    assert [s["loss"] for s in micro["steps"]] == pytest.approx([s["loss"] for s in whole["steps"]], rel=1e-5)
+    assert whole["steps"][0]["loss"] != whole["steps"][2]["loss"]  # it trained
+
+
+def test_deepspeed_systems_and_variants_end_to_end_on_the_cpu(tmp_path):
+    """The new DeepSpeed systems train on the CPU (torch's AdamW: no cpu_adam build; small buckets:
+    DeepSpeed's 5e8-element ones take minutes to allocate on a CPU), a key DeepSpeed rejects is that
+    run's row naming the key, and --grad-accum counts every micro-batch in every system."""
+    pytest.importorskip("deepspeed")
+    small = "zero_force_ds_cpu_optimizer=false,zero_optimization.reduce_bucket_size=1e6"
+    z2 = f"deepspeed-z2-cpu[{small},zero_optimization.allgather_bucket_size=1e6]"
+    z3 = f"deepspeed-z3-gpu-params[{small}]"
+    bad = "deepspeed-z2-cpu[zero_optimization.overlap_comms=true]"
+    out = tmp_path / "bt.json"
+    p = _cli(*TINY, "--grad-accum", "2", "--no-trace", "--systems", f"pyinfinity-cpu,{z2},{z3},{bad}",
+             "--nvme", str(tmp_path / "swap"), "--json", str(out), "--log-dir", str(tmp_path / "logs"), timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = {r["system"]: r for r in json.loads(out.read_text())["runs"]}
+    assert list(runs) == ["pyinfinity-cpu", z2, z3, bad]
+    for label in ("pyinfinity-cpu", z2, z3):
+        r = runs[label]
+        assert r["ok"], r
+        assert r["grad_accum"] == 2 and r["config"]["gradient_accumulation_steps"] == 2
+        assert r["tokens_per_s"] == pytest.approx(2 * 64 / r["step_seconds"])
+    assert runs[z2]["config"]["zero_optimization"]["stage"] == 2
+    assert runs[z2]["config"]["zero_optimization"]["reduce_bucket_size"] == 1e6
+    assert runs[z3]["config"]["zero_optimization"]["offload_param"]["device"] == "none"
+    assert not runs[bad]["ok"]
+    assert runs[bad]["error"] == ("ValidationError: DeepSpeedZeroConfig.overlap_comms: Extra inputs are not permitted")
+    assert bad in p.stdout and "DeepSpeedZeroConfig.overlap_comms" in p.stdout
+    # vs the best DeepSpeed: the faster usable one of the two that trained (a loaded CPU may flag a run)
+    usable = [runs[x] for x in (z2, z3) if not runs[x]["below_bound"]]
+    vs = runs["pyinfinity-cpu"].get("vs_best_deepspeed")
+    if runs["pyinfinity-cpu"]["below_bound"] or not usable:
+        assert vs is None
+    else:
+        best = max(usable, key=lambda r: r["tokens_per_s"])
+        assert vs["peer"] == best["system"]
+        assert vs["ratio"] == pytest.approx(runs["pyinfinity-cpu"]["tokens_per_s"] / best["tokens_per_s"])
+    assert sorted(os.listdir(tmp_path / "logs")) == sorted(
+        f"tiny-{bt._file_name(x)}.log" for x in runs)
