@@ -518,30 +518,45 @@ class Engine:
 
     def _abandon_step(self, why: str) -> None:
         """A step that cannot complete: waits for what the worker was handed, puts the parameter
-        homes that hold gradients back to the current weights. If any shard was stepped, the
-        training state is partly stepped: backward/step/save refuse until load_checkpoint()."""
+        homes that hold gradients back to the current weights. If any shard was stepped, or the
+        background step of this or an earlier step failed, the training state is partly stepped:
+        backward/step/save refuse until load_checkpoint()."""
         self._pending_backward = False
+        failed = self.optimizer.failure  # cancel() forgets it
         try:
             stepped = self.optimizer.cancel()
             self.optimizer.restore_homes()
         except BaseException:
-            self._poisoned = f"{why}; the optimizer step could not be stopped cleanly"
+            self._mark_partly_stepped(f"{why}; the optimizer step could not be stopped cleanly")
             raise
-        if stepped:
-            self._poisoned = f"{why} after {stepped} shards had been stepped"
-            log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on",
-                      self._poisoned)
+        if failed is not None:
+            self._mark_partly_stepped(f"{why}: the background optimizer step had failed ({failed!r})")
+        elif stepped:
+            self._mark_partly_stepped(f"{why} after {stepped} shards had been stepped")
+
+    def _mark_partly_stepped(self, why: str) -> None:
+        """Records that some shards hold a step's results and others not (the first reason is kept):
+        backward/step/save refuse (``_check_trainable``) until load_checkpoint() succeeds."""
+        if self._poisoned is None:
+            self._poisoned = why
+            log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on", why)
+
+    def _partly_stepped_error(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{what}: the training state is partly stepped ({self._poisoned}); "
+                            "load_checkpoint() or build a new engine")
 
     def _wait_home(self, shard: FlatShard) -> float:
         """A fetch waits for the worker to write a unit's new values; a failure there (of any step
-        still running in the background) leaves the state partly stepped."""
+        still running in the background) leaves the state partly stepped: the failure is raised
+        once, every later fetch gets the partly-stepped refusal."""
+        if self._poisoned is not None and self.optimizer.failure is not None:
+            raise self._partly_stepped_error(f"fetching {shard.module_name or '<root>'}")
         try:
             return self.optimizer.wait_shard(shard)
         except BaseException as exc:
-            if self._poisoned is None:
-                self._poisoned = f"the background optimizer step failed: {exc!r}"
-                log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on",
-                          self._poisoned)
+            if self._poisoned is not None:
+                raise self._partly_stepped_error(f"fetching {shard.module_name or '<root>'}") from exc
+            self._mark_partly_stepped(f"the background optimizer step failed: {exc!r}")
             raise
 
     def _drain(self, what: str) -> None:
@@ -550,7 +565,7 @@ class Engine:
         try:
             self.optimizer.drain()
         except BaseException as exc:
-            self._poisoned = f"the background optimizer step failed: {exc!r}"
+            self._mark_partly_stepped(f"the background optimizer step failed: {exc!r}")
             self.optimizer.cancel()
             raise
 
@@ -564,8 +579,7 @@ class Engine:
     def _check_trainable(self, what: str) -> None:
         self._check_open()
         if self._poisoned is not None:
-            raise RuntimeError(f"{what}: the training state is partly stepped ({self._poisoned}); "
-                               "load_checkpoint() or build a new engine")
+            raise self._partly_stepped_error(what)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
