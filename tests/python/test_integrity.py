@@ -425,3 +425,48 @@ def test_an_engine_dropped_without_close_is_collected(tiny_lm, lm_batches, engin
     assert os.listdir(tmp_path / "swap") == []
     with pyinfinity.initialize(tiny_lm(), cfg) as eng2:  # a rebuild in the same process
         train_steps(eng2, lm_batches(1))
+
+
+# ----------------------------------------------------------------------------------- resume with another config
+
+
+def test_a_resume_under_another_config_says_what_differs_and_keeps_the_checkpoints_optimizer(
+        tiny_lm, lm_batches, engine_config, tmp_path, caplog):
+    """As DeepSpeed, the optimizer's state comes from the checkpoint (lr, weight decay): one WARNING
+    names every difference and which one is used; training then goes on as the saved run would."""
+    batches = lm_batches(4)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, batches[:2])
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+        want = train_steps(eng, batches[2:])
+    other = engine_config("nvme", optimizer={"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}})
+    with pyinfinity.initialize(tiny_lm(), other) as eng:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pyinfinity"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+        msgs = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
+        assert len(msgs) == 1, caplog.text
+        assert "lr: config 0.001, checkpoint 0.01: the checkpoint's is used" in msgs[0]
+        assert "weight_decay: config 0.1, checkpoint 0.01: the checkpoint's is used" in msgs[0]
+        assert "betas" not in msgs[0]
+        assert eng.optimizer.param_groups[0]["lr"] == 1e-2 and eng.optimizer.param_groups[0]["weight_decay"] == 0.01
+        assert train_steps(eng, batches[2:]) == want
+
+
+def test_a_resume_with_other_accumulation_steps_realigns_the_micro_step_count(tiny_lm, lm_batches, engine_config,
+                                                                              tmp_path, caplog):
+    batches = lm_batches(7)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme", gradient_accumulation_steps=2)) as eng:
+        train_steps(eng, batches[:4])
+        assert eng.global_steps == 2
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme", gradient_accumulation_steps=3)) as eng:
+        with caplog.at_level("WARNING", logger="pyinfinity"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert "gradient_accumulation_steps: config 3, checkpoint 2: the config's is used" in caplog.text
+        assert eng.micro_steps == 6 and eng.global_steps == 2
+        stepped = []
+        for x, y in batches[4:7]:
+            eng.backward(eng(x, y))
+            stepped.append(eng.step() is not None)
+        assert stepped == [False, False, True]  # the first step after 3 micro-batches, not 2
