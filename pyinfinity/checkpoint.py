@@ -12,6 +12,7 @@ train, save or export until a load succeeds."""
 from __future__ import annotations
 
 import collections
+import errno
 import io as _io
 import json
 import math
@@ -47,6 +48,7 @@ def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
          client_state: Optional[dict] = None) -> str:
     """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
     written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
+    engine._check_not_in_pass("save_checkpoint()")
     engine._check_trainable("save_checkpoint()")
     engine._check_no_overlap("save_checkpoint()")
     if engine.micro_steps % engine.gradient_accumulation_steps:
@@ -65,13 +67,7 @@ def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
     except BaseException:  # ENOSPC, EIO, Ctrl-C: nothing of this save stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(final):
-        old = final + f".old-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    _rename_into_place(tmp, final, save_dir)
     latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
     try:
         _write_file(latest_tmp, tag.encode())
@@ -152,6 +148,27 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
     return offset
 
 
+def _rename_into_place(tmp: str, final: str, save_dir: str) -> None:
+    """Renames the written checkpoint ``tmp`` to ``final`` (an older ``final`` renamed away first,
+    then removed). Another process saving the same tag at the same time makes a rename fail
+    (ENOTEMPTY, EEXIST, ENOENT): an error naming the directory and the cause; this save's files go."""
+    try:
+        if os.path.exists(final):
+            old = final + f".old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(exc.errno, f"save_checkpoint: {final} changed while this save renamed its copy into place "
+                      f"({exc.strerror}): another process is saving into {save_dir} (give each run its own save "
+                      "directory); this save was not kept", final) from exc
+
+
 def _hyperparameters(engine: "Engine") -> dict:
     """What a resume compares with its config: the optimizer's hyperparameters (lr as configured),
     the accumulation steps, the scheduler's type and parameters."""
@@ -218,6 +235,7 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[st
     """Restores a state written by ``save_checkpoint``; returns (path, client_state). Everything
     but state.bin's tensors is read and checked before the engine changes (see the module doc)."""
     engine._check_open()
+    engine._check_not_in_pass("load_checkpoint()")
     clean_checkpoint_leftovers(load_dir)  # puts back a tag a crash left renamed away
     if tag is None:
         try:
@@ -247,10 +265,12 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[st
                               "has one: the save was cut short or the file was removed); nothing was loaded")
     if sums is not None and version != CHECKPOINT_VERSION:
         raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected {CHECKPOINT_VERSION})")
-    if sums is None:
-        log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified", path,
-                    CHECKSUMS_NAME)
     entries = _validate_meta(engine, path, meta)
+    if sums is None:
+        unchecked = sum(1 for e in entries if "crc32c" not in e)
+        log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified%s", path,
+                    CHECKSUMS_NAME, f", nor the {unchecked} state.bin entries saved without a CRC-32C" if unchecked
+                    else "")
     rng = _load_rng(path, raw["rng.pt"])
     data_path = os.path.join(path, "state.bin")
     have = os.path.getsize(data_path) if os.path.exists(data_path) else 0
@@ -392,6 +412,8 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
             raise bad(k, f"expected an object, got {e!r}")
         want = {"shard", "kind", "numel", "offset", "nbytes", "crc32c"} | (
             {"step"} if e.get("kind") == "optim" else {"dtype"})
+        if meta["version"] == 1 and "crc32c" not in e:  # written before per-entry checksums
+            want.discard("crc32c")
         if e.keys() != want:
             raise bad(k, f"keys {sorted(e.keys())}, expected {sorted(want)}")
         for f in want - {"kind", "dtype"}:
@@ -415,7 +437,7 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
             raise bad(f"{k}.dtype", f"{e['dtype']!r}, shard {sh.index} is {sh.dtype}")
         if trainable and e["step"] > meta["global_steps"]:
             raise bad(f"{k}.step", f"{e['step']} is above global_steps ({meta['global_steps']})")
-        if e["crc32c"] >= 1 << 32:
+        if "crc32c" in e and e["crc32c"] >= 1 << 32:
             raise bad(f"{k}.crc32c", f"{e['crc32c']} is not a CRC-32C")
         if e["offset"] % ALIGN or e["offset"] + e["nbytes"] > meta["data_bytes"]:
             raise bad(f"{k}.offset", f"{e['offset']} (+ {e['nbytes']} bytes) is not {ALIGN}-aligned inside "

@@ -293,6 +293,7 @@ class Engine:
         self._overlap_mode = _resolve_overlap_step(cfg, self.device)
         self._poisoned: Optional[str] = None  # why the training state is partly stepped (load a checkpoint)
         self._pending_backward = False  # a boundary backward's gradients wait for step()
+        self._in_pass = 0  # forwards/backwards of this engine running now (a save from a signal handler refuses)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
@@ -470,10 +471,28 @@ class Engine:
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         self._tokens += _count_tokens(args, kwargs)
-        if torch.is_grad_enabled() and self.module.training:
-            with self.coordinator.saved_tensors_hooks():
-                return self.module(*args, **kwargs)
-        return self.module(*args, **kwargs)
+        with self._pass():
+            if torch.is_grad_enabled() and self.module.training:
+                with self.coordinator.saved_tensors_hooks():
+                    return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _pass(self) -> Iterator[None]:
+        """Counts a forward or backward in progress (``_check_not_in_pass``)."""
+        self._in_pass += 1
+        try:
+            yield
+        finally:
+            self._in_pass -= 1
+
+    def _check_not_in_pass(self, what: str) -> None:
+        """A save or load re-entering a forward or backward (a signal handler runs between two
+        bytecodes of it) would read or replace shards the pass holds half-fetched: refused."""
+        if self._in_pass:
+            raise RuntimeError(f"{what}: called while a forward or backward of this engine is running (from a signal "
+                               "handler?), whose shards are in flight; set a flag in the handler and save after "
+                               "step() returns")
 
     forward = __call__
 
@@ -500,7 +519,8 @@ class Engine:
         self.coordinator.in_backward = True
         try:
             try:
-                scaled.backward()
+                with self._pass():
+                    scaled.backward()
             finally:
                 self.coordinator.in_backward = False
             self.coordinator.end_backward()

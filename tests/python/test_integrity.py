@@ -181,17 +181,24 @@ def test_a_state_bin_entry_failing_its_checksum_refuses_training_until_a_good_lo
     assert eng.global_steps == 3
 
 
-def test_a_version_1_checkpoint_without_checksums_still_loads(saved, tmp_path):
+def test_a_version_1_checkpoint_without_checksums_still_loads(saved, tmp_path, caplog):
+    """Version 1 had neither checksums.json nor a CRC-32C per state.bin entry: it loads, with a
+    warning saying what cannot be verified."""
     eng, path, _ = saved
 
     def v1(data):
         meta = json.loads(data)
         meta["version"] = 1
+        for e in meta["entries"]:
+            del e["crc32c"]
+        del meta["hyperparameters"]
         data[:] = json.dumps(meta).encode()
     load_dir, d = _bad_copy(path, tmp_path, "meta.json", v1)
     os.unlink(d / CHECKSUMS_NAME)
-    eng.load_checkpoint(load_dir, tag=d.name)
+    with caplog.at_level("WARNING", logger="pyinfinity"):
+        eng.load_checkpoint(load_dir, tag=d.name)
     assert eng.global_steps == 2
+    assert "cannot be verified, nor the" in caplog.text and "entries saved without a CRC-32C" in caplog.text
     os.unlink(os.path.join(path, CHECKSUMS_NAME))  # a version 2 checkpoint must have it
     with pytest.raises(CheckpointError, match=f"{CHECKSUMS_NAME} missing"):
         eng.load_checkpoint(os.path.dirname(path))
@@ -470,3 +477,52 @@ def test_a_resume_with_other_accumulation_steps_realigns_the_micro_step_count(ti
             eng.backward(eng(x, y))
             stepped.append(eng.step() is not None)
         assert stepped == [False, False, True]  # the first step after 3 micro-batches, not 2
+
+
+def test_a_tag_that_appears_while_a_save_renames_its_copy_names_the_directory_and_the_cause(
+        tiny_lm, lm_batches, engine_config, tmp_path, monkeypatch):
+    """Two processes saving the same tag into one directory: the other's copy lands between this
+    save's check and its rename (made here by hiding it from the check)."""
+    save_dir = tmp_path / "ckpt"
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        final = eng.save_checkpoint(str(save_dir))
+        real = os.path.exists
+        monkeypatch.setattr(checkpoint.os.path, "exists", lambda p: False if p == final else real(p))
+        with pytest.raises(OSError) as ei:
+            eng.save_checkpoint(str(save_dir))
+        monkeypatch.undo()
+        msg = str(ei.value)
+        assert str(save_dir) in msg and "another process is saving into" in msg and ei.value.filename == final
+        assert sorted(os.listdir(save_dir)) == ["global_step1", "latest"]  # nothing of the failed save left
+        eng.load_checkpoint(str(save_dir))
+
+
+@pytest.mark.parametrize("during", ["forward", "backward"])
+def test_a_save_from_a_signal_handler_during_a_pass_is_refused_and_the_pass_goes_on(
+        during, tiny_lm, lm_batches, engine_config, tmp_path):
+    """A handler that saves runs between two bytecodes of a forward or backward (here: a module
+    hook calls it at such a point): the save refuses in one sentence, the pass completes unharmed,
+    and a save after step() works."""
+    (x, y), = lm_batches(1)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as ref:
+        want = train_steps(ref, [(x, y)] * 2)
+    refused = []
+
+    def handler(*_):
+        try:
+            eng.save_checkpoint(str(tmp_path / "ckpt"))
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        block = eng.module.blocks[1]
+        h = (block.register_forward_hook(handler) if during == "forward"
+             else block.register_full_backward_hook(handler))
+        got = train_steps(eng, [(x, y)])
+        h.remove()
+        assert len(refused) == 1 and "while a forward or backward of this engine is running" in refused[0]
+        assert "save after step()" in refused[0]
+        got += train_steps(eng, [(x, y)])
+        assert got == want
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+        assert not os.path.exists(tmp_path / "ckpt" / "global_step0")
