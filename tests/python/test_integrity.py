@@ -526,3 +526,19 @@ def test_a_save_from_a_signal_handler_during_a_pass_is_refused_and_the_pass_goes
         assert got == want
         eng.save_checkpoint(str(tmp_path / "ckpt"))
         assert not os.path.exists(tmp_path / "ckpt" / "global_step0")
+
+
+def test_a_swap_directory_held_by_an_engine_of_this_process_says_to_close_it(tiny_lm, engine_config):
+    """A notebook cell run again: the first engine still holds the directory. The error says it
+    is this process's own engine and to close() it, not to stop another run."""
+    from pyinfinity.swap.ownership import SwapDirBusyError
+
+    cfg = engine_config("nvme")
+    first = pyinfinity.initialize(tiny_lm(), cfg)
+    with pytest.raises(SwapDirBusyError) as ei:
+        pyinfinity.initialize(tiny_lm(), cfg)
+    msg = str(ei.value)
+    assert f"another engine of this process (pid {os.getpid()})" in msg and "close()" in msg
+    assert "gc.collect()" in msg and "stop the other run" not in msg
+    first.close()
+    pyinfinity.initialize(tiny_lm(), cfg).close()
