@@ -924,8 +924,9 @@ class OffloadOptimizer:
     def cancel(self) -> int:
         """Abandons the step in progress (a failed backward, close, a checkpoint load): waits for
         what the worker was handed (it skips the rest after a failure of its own), forgets the
-        gradients not consumed. Returns how many shards were stepped since the last step() (0: the
-        optimizer state is as before)."""
+        gradients not consumed and the worker's failure (``failure``: read it first). Returns how
+        many shards were stepped since the last step() (0: the optimizer state is as before, unless
+        the worker failed: its failure may be an earlier step's)."""
         stepped = sum(1 for st in self.states if st.handed)
         on_worker = threading.current_thread() is self._worker  # (a finalizer may run there): never wait on itself
         try:
