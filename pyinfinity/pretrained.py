@@ -284,7 +284,7 @@ class WeightLoader:
             for other_key, other in found[1:]:  # tied: every copy must at least have the right shape
                 self._check_shape(self.tensors[other], other_key, tuple(p.shape))
                 if other != fkey and not _same_values(info, self.tensors[other]):
-                    self._untie(model, other_key, key, p)
+                    self._untie(model, other_key, self.tensors[other], key, p)
             self._source[pid] = info
         for key, b in buffers.items():
             fkey = self._file_key(key, prefix)
@@ -314,10 +314,10 @@ class WeightLoader:
                         "initialized: %s\nYou should probably train this model before using it.", name, self.path,
                         self.report.missing)
 
-    def _untie(self, model: nn.Module, key: str, source_key: str, p: torch.Tensor) -> None:
+    def _untie(self, model: nn.Module, key: str, info: TensorInfo, source_key: str, p: torch.Tensor) -> None:
         """The model ties ``key`` to ``source_key`` but the checkpoint holds both with different
         values: as transformers does, warn and do not tie (``key`` gets its own parameter, loaded
-        from its own tensor)."""
+        from its own tensor ``info``)."""
         log.warning("The tied weights mapping and config for this model specifies to tie %s to %s, but both are "
                     "present in the checkpoint at %s with different values, so they are NOT tied. Update the config "
                     "with `tie_word_embeddings=False` to silence this warning.", source_key, key, self.path)
@@ -329,8 +329,7 @@ class WeightLoader:
         tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5: what it would tie again
         if isinstance(tied, dict):
             tied.pop(key, None)
-        fkey = self._file_key(key, getattr(model, "base_model_prefix", "") or "")
-        self._source[id(new)] = self.tensors[fkey]
+        self._source[id(new)] = info
 
     def _check_shape(self, info: TensorInfo, key: str, want: tuple[int, ...]) -> None:
         if info.shape != want:
