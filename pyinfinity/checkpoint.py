@@ -12,6 +12,7 @@ train, save or export until a load succeeds."""
 from __future__ import annotations
 
 import collections
+import errno
 import io as _io
 import json
 import math
@@ -47,6 +48,7 @@ def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
          client_state: Optional[dict] = None) -> str:
     """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
     written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
+    engine._check_not_in_pass("save_checkpoint()")
     engine._check_trainable("save_checkpoint()")
     engine._check_no_overlap("save_checkpoint()")
     if engine.micro_steps % engine.gradient_accumulation_steps:
@@ -65,13 +67,7 @@ def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
     except BaseException:  # ENOSPC, EIO, Ctrl-C: nothing of this save stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(final):
-        old = final + f".old-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    _rename_into_place(tmp, final, save_dir)
     latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
     try:
         _write_file(latest_tmp, tag.encode())
@@ -130,6 +126,7 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
         "scaler": engine.scaler.state_dict(),
         "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "lr": [g["lr"] for g in engine.optimizer.param_groups],
+        "hyperparameters": _hyperparameters(engine),
         "client_state": client_state or {},
     }
     if os.path.exists(data_path):
@@ -149,6 +146,71 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
     _write_file(os.path.join(tmp, CHECKSUMS_NAME), json.dumps(sums).encode())  # last: its presence says done
     fsync_path(tmp)
     return offset
+
+
+def _rename_into_place(tmp: str, final: str, save_dir: str) -> None:
+    """Renames the written checkpoint ``tmp`` to ``final`` (an older ``final`` renamed away first,
+    then removed). Another process saving the same tag at the same time makes a rename fail
+    (ENOTEMPTY, EEXIST, ENOENT): an error naming the directory and the cause; this save's files go."""
+    try:
+        if os.path.exists(final):
+            old = final + f".old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(exc.errno, f"save_checkpoint: {final} changed while this save renamed its copy into place "
+                      f"({exc.strerror}): another process is saving into {save_dir} (give each run its own save "
+                      "directory); this save was not kept", final) from exc
+
+
+def _hyperparameters(engine: "Engine") -> dict:
+    """What a resume compares with its config: the optimizer's hyperparameters (lr as configured),
+    the accumulation steps, the scheduler's type and parameters."""
+    g, cfg = engine.optimizer.param_groups[0], engine.config
+    sched = cfg.scheduler
+    return {"lr": float(cfg.optimizer.lr), "betas": [float(b) for b in g["betas"]], "eps": float(g["eps"]),
+            "weight_decay": float(g["weight_decay"]), "gradient_accumulation_steps": engine.gradient_accumulation_steps,
+            "scheduler": None if sched is None else {"type": sched.type, "params": dict(sched.params)}}
+
+
+def _apply_hyperparameters(engine: "Engine", path: str, saved: Optional[dict], micro_steps: int) -> int:
+    """A resume under a config that differs from the checkpoint's: as DeepSpeed, the optimizer's
+    state (betas, eps, weight decay, the learning rate without a scheduler) comes from the
+    checkpoint, the schedule's shape and the accumulation steps from the config (the scheduler's
+    position from the checkpoint); one WARNING lists every difference and which one is used.
+    Returns the micro-step count, realigned to the config's accumulation steps."""
+    if saved is None:  # a checkpoint from before they were recorded: nothing to compare
+        return micro_steps
+    mine = _hyperparameters(engine)
+    diffs = []
+    g = engine.optimizer.param_groups[0]
+    for key in ("betas", "eps", "weight_decay"):
+        if saved[key] != mine[key]:
+            diffs.append(f"optimizer {key}: config {mine[key]}, checkpoint {saved[key]}: the checkpoint's is used")
+            g[key] = tuple(saved[key]) if key == "betas" else saved[key]
+    if saved["lr"] != mine["lr"]:
+        used = ("the config's scheduler sets it (at the checkpoint's step)" if engine.lr_scheduler is not None
+                else "the checkpoint's is used")
+        diffs.append(f"optimizer lr: config {mine['lr']}, checkpoint {saved['lr']}: {used}")
+    if saved["scheduler"] != mine["scheduler"]:
+        diffs.append(f"scheduler: config {mine['scheduler']}, checkpoint {saved['scheduler']}: the config's is used "
+                     "(from the checkpoint's step)")
+    gas, old = mine["gradient_accumulation_steps"], saved["gradient_accumulation_steps"]
+    if gas != old:
+        realigned = (micro_steps // old) * gas  # whole windows done (a partial window's gradients are not saved)
+        diffs.append(f"gradient_accumulation_steps: config {gas}, checkpoint {old}: the config's is used (micro-step "
+                     f"count {micro_steps} -> {realigned}: the next step comes after {gas} micro-batches)")
+        micro_steps = realigned
+    if diffs:
+        log.warning("checkpoint %s: the config differs from the checkpoint's run: %s", path, "; ".join(diffs))
+    engine.optimizer.defaults.update({k: g[k] for k in ("betas", "eps", "weight_decay")})
+    return micro_steps
 
 
 def _write_file(path: str, data: bytes) -> None:
@@ -173,6 +235,7 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[st
     """Restores a state written by ``save_checkpoint``; returns (path, client_state). Everything
     but state.bin's tensors is read and checked before the engine changes (see the module doc)."""
     engine._check_open()
+    engine._check_not_in_pass("load_checkpoint()")
     clean_checkpoint_leftovers(load_dir)  # puts back a tag a crash left renamed away
     if tag is None:
         try:
@@ -202,10 +265,12 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[st
                               "has one: the save was cut short or the file was removed); nothing was loaded")
     if sums is not None and version != CHECKPOINT_VERSION:
         raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected {CHECKPOINT_VERSION})")
-    if sums is None:
-        log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified", path,
-                    CHECKSUMS_NAME)
     entries = _validate_meta(engine, path, meta)
+    if sums is None:
+        unchecked = sum(1 for e in entries if "crc32c" not in e)
+        log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified%s", path,
+                    CHECKSUMS_NAME, f", nor the {unchecked} state.bin entries saved without a CRC-32C" if unchecked
+                    else "")
     rng = _load_rng(path, raw["rng.pt"])
     data_path = os.path.join(path, "state.bin")
     have = os.path.getsize(data_path) if os.path.exists(data_path) else 0
@@ -224,10 +289,11 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[st
                             "checkpoint's state, the others the previous one")
         log.error("%s; load a checkpoint before training on", engine._poisoned)
         raise
-    engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+    engine.global_steps = meta["global_steps"]
     engine.scaler.load_state_dict(meta["scaler"])
     for g, lr in zip(engine.optimizer.param_groups, meta["lr"]):
         g["lr"] = lr
+    engine.micro_steps = _apply_hyperparameters(engine, path, meta.get("hyperparameters"), meta["micro_steps"])
     if engine.lr_scheduler is not None and meta["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(rng["cpu"])
@@ -305,7 +371,8 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
 
     keys = {"version", "global_steps", "micro_steps", "shards", "entries", "data_bytes", "scaler", "scheduler",
             "lr", "client_state"}
-    missing, extra = keys - meta.keys(), meta.keys() - keys
+    optional = {"hyperparameters"}  # written since resumes compare them with the config
+    missing, extra = keys - meta.keys(), meta.keys() - keys - optional
     if missing or extra:
         raise CheckpointError(f"{where}: " + "; ".join(
             ([f"missing keys {sorted(missing)}"] if missing else []) + ([f"unknown keys {sorted(extra)}"] if extra else [])))
@@ -345,6 +412,8 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
             raise bad(k, f"expected an object, got {e!r}")
         want = {"shard", "kind", "numel", "offset", "nbytes", "crc32c"} | (
             {"step"} if e.get("kind") == "optim" else {"dtype"})
+        if meta["version"] == 1 and "crc32c" not in e:  # written before per-entry checksums
+            want.discard("crc32c")
         if e.keys() != want:
             raise bad(k, f"keys {sorted(e.keys())}, expected {sorted(want)}")
         for f in want - {"kind", "dtype"}:
@@ -368,7 +437,7 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
             raise bad(f"{k}.dtype", f"{e['dtype']!r}, shard {sh.index} is {sh.dtype}")
         if trainable and e["step"] > meta["global_steps"]:
             raise bad(f"{k}.step", f"{e['step']} is above global_steps ({meta['global_steps']})")
-        if e["crc32c"] >= 1 << 32:
+        if "crc32c" in e and e["crc32c"] >= 1 << 32:
             raise bad(f"{k}.crc32c", f"{e['crc32c']} is not a CRC-32C")
         if e["offset"] % ALIGN or e["offset"] + e["nbytes"] > meta["data_bytes"]:
             raise bad(f"{k}.offset", f"{e['offset']} (+ {e['nbytes']} bytes) is not {ALIGN}-aligned inside "
@@ -407,6 +476,22 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
     for i, v in enumerate(lrs):
         if not (_is_num(v) and v >= 0):
             raise bad(f"lr[{i}]", f"expected a finite number >= 0, got {v!r}")
+    hp = meta.get("hyperparameters")
+    if hp is not None:
+        want = {"lr", "betas", "eps", "weight_decay", "gradient_accumulation_steps", "scheduler"}
+        if not isinstance(hp, dict) or hp.keys() != want:
+            raise bad("hyperparameters", f"expected keys {sorted(want)}, got {hp!r}")
+        for key in ("lr", "eps", "weight_decay"):
+            if not (_is_num(hp[key]) and hp[key] >= 0):
+                raise bad(f"hyperparameters.{key}", f"expected a finite number >= 0, got {hp[key]!r}")
+        if not (isinstance(hp["betas"], list) and len(hp["betas"]) == 2 and all(_is_num(b) for b in hp["betas"])):
+            raise bad("hyperparameters.betas", f"expected two numbers, got {hp['betas']!r}")
+        if not _is_int(hp["gradient_accumulation_steps"], 1):
+            raise bad("hyperparameters.gradient_accumulation_steps",
+                      f"expected an integer >= 1, got {hp['gradient_accumulation_steps']!r}")
+        sc = hp["scheduler"]
+        if sc is not None and not (isinstance(sc, dict) and sc.keys() == {"type", "params"}):
+            raise bad("hyperparameters.scheduler", f"expected null or {{type, params}}, got {sc!r}")
     if not isinstance(meta["client_state"], dict):
         raise bad("client_state", f"expected an object, got {type(meta['client_state']).__name__}")
     return entries

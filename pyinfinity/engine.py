@@ -292,6 +292,7 @@ class Engine:
         self._overlap_mode = _resolve_overlap_step(cfg, self.device)
         self._poisoned: Optional[str] = None  # why the training state is partly stepped (load a checkpoint)
         self._pending_backward = False  # a boundary backward's gradients wait for step()
+        self._in_pass = 0  # forwards/backwards of this engine running now (a save from a signal handler refuses)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
@@ -473,10 +474,28 @@ class Engine:
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         self._tokens += _count_tokens(args, kwargs)
-        if torch.is_grad_enabled() and self.module.training:
-            with self.coordinator.saved_tensors_hooks():
-                return self.module(*args, **kwargs)
-        return self.module(*args, **kwargs)
+        with self._pass():
+            if torch.is_grad_enabled() and self.module.training:
+                with self.coordinator.saved_tensors_hooks():
+                    return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _pass(self) -> Iterator[None]:
+        """Counts a forward or backward in progress (``_check_not_in_pass``)."""
+        self._in_pass += 1
+        try:
+            yield
+        finally:
+            self._in_pass -= 1
+
+    def _check_not_in_pass(self, what: str) -> None:
+        """A save or load re-entering a forward or backward (a signal handler runs between two
+        bytecodes of it) would read or replace shards the pass holds half-fetched: refused."""
+        if self._in_pass:
+            raise RuntimeError(f"{what}: called while a forward or backward of this engine is running (from a signal "
+                               "handler?), whose shards are in flight; set a flag in the handler and save after "
+                               "step() returns")
 
     forward = __call__
 
@@ -503,7 +522,8 @@ class Engine:
         self.coordinator.in_backward = True
         try:
             try:
-                scaled.backward()
+                with self._pass():
+                    scaled.backward()
             finally:
                 self.coordinator.in_backward = False
             self.coordinator.end_backward()
@@ -521,30 +541,45 @@ class Engine:
 
     def _abandon_step(self, why: str) -> None:
         """A step that cannot complete: waits for what the worker was handed, puts the parameter
-        homes that hold gradients back to the current weights. If any shard was stepped, the
-        training state is partly stepped: backward/step/save refuse until load_checkpoint()."""
+        homes that hold gradients back to the current weights. If any shard was stepped, or the
+        background step of this or an earlier step failed, the training state is partly stepped:
+        backward/step/save refuse until load_checkpoint()."""
         self._pending_backward = False
+        failed = self.optimizer.failure  # cancel() forgets it
         try:
             stepped = self.optimizer.cancel()
             self.optimizer.restore_homes()
         except BaseException:
-            self._poisoned = f"{why}; the optimizer step could not be stopped cleanly"
+            self._mark_partly_stepped(f"{why}; the optimizer step could not be stopped cleanly")
             raise
-        if stepped:
-            self._poisoned = f"{why} after {stepped} shards had been stepped"
-            log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on",
-                      self._poisoned)
+        if failed is not None:
+            self._mark_partly_stepped(f"{why}: the background optimizer step had failed ({failed!r})")
+        elif stepped:
+            self._mark_partly_stepped(f"{why} after {stepped} shards had been stepped")
+
+    def _mark_partly_stepped(self, why: str) -> None:
+        """Records that some shards hold a step's results and others not (the first reason is kept):
+        backward/step/save refuse (``_check_trainable``) until load_checkpoint() succeeds."""
+        if self._poisoned is None:
+            self._poisoned = why
+            log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on", why)
+
+    def _partly_stepped_error(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{what}: the training state is partly stepped ({self._poisoned}); "
+                            "load_checkpoint() or build a new engine")
 
     def _wait_home(self, shard: FlatShard) -> float:
         """A fetch waits for the worker to write a unit's new values; a failure there (of any step
-        still running in the background) leaves the state partly stepped."""
+        still running in the background) leaves the state partly stepped: the failure is raised
+        once, every later fetch gets the partly-stepped refusal."""
+        if self._poisoned is not None and self.optimizer.failure is not None:
+            raise self._partly_stepped_error(f"fetching {shard.module_name or '<root>'}")
         try:
             return self.optimizer.wait_shard(shard)
         except BaseException as exc:
-            if self._poisoned is None:
-                self._poisoned = f"the background optimizer step failed: {exc!r}"
-                log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on",
-                          self._poisoned)
+            if self._poisoned is not None:
+                raise self._partly_stepped_error(f"fetching {shard.module_name or '<root>'}") from exc
+            self._mark_partly_stepped(f"the background optimizer step failed: {exc!r}")
             raise
 
     def _drain(self, what: str) -> None:
@@ -553,7 +588,7 @@ class Engine:
         try:
             self.optimizer.drain()
         except BaseException as exc:
-            self._poisoned = f"the background optimizer step failed: {exc!r}"
+            self._mark_partly_stepped(f"the background optimizer step failed: {exc!r}")
             self.optimizer.cancel()
             raise
 
@@ -567,8 +602,7 @@ class Engine:
     def _check_trainable(self, what: str) -> None:
         self._check_open()
         if self._poisoned is not None:
-            raise RuntimeError(f"{what}: the training state is partly stepped ({self._poisoned}); "
-                               "load_checkpoint() or build a new engine")
+            raise self._partly_stepped_error(what)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0

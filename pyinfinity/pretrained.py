@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -73,8 +74,10 @@ class TensorInfo:
 
 
 def read_header(path: str) -> dict[str, TensorInfo]:
-    """Parses a safetensors file's header and checks that the file holds every byte it promises
-    (a truncated download or copy fails here, naming the file, not halfway through a load)."""
+    """Parses a safetensors file's header and checks it whole before anything is read or written:
+    every entry's dtype and shape, its byte range the size that dtype and shape need, the ranges
+    in order without gaps or overlaps, and the file exactly as long as the header says (a
+    truncated download, an edited header or bytes appended fail here, naming the file and key)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -89,23 +92,45 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise WeightsError(f"{path}: not a safetensors file (its header is not JSON: {exc})") from exc
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: not a safetensors file (its header is a JSON {type(header).__name__}, not an object)")
     out: dict[str, TensorInfo] = {}
-    end = 0
+    spans: list[tuple[int, int, str]] = []
     for key, meta in header.items():
         if key == "__metadata__":
             continue
         try:
             dtype = _ST_DTYPES[meta["dtype"]]
-            shape = tuple(int(s) for s in meta["shape"])
-            lo, hi = (int(v) for v in meta["data_offsets"])
+            shape = tuple(_nonneg_int(s) for s in meta["shape"])
+            lo, hi = (_nonneg_int(v) for v in meta["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise WeightsError(f"{path}: tensor {key!r} has an unreadable header entry {meta!r}") from exc
-        end = max(end, hi)
+        need = math.prod(shape) * dtype.itemsize
+        if hi - lo != need:
+            raise WeightsError(f"{path}: tensor {key!r} ({meta['dtype']}, shape {list(shape)}) needs {need} bytes, its "
+                               f"data_offsets [{lo}, {hi}) hold {hi - lo}: the header was changed or the file is damaged")
+        spans.append((lo, hi, key))
         out[key] = TensorInfo(path, key, dtype, shape)
+    end = 0
+    for lo, hi, key in sorted(spans):
+        if lo != end:
+            what = f"overlaps the tensor before it (which ends at {end})" if lo < end else f"leaves bytes [{end}, {lo}) unused"
+            raise WeightsError(f"{path}: tensor {key!r}: data_offsets [{lo}, {hi}) {what}: the header was changed or "
+                               "the file is damaged")
+        end = hi
     if 8 + n + end > size:
         raise WeightsError(f"{path}: the header describes {8 + n + end} bytes but the file has {size} "
                            "(truncated: copy or download it again)")
+    if 8 + n + end < size:
+        raise WeightsError(f"{path}: the file has {size} bytes, {size - 8 - n - end} more than the {8 + n + end} its "
+                           "header describes (bytes appended, or the header was changed): copy or download it again")
     return out
+
+
+def _nonneg_int(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{v!r} is not an integer >= 0")
+    return v
 
 
 def checkpoint_tensors(path: Union[str, os.PathLike]) -> dict[str, TensorInfo]:
@@ -123,16 +148,27 @@ def checkpoint_tensors(path: Union[str, os.PathLike]) -> dict[str, TensorInfo]:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise WeightsError(f"{index}: not a safetensors index (needs a 'weight_map' object): {exc}") from exc
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index}: 'weight_map' must map tensor names to file names, got "
+                               f"{type(weight_map).__name__}")
         files: dict[str, list[str]] = {}
         for key, fname in weight_map.items():
+            if not isinstance(fname, str) or not fname or os.path.basename(fname) != fname:
+                raise WeightsError(f"{index}: weight_map[{key!r}] is {fname!r}, not the name of a file in {path}")
             files.setdefault(fname, []).append(key)
         out: dict[str, TensorInfo] = {}
+        holder: dict[str, str] = {}  # every tensor of every shard -> its file (one copy each)
         for fname, keys in files.items():
             fpath = os.path.join(path, fname)
             if not os.path.exists(fpath):
                 raise FileNotFoundError(f"{fpath}: missing shard of {index} (it holds {len(keys)} tensors, e.g. "
                                         f"{keys[0]!r}); copy the whole checkpoint directory")
             tensors = read_header(fpath)
+            for key in tensors:
+                if key in holder:  # loaders disagree on which copy wins: refuse rather than pick one
+                    raise WeightsError(f"{path}: tensor {key!r} is in two shards, {holder[key]} and {fname} "
+                                       f"({index} names {weight_map.get(key)!r}); remove one copy")
+                holder[key] = fname
             for key in keys:
                 if key not in tensors:
                     raise WeightsError(f"{index} maps {key!r} to {fname}, which has no such tensor")
@@ -155,6 +191,28 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)  # file keys the model has no use for
     loaded: int = 0  # tensors read so far
     bytes_read: int = 0
+
+
+def _same_values(a: TensorInfo, b: TensorInfo, chunk_bytes: int = 64 << 20) -> bool:
+    """Whether two tensors of a checkpoint hold the same values (read a slice at a time)."""
+    from safetensors import safe_open
+
+    if a.shape != b.shape:
+        return False
+    if not a.shape:
+        rows, per_row = 1, 1
+    else:
+        rows, per_row = a.shape[0], max(1, math.prod(a.shape[1:]) * max(a.dtype.itemsize, b.dtype.itemsize))
+    step = max(1, chunk_bytes // per_row)
+    with safe_open(a.file, framework="pt", device="cpu") as fa, safe_open(b.file, framework="pt", device="cpu") as fb:
+        if not a.shape:
+            return torch.equal(fa.get_tensor(a.key).double(), fb.get_tensor(b.key).double())
+        sa, sb = fa.get_slice(a.key), fb.get_slice(b.key)
+        for r in range(0, rows, step):
+            x, y = sa[r:r + step], sb[r:r + step]
+            if not torch.equal(x.double() if x.dtype != y.dtype else x, y.double() if x.dtype != y.dtype else y):
+                return False
+    return True
 
 
 def _has_initializer(module: nn.Module, root: Optional[nn.Module]) -> bool:
@@ -223,8 +281,10 @@ class WeightLoader:
             info = self.tensors[fkey]
             self._check_shape(info, key, tuple(p.shape))
             self._check_dtype(info, p.dtype)
-            for _, other in found[1:]:  # tied: every copy must at least have the right shape
-                self._check_shape(self.tensors[other], key, tuple(p.shape))
+            for other_key, other in found[1:]:  # tied: every copy must at least have the right shape
+                self._check_shape(self.tensors[other], other_key, tuple(p.shape))
+                if other != fkey and not _same_values(info, self.tensors[other]):
+                    self._untie(model, other_key, self.tensors[other], key, p)
             self._source[pid] = info
         for key, b in buffers.items():
             fkey = self._file_key(key, prefix)
@@ -253,6 +313,23 @@ class WeightLoader:
             log.warning("Some weights of %s were not initialized from the checkpoint at %s and are newly "
                         "initialized: %s\nYou should probably train this model before using it.", name, self.path,
                         self.report.missing)
+
+    def _untie(self, model: nn.Module, key: str, info: TensorInfo, source_key: str, p: torch.Tensor) -> None:
+        """The model ties ``key`` to ``source_key`` but the checkpoint holds both with different
+        values: as transformers does, warn and do not tie (``key`` gets its own parameter, loaded
+        from its own tensor ``info``)."""
+        log.warning("The tied weights mapping and config for this model specifies to tie %s to %s, but both are "
+                    "present in the checkpoint at %s with different values, so they are NOT tied. Update the config "
+                    "with `tie_word_embeddings=False` to silence this warning.", source_key, key, self.path)
+        mname, _, attr = key.rpartition(".")
+        module = model.get_submodule(mname)
+        own = torch.empty(p.shape, dtype=p.dtype, device="meta") if p.is_meta else p.detach().clone()
+        new = nn.Parameter(own, requires_grad=p.requires_grad)
+        setattr(module, attr, new)
+        tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5: what it would tie again
+        if isinstance(tied, dict):
+            tied.pop(key, None)
+        self._source[id(new)] = info
 
     def _check_shape(self, info: TensorInfo, key: str, want: tuple[int, ...]) -> None:
         if info.shape != want:

@@ -237,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("engine built in %.1fs", time.perf_counter() - t0)
         if resume_dir is not None:
             path, client = engine.load_checkpoint(resume_dir, resume_tag)
+            _check_resume_flags(path, client, args)
             drawn = int(client.get("batches_drawn", engine.global_steps * args.grad_accum))
             for _ in range(drawn):  # the data position of the saved run: the same windows come next
                 next(data)
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
                                 peak=format_size(rec.peak_device_allocated or rec.peak_device_bytes),
                                 overlap="n/a" if rec.overlap_fraction is None else f"{rec.overlap_fraction:.2f}")
                 if args.save_every and engine.global_steps % args.save_every == 0 and engine.global_steps < args.steps:
-                    engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn})
+                    engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn, "flags": _run_flags(args)})
         bar.close()
         report = engine.memory_report()
         steady = records[1:] or records
@@ -292,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{'n/a' if ov is None else f'{ov:.2f}'}")
         print(report.table())
         if args.save:
-            engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn})
+            engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn, "flags": _run_flags(args)})
         if args.export:
             engine.export(args.export)
     if args.json:
@@ -300,6 +301,32 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg,
                        "memory": asdict(report)}, f, indent=1, default=str)
     return 0
+
+
+RESUME_FLAGS = ("seed", "lr", "batch", "seq", "grad_accum", "warmup")  # what the data and schedule follow
+
+
+def _run_flags(args: argparse.Namespace) -> dict:
+    """The flags a --resume must repeat, as a checkpoint's client state records them."""
+    return {k: getattr(args, k) for k in RESUME_FLAGS}
+
+
+def _check_resume_flags(path: str, client: dict, args: argparse.Namespace) -> None:
+    """A --resume with other data or schedule flags than the saved run would train on silently
+    different batches and learning rates: refused, naming each flag."""
+    from pyinfinity.cli.errors import UsageError
+
+    saved = client.get("flags")
+    if not isinstance(saved, dict):
+        log.warning("--resume: %s does not record the run's flags; give the same --seed/--lr/--batch/--seq/"
+                    "--grad-accum/--warmup as the first run", path)
+        return
+    now = _run_flags(args)
+    diff = [f"--{k.replace('_', '-')} {now[k]} (the checkpoint's run: {saved.get(k)})"
+            for k in RESUME_FLAGS if saved.get(k) != now[k]]
+    if diff:
+        raise UsageError(f"--resume: {path} was saved by a run with other flags: {'; '.join(diff)}; resume with "
+                         "the same flags (a new run: leave out --resume)")
 
 
 def _checkpoint_location(path: str) -> tuple[str, Optional[str]]:

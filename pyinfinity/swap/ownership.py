@@ -320,6 +320,11 @@ class SwapOwnership:
             owner = Owner.from_dict(json.loads(raw.decode() or "null"))
         except ValueError:
             owner = None
+        if owner is not None and self._held_by_this_process(owner):
+            return SwapDirBusyError(errno.EBUSY, f"swap directory is in use by another engine of this process (pid "
+                                    f"{owner.pid}) that was not closed (e.g. a notebook cell run again): call close() "
+                                    "on that engine first (one no longer reachable: gc.collect() frees it), or point "
+                                    "nvme_path at another directory", d)
         if owner is None:
             who = "another process (it has not written its pid yet)"
         else:
@@ -329,6 +334,12 @@ class SwapOwnership:
                         "DataLoader worker); end that process")
         return SwapDirBusyError(errno.EBUSY, f"swap directory is in use by {who}; two runs cannot share a swap "
                                 "directory: stop the other run or point nvme_path at another directory", d)
+
+    @staticmethod
+    def _held_by_this_process(owner: "Owner") -> bool:
+        """Whether the lock's recorded owner is this very process (same pid, host, boot, start)."""
+        me = Owner.current()
+        return (owner.pid, owner.host, owner.boot_id, owner.proc_start) == (me.pid, me.host, me.boot_id, me.proc_start)
 
     def _clean_stale(self, d: str) -> None:
         """We hold the lock, so the manifest's owner is not running an engine here any more."""

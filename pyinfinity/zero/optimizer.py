@@ -126,6 +126,11 @@ class StepResult:
     phases: dict = field(default_factory=dict)  # seconds per part of the per-shard step (gradient, adam, write, read_wait)
 
 
+class BackgroundStepFailed(RuntimeError):
+    """A call that needs the background step's results after that step has failed (its failure
+    was raised before): the optimizer state is partly stepped."""
+
+
 @dataclass
 class _Job:
     """One shard's step for the worker: the hyperparameters and the gradient factor."""
@@ -183,7 +188,8 @@ class OffloadOptimizer:
         self._phase_s: dict[str, float] = {}  # seconds per phase of the per-shard step since the last report
         self._worker: Optional[threading.Thread] = None
         self._cond = threading.Condition()
-        self._error: Optional[BaseException] = None
+        self._error: Optional[BaseException] = None  # the worker's failure, kept until cancel()
+        self._error_reported = False  # raised once in the caller's thread
         self._current: Optional[ShardOptimState] = None
         self._busy_s = 0.0  # worker seconds since the last step() report
         self._read_wait_s = 0.0
@@ -857,11 +863,24 @@ class OffloadOptimizer:
             pending[b] = self.swapper.write(st.home, buf)
         self._finish(st)
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The background worker's failure, kept until ``cancel()``: the worker skips every shard
+        handed to it after one (they would step on a state it left half written), and the
+        optimizer state is partly stepped (some shards of a step stepped or written, others not)."""
+        return self._error
+
     def _raise_error(self) -> None:
+        """Raises the worker's failure in the caller's thread: the exception itself the first
+        time, a ``BackgroundStepFailed`` naming it after that (until ``cancel()``)."""
         err = self._error
-        if err is not None:
-            self._error = None
+        if err is None:
+            return
+        if not self._error_reported:
+            self._error_reported = True
             raise err
+        raise BackgroundStepFailed(f"the background optimizer step failed earlier ({err!r}): the optimizer state is "
+                                   "partly stepped; load_checkpoint() or build a new engine") from err
 
     def wait_shard(self, shard: FlatShard) -> float:
         """Waits until the worker has written the shard's new values home if it was handed to it
@@ -905,8 +924,9 @@ class OffloadOptimizer:
     def cancel(self) -> int:
         """Abandons the step in progress (a failed backward, close, a checkpoint load): waits for
         what the worker was handed (it skips the rest after a failure of its own), forgets the
-        gradients not consumed. Returns how many shards were stepped since the last step() (0: the
-        optimizer state is as before)."""
+        gradients not consumed and the worker's failure (``failure``: read it first). Returns how
+        many shards were stepped since the last step() (0: the optimizer state is as before, unless
+        the worker failed: its failure may be an earlier step's)."""
         stepped = sum(1 for st in self.states if st.handed)
         on_worker = threading.current_thread() is self._worker  # (a finalizer may run there): never wait on itself
         try:
@@ -914,7 +934,7 @@ class OffloadOptimizer:
                 self._wait(lambda: not any(st.busy for st in self.states), "the optimizer step")
         finally:
             self._window, self._eager, self._handed_early = None, False, 0
-            self._error = None
+            self._error, self._error_reported = None, False
             for st in self.states:
                 st.handed = False
                 st.norm = None

@@ -117,3 +117,19 @@ def test_resume_continues_the_same_run(tmp_path):
     assert [(repr(s["loss"]), repr(s["lr"])) for s in b] == [(repr(s["loss"]), repr(s["lr"])) for s in a[3:]]
     p = cli(*common, "--resume", str(tmp_path / "nothing-here"))
     assert_one_line_user_error(p, "--resume", "not a checkpoint")
+
+
+def test_resume_with_other_data_or_schedule_flags_is_refused(tmp_path):
+    """The built-in corpus run: a --resume whose --seed/--lr/--batch/--seq/--grad-accum/--warmup
+    differ from the saved run's is one line naming each (it trained on, with other losses)."""
+    common = [*TRAIN[:3], "--steps", "3", "--device", "cpu", "--corpus-bytes", "64KB", "--offload", "cpu"]
+    first = ["--seq", "32", "--batch", "2", "--warmup", "2", "--lr", "1e-3", "--seed", "0", "--grad-accum", "1"]
+    saved = cli(*common, *first, "--steps", "2", "--save", str(tmp_path / "ck"))
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    other = ["--seq", "16", "--batch", "1", "--warmup", "1", "--lr", "2e-3", "--seed", "1", "--grad-accum", "2"]
+    p = cli(*common, *other, "--resume", str(tmp_path / "ck"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]  # (the engine's plan, logged before, spans several lines)
+    assert last.startswith("pyinfinity train: error: --resume:"), last
+    for flag in ("--seed 1", "--lr 0.002", "--batch 1", "--seq 16", "--grad-accum 2", "--warmup 1", "same flags"):
+        assert flag in last, last

@@ -181,17 +181,24 @@ def test_a_state_bin_entry_failing_its_checksum_refuses_training_until_a_good_lo
     assert eng.global_steps == 3
 
 
-def test_a_version_1_checkpoint_without_checksums_still_loads(saved, tmp_path):
+def test_a_version_1_checkpoint_without_checksums_still_loads(saved, tmp_path, caplog):
+    """Version 1 had neither checksums.json nor a CRC-32C per state.bin entry: it loads, with a
+    warning saying what cannot be verified."""
     eng, path, _ = saved
 
     def v1(data):
         meta = json.loads(data)
         meta["version"] = 1
+        for e in meta["entries"]:
+            del e["crc32c"]
+        del meta["hyperparameters"]
         data[:] = json.dumps(meta).encode()
     load_dir, d = _bad_copy(path, tmp_path, "meta.json", v1)
     os.unlink(d / CHECKSUMS_NAME)
-    eng.load_checkpoint(load_dir, tag=d.name)
+    with caplog.at_level("WARNING", logger="pyinfinity"):
+        eng.load_checkpoint(load_dir, tag=d.name)
     assert eng.global_steps == 2
+    assert "cannot be verified, nor the" in caplog.text and "entries saved without a CRC-32C" in caplog.text
     os.unlink(os.path.join(path, CHECKSUMS_NAME))  # a version 2 checkpoint must have it
     with pytest.raises(CheckpointError, match=f"{CHECKSUMS_NAME} missing"):
         eng.load_checkpoint(os.path.dirname(path))
@@ -425,3 +432,113 @@ def test_an_engine_dropped_without_close_is_collected(tiny_lm, lm_batches, engin
     assert os.listdir(tmp_path / "swap") == []
     with pyinfinity.initialize(tiny_lm(), cfg) as eng2:  # a rebuild in the same process
         train_steps(eng2, lm_batches(1))
+
+
+# ----------------------------------------------------------------------------------- resume with another config
+
+
+def test_a_resume_under_another_config_says_what_differs_and_keeps_the_checkpoints_optimizer(
+        tiny_lm, lm_batches, engine_config, tmp_path, caplog):
+    """As DeepSpeed, the optimizer's state comes from the checkpoint (lr, weight decay): one WARNING
+    names every difference and which one is used; training then goes on as the saved run would."""
+    batches = lm_batches(4)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, batches[:2])
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+        want = train_steps(eng, batches[2:])
+    other = engine_config("nvme", optimizer={"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}})
+    with pyinfinity.initialize(tiny_lm(), other) as eng:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pyinfinity"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+        msgs = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
+        assert len(msgs) == 1, caplog.text
+        assert "lr: config 0.001, checkpoint 0.01: the checkpoint's is used" in msgs[0]
+        assert "weight_decay: config 0.1, checkpoint 0.01: the checkpoint's is used" in msgs[0]
+        assert "betas" not in msgs[0]
+        assert eng.optimizer.param_groups[0]["lr"] == 1e-2 and eng.optimizer.param_groups[0]["weight_decay"] == 0.01
+        assert train_steps(eng, batches[2:]) == want
+
+
+def test_a_resume_with_other_accumulation_steps_realigns_the_micro_step_count(tiny_lm, lm_batches, engine_config,
+                                                                              tmp_path, caplog):
+    batches = lm_batches(7)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme", gradient_accumulation_steps=2)) as eng:
+        train_steps(eng, batches[:4])
+        assert eng.global_steps == 2
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme", gradient_accumulation_steps=3)) as eng:
+        with caplog.at_level("WARNING", logger="pyinfinity"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert "gradient_accumulation_steps: config 3, checkpoint 2: the config's is used" in caplog.text
+        assert eng.micro_steps == 6 and eng.global_steps == 2
+        stepped = []
+        for x, y in batches[4:7]:
+            eng.backward(eng(x, y))
+            stepped.append(eng.step() is not None)
+        assert stepped == [False, False, True]  # the first step after 3 micro-batches, not 2
+
+
+def test_a_tag_that_appears_while_a_save_renames_its_copy_names_the_directory_and_the_cause(
+        tiny_lm, lm_batches, engine_config, tmp_path, monkeypatch):
+    """Two processes saving the same tag into one directory: the other's copy lands between this
+    save's check and its rename (made here by hiding it from the check)."""
+    save_dir = tmp_path / "ckpt"
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        final = eng.save_checkpoint(str(save_dir))
+        real = os.path.exists
+        monkeypatch.setattr(checkpoint.os.path, "exists", lambda p: False if p == final else real(p))
+        with pytest.raises(OSError) as ei:
+            eng.save_checkpoint(str(save_dir))
+        monkeypatch.undo()
+        msg = str(ei.value)
+        assert str(save_dir) in msg and "another process is saving into" in msg and ei.value.filename == final
+        assert sorted(os.listdir(save_dir)) == ["global_step1", "latest"]  # nothing of the failed save left
+        eng.load_checkpoint(str(save_dir))
+
+
+@pytest.mark.parametrize("during", ["forward", "backward"])
+def test_a_save_from_a_signal_handler_during_a_pass_is_refused_and_the_pass_goes_on(
+        during, tiny_lm, lm_batches, engine_config, tmp_path):
+    """A handler that saves runs between two bytecodes of a forward or backward (here: a module
+    hook calls it at such a point): the save refuses in one sentence, the pass completes unharmed,
+    and a save after step() works."""
+    (x, y), = lm_batches(1)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as ref:
+        want = train_steps(ref, [(x, y)] * 2)
+    refused = []
+
+    def handler(*_):
+        try:
+            eng.save_checkpoint(str(tmp_path / "ckpt"))
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        block = eng.module.blocks[1]
+        h = (block.register_forward_hook(handler) if during == "forward"
+             else block.register_full_backward_hook(handler))
+        got = train_steps(eng, [(x, y)])
+        h.remove()
+        assert len(refused) == 1 and "while a forward or backward of this engine is running" in refused[0]
+        assert "save after step()" in refused[0]
+        got += train_steps(eng, [(x, y)])
+        assert got == want
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+        assert not os.path.exists(tmp_path / "ckpt" / "global_step0")
+
+
+def test_a_swap_directory_held_by_an_engine_of_this_process_says_to_close_it(tiny_lm, engine_config):
+    """A notebook cell run again: the first engine still holds the directory. The error says it
+    is this process's own engine and to close() it, not to stop another run."""
+    from pyinfinity.swap.ownership import SwapDirBusyError
+
+    cfg = engine_config("nvme")
+    first = pyinfinity.initialize(tiny_lm(), cfg)
+    with pytest.raises(SwapDirBusyError) as ei:
+        pyinfinity.initialize(tiny_lm(), cfg)
+    msg = str(ei.value)
+    assert f"another engine of this process (pid {os.getpid()})" in msg and "close()" in msg
+    assert "gc.collect()" in msg and "stop the other run" not in msg
+    first.close()
+    pyinfinity.initialize(tiny_lm(), cfg).close()

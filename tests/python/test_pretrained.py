@@ -236,8 +236,74 @@ def _break_architecture(d: str) -> tuple[type, str]:
     return WeightsError, "are not in the checkpoint, whose tensors are named like"
 
 
+def _rewrite_header(p: str, edit) -> None:
+    """Rewrites a safetensors file's JSON header through ``edit(header)``; the data stays as it is."""
+    import struct
+
+    raw = open(p, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    open(p, "wb").write(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+def _tensors_by_offset(header: dict) -> list[str]:
+    return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+def _break_dtype(d: str) -> tuple[type, str]:
+    keys = []
+
+    def edit(h):
+        keys.append(_tensors_by_offset(h)[-1])
+        h[keys[0]]["dtype"] = "F16"  # the bytes stay F32: twice what F16 needs
+    _rewrite_header(_first_shard(d), edit)
+    return WeightsError, f"model-00001-of-00004.safetensors: tensor {keys[0]!r} (F16, shape"
+
+
+def _break_overlap(d: str) -> tuple[type, str]:
+    keys = []
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))["weight_map"]
+    fname = max(set(index.values()), key=lambda f: sum(1 for v in index.values() if v == f))  # >= 2 tensors
+
+    def edit(h):
+        keys.append(_tensors_by_offset(h)[1])
+        h[keys[0]]["data_offsets"] = [v - 4 for v in h[keys[0]]["data_offsets"]]
+    _rewrite_header(os.path.join(d, fname), edit)
+    return WeightsError, f"{fname}: tensor {keys[0]!r}: data_offsets"
+
+
+def _break_appended(d: str) -> tuple[type, str]:
+    with open(_first_shard(d), "ab") as f:
+        f.write(b"\0" * 16)
+    return WeightsError, "16 more than the"
+
+
+def _break_weight_map_value(d: str) -> tuple[type, str]:
+    p = os.path.join(d, "model.safetensors.index.json")
+    index = json.load(open(p))
+    key = sorted(index["weight_map"])[0]
+    index["weight_map"][key] = 3
+    json.dump(index, open(p, "w"))
+    return WeightsError, f"weight_map[{key!r}] is 3"
+
+
+def _break_key_in_two_shards(d: str) -> tuple[type, str]:
+    from safetensors.torch import load_file, save_file
+
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))["weight_map"]
+    key = next(k for k, f in sorted(index.items()) if f == "model-00002-of-00004.safetensors")
+    first = load_file(_first_shard(d))
+    first[key] = load_file(os.path.join(d, "model-00002-of-00004.safetensors"))[key] + 1  # a second, different copy
+    save_file(first, _first_shard(d), metadata={"format": "pt"})
+    return WeightsError, (f"tensor {key!r} is in two shards, model-00001-of-00004.safetensors and "
+                          "model-00002-of-00004.safetensors")
+
+
 @pytest.mark.parametrize("breaker", [_break_missing_shard, _break_truncated, _break_shape, _break_config,
-                                     _break_architecture])
+                                     _break_architecture, _break_dtype, _break_overlap, _break_appended,
+                                     _break_weight_map_value, _break_key_in_two_shards])
 def test_bad_checkpoint_is_a_clear_error_and_nothing_is_written(breaker, model_dirs, tmp_path):
     d = _copy_dir(model_dirs["llama"], tmp_path / "m")
     exc_type, fragment = breaker(d)
@@ -355,3 +421,30 @@ def test_plain_module_from_one_file_and_a_missing_key_without_initializer(tmp_pa
     with pytest.raises(WeightsError, match=r"v.safetensors: no tensor 'gain' in the checkpoint, and _Scaled \(<root>\) "
                                            r"has no initializer"):
         pyinfinity.initialize(model, _config("cpu", str(tmp_path / "swap")), weights=tmp_path / "v.safetensors")
+
+
+def test_tied_embeddings_with_a_different_lm_head_in_the_files_are_untied_as_transformers_does(model_dirs, tmp_path,
+                                                                                                caplog):
+    """config.json says tie_word_embeddings, but the files hold an lm_head.weight that differs from
+    the embedding: transformers warns and does not tie (the file's lm_head is used); so does
+    pyinfinity, with the same logits."""
+    d = _copy_dir(model_dirs["llama"], tmp_path / "m")
+    p = os.path.join(d, "config.json")
+    cfg = json.load(open(p))
+    cfg["tie_word_embeddings"] = True
+    json.dump(cfg, open(p, "w"))
+    x = _ids()
+    plain = _plain(d)
+    assert plain.lm_head.weight is not plain.model.embed_tokens.weight  # transformers did not tie them
+    with torch.no_grad():
+        want = plain(input_ids=x).logits
+    with caplog.at_level(logging.WARNING, logger="pyinfinity.pretrained"):
+        eng = pyinfinity.from_pretrained(d, _config("nvme", str(tmp_path / "swap")))
+    with eng:
+        assert "NOT tied" in caplog.text and "lm_head.weight" in caplog.text
+        assert eng.module.lm_head.weight is not eng.module.model.embed_tokens.weight
+        assert eng.weights.report.loaded == len(eng.weights.tensors)
+        eng.eval()
+        with torch.no_grad():
+            got = eng(input_ids=x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
