@@ -480,8 +480,9 @@ class Engine:
         trainable = [sh for sh in self.partition.shards if sh.trainable]
         params = [sl.numel * sh.dtype.itemsize for sh in trainable for sl in sh.slices if sl.requires_grad]
         self._grad_buffers = grad_buffer_bytes(max((sh.nbytes for sh in trainable), default=0), max(params, default=0))
-        if self.device.type == "cuda" and self.device_memory:
-            self.coordinator.budget.reserve = self._grad_buffers + int(self.device_memory * DEVICE_HEADROOM)
+        if self.device_memory:
+            headroom = int(self.device_memory * DEVICE_HEADROOM)
+            self.coordinator.budget.reserve = headroom + (self._grad_buffers if self.device.type == "cuda" else 0)
         self.coordinator.budget.reset_step_peak()
 
     def _check_shape(self, args: tuple, kwargs: dict) -> None:
@@ -517,12 +518,13 @@ class Engine:
 
         gave: list[str] = []
         coord = self.coordinator
-        if prefetch and need > 0 and coord.prefetch_bytes > 0:
-            cut = min(coord.prefetch_bytes, need)
-            coord.prefetch_bytes -= cut
+        used = min(coord.prefetch_high, coord.prefetch_bytes)  # what prefetch held at most in the last step
+        if prefetch and need > 0 and used > 0:
+            before = coord.prefetch_bytes
+            coord.prefetch_bytes = max(0, used - need)
             coord.prefetch_enabled = coord.prefetch_enabled and coord.prefetch_bytes > 0
-            need -= cut
-            gave.append(f"prefetch {format_size(coord.prefetch_bytes + cut)} -> {format_size(coord.prefetch_bytes)}")
+            need -= used - coord.prefetch_bytes
+            gave.append(f"prefetch {format_size(before)} -> {format_size(coord.prefetch_bytes)}")
         if need > 0 and (self.device_state_bytes or self._resident_units):
             self._drain("giving up device memory")  # the homes must hold the current values
         units = freed = 0
@@ -540,6 +542,9 @@ class Engine:
         if units:
             gave.append(f"the optimizer state of {units} units ({format_size(freed)}) back to the host")
         units = freed = 0
+        if need > 0 and self._resident_units and all(sh.persistent for sh in self.partition.shards):
+            # nothing was fetched in the last step: from now on a working set is (the unit in use and the next)
+            need += 2 * max(sh.nbytes for sh in self.partition.shards)
         for sh in list(self._resident_units):
             if need <= 0:
                 break
@@ -586,7 +591,8 @@ class Engine:
     def _watch_budget(self) -> None:
         """After each optimizer step: the step's measured device peak (torch's allocator on a GPU,
         the engine's own count on the CPU device); past SHRINK_AT of the budget, the placement
-        gives up enough to get back under the planner's target, logged once per shrink."""
+        gives up what the peak exceeds the planner's target by (a unit given up is fetched again
+        when used, so the next step may give up more), with a warning the first time."""
         from pyinfinity.config import format_size
         from pyinfinity.plan.placement import DEVICE_HEADROOM
 
@@ -600,11 +606,16 @@ class Engine:
             peak, reserved = budget.step_peak, budget.step_peak
         budget.reset_step_peak()
         if not cap or peak <= SHRINK_AT * cap:
+            self.coordinator.prefetch_high = 0
             return
         gave = self._give_up(peak - int((1 - DEVICE_HEADROOM) * cap))
-        if gave:
-            log.warning("device budget: the step's peak was %s of %s (allocator reserved %s): gave up %s",
-                        format_size(peak), format_size(cap), format_size(reserved), "; ".join(gave))
+        self.coordinator.prefetch_high = 0
+        if gave:  # a warning the first time; the steps after it may give up a little more (INFO)
+            first = len(self._gave_up) == len(gave)
+            log.log(logging.WARNING if first else logging.INFO,
+                    "device budget: the step's peak was %s of %s (allocator reserved %s): gave up %s%s",
+                    format_size(peak), format_size(cap), format_size(reserved), "; ".join(gave),
+                    "" if first else f" (in all: {'; '.join(self._gave_up)})")
 
     def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """The optimizer's new fp32 values of a shard, written home (``ParamHomes.write_param``)."""

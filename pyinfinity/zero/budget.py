@@ -55,9 +55,10 @@ class DeviceBudget:
     peak: int = 0
     fixed: int = 0  # buffers and persistent shards, counted in resident too
     cuda_device: Optional[torch.device] = None
-    # bytes a prefetch must leave free on a GPU for what the step allocates after it: the flat
-    # gradients being collected, the largest parameter gradient, the allocator's fragmentation
-    # (``plan.placement.device_charges``: the engine sets it from the same charges as the planner)
+    # bytes a prefetch must leave free for what the step allocates after it: on a GPU the flat
+    # gradients being collected, the largest parameter gradient and the allocator's headroom; on the
+    # CPU device the planner's headroom (``plan.placement.device_charges``: the engine sets it from
+    # the same charges as the planner). A fetch the compute waits for may still use all of capacity.
     reserve: int = 0
 
     def fits(self, nbytes: int) -> bool:
@@ -68,7 +69,7 @@ class DeviceBudget:
         if self.cuda_device is not None:  # a host-side counter: no synchronisation
             headroom = max(self.reserve, min(256 << 20, self.capacity // 8))
             return torch.cuda.memory_allocated(self.cuda_device) + nbytes <= self.capacity - headroom
-        return True
+        return self.resident + nbytes <= self.capacity - self.reserve
 
     step_peak: int = 0  # the high-water since the last ``reset_step_peak`` (the engine's per-step measure)
 

@@ -102,6 +102,7 @@ class ParameterCoordinator:
         self.stats = FetchStats()
         self.in_backward = False
         self.grads_handed = 0  # units whose gradient on_grad got in this backward (the engine resets it)
+        self.prefetch_high = 0  # most bytes prefetched ahead at once since the engine last reset it
         self._handles: list[Any] = []
         self._transfers: dict[int, _Transfer] = {}  # shard index -> in-flight fetch
         self._storage: dict[int, FlatShard] = {}  # storage data_ptr -> resident shard
@@ -275,9 +276,12 @@ class ParameterCoordinator:
             self._maybe_evict(sh)
 
     def abandon_grads(self) -> None:
-        """A backward failed: drops the gradients collected so far (nothing is handed off)."""
+        """A backward failed: drops the gradients collected so far (nothing is handed off), and any
+        parameter gradient autograd left behind (the next backward would add to it)."""
         for sh in self.partition.shards:
             sh.grad_dev = None
+            for sl in sh.slices:
+                sl.param.grad = None
             sh.grads_seen = 0
             sh.grad_done = False
             sh.grads_in.clear()
@@ -389,6 +393,7 @@ class ParameterCoordinator:
             live += sh.numel
             reads += nvme
             self.stats.prefetch_issued += 1
+        self.prefetch_high = max(self.prefetch_high, self.prefetch_bytes - room)
         self._advance_transfers()
 
     def _drop_unused_prefetches(self, keep: Optional[FlatShard] = None) -> None:
