@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute activations in backward (7B under 8 GiB beyond about 1 x 800 tokens needs it)")
     p.add_argument("--gpu-memory", default="8GiB", help="device memory cap")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
            "--optimizer-nvme-ratio", str(args.optimizer_nvme_ratio)]
     if args.offload_optimizer:
         cmd += ["--offload-optimizer", args.offload_optimizer]
+    if args.checkpoint_activations:
+        cmd.append("--checkpoint-activations")
     if export:
         cmd += ["--export", export]
     log.info("running: %s", " ".join(cmd))

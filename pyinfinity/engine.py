@@ -976,7 +976,8 @@ class Engine:
         if plan is not None and history:
             micro = max(1, self.gradient_accumulation_steps)
             tokens = history[-1].tokens // micro if history[-1].tokens else None
-            log.info("%s", plan.compare([r.seconds for r in history], tokens_per_micro_batch=tokens))
+            log.info("%s", plan.compare([r.seconds for r in history], tokens_per_micro_batch=tokens,
+                                        parts=_measured_parts(list(history))))
         coord = self.__dict__.get("coordinator")
         if coord is not None:
             try:
@@ -1000,6 +1001,20 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _measured_parts(history: list) -> dict[str, float]:
+    """Medians over the steady steps (after the first two) of what the prediction's terms stand
+    for: the optimizer's busy time (all threads), its visible wait in step(), the waits of forward
+    and backward for the optimizer's new values."""
+    steady = history[2:] or history
+
+    def med(xs: list) -> float:
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else 0.0
+    return {"optimizer busy": med([r.optimizer_busy_seconds for r in steady]),
+            "optimizer in step()": med([r.optimizer_seconds for r in steady]),
+            "waits for new values": med([r.step_wait_seconds for r in steady])}
 
 
 def retry_micro_batch(fn: Any) -> Any:

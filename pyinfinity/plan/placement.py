@@ -343,10 +343,12 @@ class Placement:
         return evaluate(sizes, replace(train, seq_len=int(seq_len)), budgets, rates, self.knobs, paths)
 
     def compare(self, step_seconds: Sequence[float], warmup: int = 2,
-                tokens_per_micro_batch: Optional[int] = None) -> str:
+                tokens_per_micro_batch: Optional[int] = None, parts: Optional[dict[str, float]] = None) -> str:
         """Plan vs measured, for the end of a run: the median step after ``warmup`` steps against
         the prediction, and the ratio. With ``tokens_per_micro_batch`` (what the run really fed),
-        the prediction is redone at that sequence length when it differs from the planned one."""
+        the prediction is redone at that sequence length when it differs from the planned one.
+        ``parts``: measured seconds per step of named parts (e.g. the optimizer's busy time), printed
+        beside the predicted terms so a ratio far from 1 says which term is off."""
         steady = list(step_seconds[warmup:]) or list(step_seconds)
         if not steady:
             return f"plan: predicted {self.predicted.total:.3f} s/step; no step measured"
@@ -364,8 +366,12 @@ class Placement:
                     shape = (f" at the run's {seq} tokens per sequence (planned at {train.seq_len}: "
                              f"{pred.total:.3f} s/step)")
                     pred = again.predicted
+        measured = "".join(f", {k} {v:.3f}" for k, v in (parts or {}).items())
+        terms = (f" [terms: compute {pred.compute:.3f}, host<->device {pred.h2d:.3f}, disk {pred.disk:.3f}, "
+                 f"optimizer {pred.optimizer:.3f}, visible optimizer {pred.optimizer_phase:.3f}"
+                 + (f"; measured {measured[2:]}" if measured else "") + "]")
         return (f"plan: predicted {pred.total:.3f} s/step{shape} (bound by {pred.bottleneck}), "
-                f"measured {med:.3f} s/step (median of {len(steady)}), predicted/measured "
+                f"measured {med:.3f} s/step (median of {len(steady)}){terms}, predicted/measured "
                 f"{pred.total / med:.2f}")
 
 

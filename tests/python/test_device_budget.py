@@ -330,3 +330,20 @@ def test_gpu_oom_recovery_with_a_real_allocation(tiny_lm, lm_batches, engine_con
         eng.step()
         train_steps(eng, batches[2:])
         assert all(r.peak_device_allocated <= (1 << 30) for r in eng.history)
+
+
+def test_the_plan_line_names_its_terms_and_the_measured_parts():
+    from tests.python.test_plan import GPU_RATES, _budgets
+
+    sizes = llama_sizes(dict(LLAMA_1B, model_type="llama"), "bf16")
+    p = solve(sizes, TrainShape(micro_batch=4, seq_len=1024, checkpointing=True), _budgets(8 * GIB, 200 * 10**9),
+              GPU_RATES)
+    line = p.compare([1.0, 1.0, 0.5], parts={"optimizer busy": 0.25})
+    assert line.startswith(f"plan: predicted {p.predicted.total:.3f} s/step") and "measured 0.500 s/step" in line
+    assert f"compute {p.predicted.compute:.3f}" in line and "measured optimizer busy 0.250" in line
+    assert line.endswith(f"predicted/measured {p.predicted.total / 0.5:.2f}")
+    # the compute term counts the non-matmul kernels too
+    from pyinfinity.plan.placement import ELEMENTWISE_SHARE
+
+    flops = sizes.flops_per_step(4, 1024, True)
+    assert p.predicted.compute == pytest.approx(flops / GPU_RATES.matmul * (1 + ELEMENTWISE_SHARE))
