@@ -878,8 +878,11 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
     hints = []
     for v in msgs:
         if v.startswith("device memory"):
+            mb, seq = largest_shape(sizes, train, budgets.device_memory)
             hints.append("raise the device budget (--gpu-memory / pyinfinity.device_memory), lower the "
-                         "micro-batch or sequence length, or enable activation checkpointing")
+                         "micro-batch or sequence length, or enable activation checkpointing"
+                         + (f" (the largest micro-batch x sequence that fits with nothing resident is {mb} x {seq})"
+                            if mb and not budgets.device_is_host else ""))
         elif v.startswith("host RAM") and not paths:
             state = sizes.trainable_numel * (OPT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) + sizes.param_bytes
             hints.append(f"give a swap directory (--nvme DIR / nvme_path) with at least "

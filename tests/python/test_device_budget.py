@@ -341,3 +341,27 @@ def test_the_plan_line_names_its_terms_and_the_measured_parts():
 
     flops = sizes.flops_per_step(4, 1024, True)
     assert p.predicted.compute == pytest.approx(flops / GPU_RATES.matmul * (1 + ELEMENTWISE_SHARE))
+
+
+def test_the_engine_plans_at_the_longest_sequence_that_fits_when_1024_does_not():
+    """Before the first batch the engine plans at 1024 tokens a sequence; when that cannot fit even
+    with nothing resident it plans at the longest that does (the first forward refuses a longer
+    one), and a refusal at initialize names the largest shape."""
+    from pyinfinity.config import load_config
+    from pyinfinity.plan import Budgets, plan_engine_config
+    from tests.python.test_plan import GPU_RATES
+
+    sizes = llama_sizes(dict(LLAMA_7B, model_type="llama"), "bf16")
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                       "zero_optimization": {"stage": 3, "offload_param": {"device": "auto"},
+                                             "offload_optimizer": {"device": "auto"}},
+                       "pyinfinity": {"device": "cuda:0", "device_memory": "8GiB", "host_memory": "200GB"}})
+    budgets = Budgets(device_memory=8 * GIB, host_memory=200 * 10**9)
+    _, _, plan = plan_engine_config(cfg, sizes, "cuda:0", rates=GPU_RATES, budgets=budgets)
+    seq = plan.inputs[3].seq_len
+    most = largest_shape(sizes, TrainShape(1, 1024), 8 * GIB)
+    assert most[0] == 1 and 0.8 * most[1] <= seq <= most[1] < 1024  # less the config's 50 MB prefetch bucket
+    assert any(f"{seq} tokens per sequence, the longest that fits" in n for n in plan.notes)
+    assert plan.device_bytes <= 8 * GIB
+    with pytest.raises(PlanError, match=r"the largest micro-batch x sequence that fits with nothing resident is 1 x "):
+        solve(sizes, TrainShape(1, 1024), budgets, GPU_RATES)
