@@ -589,8 +589,8 @@ class Engine:
         return DeviceBudgetExceeded(msg, what)
 
     def _watch_budget(self) -> None:
-        """After each optimizer step: the step's measured device peak (torch's allocator on a GPU,
-        the engine's own count on the CPU device); past SHRINK_AT of the budget, the placement
+        """After each optimizer step: the measured device peak (torch's allocator on a GPU, since the
+        last shrink; the engine's own count of the step on the CPU device); past SHRINK_AT of the budget, the placement
         gives up what the peak exceeds the planner's target by (a unit given up is fetched again
         when used, so the next step may give up more), with a warning the first time."""
         from pyinfinity.config import format_size
@@ -598,10 +598,10 @@ class Engine:
 
         cap = self.device_memory
         budget = self.coordinator.budget
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:  # torch's peak since the last shrink (reset only then: tools read it at the end of a run)
             peak = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
         else:
             peak, reserved = budget.step_peak, budget.step_peak
         budget.reset_step_peak()
@@ -610,6 +610,8 @@ class Engine:
             return
         gave = self._give_up(peak - int((1 - DEVICE_HEADROOM) * cap))
         self.coordinator.prefetch_high = 0
+        if gave and cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         if gave:  # a warning the first time; the steps after it may give up a little more (INFO)
             first = len(self._gave_up) == len(gave)
             log.log(logging.WARNING if first else logging.INFO,
