@@ -528,7 +528,7 @@ class Engine:
         if need > 0 and (self.device_state_bytes or self._resident_units):
             self._drain("giving up device memory")  # the homes must hold the current values
         units = freed = 0
-        for sh in reversed(self._resident_units):
+        for sh in reversed(self.partition.shards):  # small persistent shards may step there too
             if need <= 0:
                 break
             if sh.device_step:
