@@ -33,6 +33,10 @@ def __getattr__(name: str):
         from pyinfinity import engine
 
         return getattr(engine, name)
+    if name == "DeviceBudgetExceeded":
+        from pyinfinity.zero.budget import DeviceBudgetExceeded
+
+        return DeviceBudgetExceeded
     if name == "from_pretrained":
         from pyinfinity import pretrained
 

@@ -28,6 +28,7 @@ from pyinfinity.config import (AUTO, Config, ConfigError, ModelSizes, default_op
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.units import auto_unit_bytes
+from pyinfinity.zero.budget import DeviceBudgetExceeded
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
@@ -37,6 +38,10 @@ from pyinfinity.zero.partition import FlatShard, compute_dtype_for, partition_mo
 log = logging.getLogger(__name__)
 
 HISTORY_STEPS = 10_000  # telemetry records kept (a run of days must not grow without bound)
+# a step whose measured device peak passes this share of the budget gives up part of the placement
+# (prefetch, device optimizer state, resident units) until the charges are back under the
+# planner's target (1 - DEVICE_HEADROOM of the budget)
+SHRINK_AT = 0.95
 _overlap_off_logged: set[str] = set()  # why "auto" turned overlap_step off, logged once per process
 # "auto" on a CPU compute device: off. Backward then runs on the same cores as the background step;
 # measured on 2 cores (`pyinfinity train --model-size small --device cpu`): 7% slower steps with the
@@ -278,8 +283,9 @@ class Engine:
         # every "auto" decided by the planner (placement, sizes, budgets), logged below
         from pyinfinity.plan import plan_engine_config
 
-        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device,
-                                                       checkpointing=_recomputes_activations(model))
+        self._checkpointing = _recomputes_activations(model)
+        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device, checkpointing=self._checkpointing)
+        self._plan_sizes = self.plan.inputs[0] if self.plan is not None else None  # for the shape check
         for d in decisions:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
         self.config = cfg
@@ -382,6 +388,7 @@ class Engine:
             self.close()
             raise
         self._held.append(self.coordinator)  # a dropped engine takes its hooks off the model
+        self._init_budget_watch(model)
         self._homes.partition, self._homes.coordinator = self.partition, self.coordinator
         self.scaler = DynamicLossScaler(cfg.fp16)
         if lr_scheduler is not None:
@@ -433,6 +440,8 @@ class Engine:
                 shards.append(sh)
         for sh in shards:
             sh.persistent = True
+        # what a budget overflow may give up (not the units whose home is the device)
+        self._resident_units = sorted((sh for sh in shards if sh.home.tier != Tier.GPU), key=lambda sh: sh.index)
         self.resident_bytes = sum(sh.nbytes for sh in self.partition.shards if sh.persistent)
 
     def _place_device_states(self) -> None:
@@ -459,6 +468,157 @@ class Engine:
             log.info("optimizer state of %d resident units (%s parameters, %s) on %s: they step there", units,
                      f"{numel:,}", format_size(self.device_state_bytes), self.device)
 
+    # ------------------------------------------------------------------------- the device budget
+    def _init_budget_watch(self, model: nn.Module) -> None:
+        """What the budget checks need: the prefetch reserve (the planner's charges for gradient
+        buffers and headroom), the sizes for the first forward's shape check."""
+        from pyinfinity.plan.placement import DEVICE_HEADROOM, grad_buffer_bytes
+
+        self._shape_checked = False
+        self._forward_tokens = 0
+        self._gave_up: list[str] = []  # what budget overflows took from the placement, in order
+        trainable = [sh for sh in self.partition.shards if sh.trainable]
+        params = [sl.numel * sh.dtype.itemsize for sh in trainable for sl in sh.slices if sl.requires_grad]
+        self._grad_buffers = grad_buffer_bytes(max((sh.nbytes for sh in trainable), default=0), max(params, default=0))
+        if self.device_memory:
+            headroom = int(self.device_memory * DEVICE_HEADROOM)
+            self.coordinator.budget.reserve = headroom + (self._grad_buffers if self.device.type == "cuda" else 0)
+        self.coordinator.budget.reset_step_peak()
+
+    def _check_shape(self, args: tuple, kwargs: dict) -> None:
+        """At the first training forward, when the micro-batch x sequence is known: refuses a shape
+        that cannot fit the device budget even with nothing resident (PlanError, one line naming the
+        largest that fits)."""
+        self._shape_checked = True
+        t = kwargs.get("input_ids")
+        if t is None:
+            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or self.device_memory is None:
+            return
+        sizes = self._plan_sizes
+        if sizes is None or not sizes.hidden:
+            return  # the activation estimate is for transformers' decoders; the allocator has the last word
+        from pyinfinity.plan.placement import PlanError, TrainShape, shape_refusal
+
+        train = TrainShape(micro_batch=int(t.shape[0]), seq_len=int(t.shape[1]),
+                           grad_accum=self.gradient_accumulation_steps, checkpointing=self._checkpointing)
+        if self.device.type != "cuda":
+            return  # the CPU device's pool holds shards only: the coordinator checks each fetch
+        small = sum(sh.nbytes for sh in self.partition.shards if sh.persistent) - self.resident_bytes
+        why = shape_refusal(sizes, train, self.device_memory, persistent=max(0, small))
+        if why is not None:
+            raise PlanError(why)
+
+    def _give_up(self, need: int, prefetch: bool = True) -> list[str]:
+        """Frees at least ``need`` device bytes of the placement if it can: prefetch first (with
+        ``prefetch``), then the
+        optimizer state on the device (from the back: the units stepped there last), then resident
+        units (from the front: backward needs the back first). Returns what was given up."""
+        from pyinfinity.config import format_size
+
+        gave: list[str] = []
+        coord = self.coordinator
+        used = min(coord.prefetch_high, coord.prefetch_bytes)  # what prefetch held at most in the last step
+        if prefetch and need > 0 and used > 0:
+            before = coord.prefetch_bytes
+            coord.prefetch_bytes = max(0, used - need)
+            coord.prefetch_enabled = coord.prefetch_enabled and coord.prefetch_bytes > 0
+            need -= used - coord.prefetch_bytes
+            gave.append(f"prefetch {format_size(before)} -> {format_size(coord.prefetch_bytes)}")
+        if need > 0 and (self.device_state_bytes or self._resident_units):
+            self._drain("giving up device memory")  # the homes must hold the current values
+        units = freed = 0
+        for sh in reversed(self.partition.shards):  # small persistent shards may step there too
+            if need <= 0:
+                break
+            if sh.device_step:
+                n = self.optimizer.to_host(sh, self._homes.write_home)
+                coord.budget.sub(n)
+                coord.budget.fixed -= n
+                self.device_state_bytes -= n
+                need -= n
+                freed += n
+                units += 1
+        if units:
+            gave.append(f"the optimizer state of {units} units ({format_size(freed)}) back to the host")
+        units = freed = 0
+        if need > 0 and self._resident_units and all(sh.persistent for sh in self.partition.shards):
+            # nothing was fetched in the last step: from now on a working set is (the unit in use and the next)
+            need += 2 * max(sh.nbytes for sh in self.partition.shards)
+        for sh in list(self._resident_units):
+            if need <= 0:
+                break
+            if sh.device_step:
+                n = self.optimizer.to_host(sh, self._homes.write_home)
+                coord.budget.sub(n)
+                coord.budget.fixed -= n
+                self.device_state_bytes -= n
+                need -= n
+            n = coord.give_up_resident(sh)
+            self._resident_units.remove(sh)
+            self.resident_bytes -= n
+            need -= n
+            freed += n
+            units += 1
+        if units:
+            gave.append(f"{units} resident units ({format_size(freed)}) back to their homes")
+        self._gave_up += gave
+        return gave
+
+    def _give_up_all(self) -> list[str]:
+        """Every resident unit and all device optimizer state back to the host (an out-of-memory error)."""
+        return self._give_up(1 << 62, prefetch=False)
+
+    def _budget_exceeded(self, where: str, oom: str) -> DeviceBudgetExceeded:
+        """After an out-of-memory error in forward or backward with no unit stepped: the step's
+        buffers freed, the placement moved to the host homes. The error to raise."""
+        from pyinfinity.config import format_size
+
+        self.coordinator.release_all()
+        for st in self.optimizer.states:  # this micro-batch's gradients are dropped
+            if not st.busy:
+                st.src = st.event = st.norm = None
+        gave = self._give_up_all()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        what = "; ".join(gave) or "nothing was left to give up"
+        msg = (f"{where} ran out of device memory ({oom}) within pyinfinity.device_memory "
+               f"{format_size(self.device_memory) if self.device_memory else 'none'}, before any unit was stepped; "
+               f"gave up: {what}. The micro-batch may be run again")
+        log.warning("%s", msg)
+        return DeviceBudgetExceeded(msg, what)
+
+    def _watch_budget(self) -> None:
+        """After each optimizer step: the measured device peak (torch's allocator on a GPU, since the
+        last shrink; the engine's own count of the step on the CPU device); past SHRINK_AT of the budget, the placement
+        gives up what the peak exceeds the planner's target by (a unit given up is fetched again
+        when used, so the next step may give up more), with a warning the first time."""
+        from pyinfinity.config import format_size
+        from pyinfinity.plan.placement import DEVICE_HEADROOM
+
+        cap = self.device_memory
+        budget = self.coordinator.budget
+        cuda = self.device.type == "cuda"
+        if cuda:  # torch's peak since the last shrink (reset only then: tools read it at the end of a run)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+        else:
+            peak, reserved = budget.step_peak, budget.step_peak
+        budget.reset_step_peak()
+        if not cap or peak <= SHRINK_AT * cap:
+            self.coordinator.prefetch_high = 0
+            return
+        gave = self._give_up(peak - int((1 - DEVICE_HEADROOM) * cap))
+        self.coordinator.prefetch_high = 0
+        if gave and cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if gave:  # a warning the first time; the steps after it may give up a little more (INFO)
+            first = len(self._gave_up) == len(gave)
+            log.log(logging.WARNING if first else logging.INFO,
+                    "device budget: the step's peak was %s of %s (allocator reserved %s): gave up %s%s",
+                    format_size(peak), format_size(cap), format_size(reserved), "; ".join(gave),
+                    "" if first else f" (in all: {'; '.join(self._gave_up)})")
+
     def _write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """The optimizer's new fp32 values of a shard, written home (``ParamHomes.write_param``)."""
         return self._homes.write_param(shard, master)
@@ -473,12 +633,28 @@ class Engine:
             args, kwargs = _inputs_to(args, self.device), _inputs_to(kwargs, self.device)
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
-        self._tokens += _count_tokens(args, kwargs)
-        with self._pass():
-            if torch.is_grad_enabled() and self.module.training:
-                with self.coordinator.saved_tensors_hooks():
-                    return self.module(*args, **kwargs)
-            return self.module(*args, **kwargs)
+        tokens = _count_tokens(args, kwargs)
+        if not (torch.is_grad_enabled() and self.module.training):
+            self._tokens += tokens
+            with self._pass():
+                return self.module(*args, **kwargs)
+        if not self._shape_checked:
+            self._check_shape(args, kwargs)
+        oom = None
+        try:
+            with self._pass(), self.coordinator.saved_tensors_hooks():
+                out = self.module(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if isinstance(exc, DeviceBudgetExceeded):
+                raise
+            oom = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        if oom is None:
+            self._tokens += tokens
+            self._forward_tokens = tokens
+            return out
+        # outside the except block: the failed forward's frames (and the activations they hold) are gone
+        self.coordinator.release_all()
+        raise self._budget_exceeded("forward", oom)
 
     @contextlib.contextmanager
     def _pass(self) -> Iterator[None]:
@@ -520,6 +696,8 @@ class Engine:
         if boundary:  # hyperparameters fixed; without clipping/fp16, units step as their gradients land
             opt.begin_overlap(eager=not (self.config.gradient_clipping > 0 or self.config.fp16.enabled))
         self.coordinator.in_backward = True
+        self.coordinator.grads_handed = 0
+        oom = None
         try:
             try:
                 with self._pass():
@@ -530,8 +708,23 @@ class Engine:
         except BaseException as exc:
             self.coordinator.abandon_grads()
             self.coordinator.end_backward()
-            self._abandon_step(f"backward() raised {exc!r}")
-            raise
+            if not isinstance(exc, torch.OutOfMemoryError) or isinstance(exc, DeviceBudgetExceeded):
+                self._abandon_step(f"backward() raised {exc!r}")
+                raise
+            self._losses.pop()
+            oom = str(exc).splitlines()[0] if str(exc) else "out of memory"
+            self._abandon_step(f"backward() ran out of device memory ({oom})")
+            if self._poisoned is None and self.gradient_accumulation_steps > 1 and self.coordinator.grads_handed:
+                # part of this micro-batch's gradient is in the accumulators already: a retry would add it twice
+                self._poisoned = (f"backward() ran out of device memory ({oom}) after {self.coordinator.grads_handed} "
+                                  "units had added this micro-batch's gradient to the accumulation")
+            if self._poisoned is not None:
+                raise
+        if oom is not None:  # no unit stepped: give up the device placement, the micro-batch may run again
+            del scaled, loss
+            self._tokens -= self._forward_tokens
+            self._forward_tokens = 0
+            raise self._budget_exceeded("backward", oom)
         self._pending_backward = boundary and self.gradient_accumulation_steps == 1
 
     @property
@@ -641,6 +834,7 @@ class Engine:
                 self.lr_scheduler.step()
         rec = self._record(res, lr)
         self.history.append(rec)
+        self._watch_budget()
         if self.global_steps % self.config.pyinfinity.log_every == 0:
             log.info("step %d loss %.4f lr %.3g %.0f tok/s peak %s overlap %s", rec.step, rec.loss, rec.lr,
                      rec.tokens_per_s, format_size(rec.peak_device_bytes),
@@ -821,7 +1015,8 @@ class Engine:
         if plan is not None and history:
             micro = max(1, self.gradient_accumulation_steps)
             tokens = history[-1].tokens // micro if history[-1].tokens else None
-            log.info("%s", plan.compare([r.seconds for r in history], tokens_per_micro_batch=tokens))
+            log.info("%s", plan.compare([r.seconds for r in history], tokens_per_micro_batch=tokens,
+                                        parts=_measured_parts(list(history))))
         coord = self.__dict__.get("coordinator")
         if coord is not None:
             try:
@@ -856,6 +1051,31 @@ def _inputs_to(x: Any, device: torch.device) -> Any:
     if type(x) is dict:
         return {k: _inputs_to(v, device) for k, v in x.items()}
     return x
+
+
+def _measured_parts(history: list) -> dict[str, float]:
+    """Medians over the steady steps (after the first two) of what the prediction's terms stand
+    for: the optimizer's busy time (all threads), its visible wait in step(), the waits of forward
+    and backward for the optimizer's new values."""
+    steady = history[2:] or history
+
+    def med(xs: list) -> float:
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else 0.0
+    return {"optimizer busy": med([r.optimizer_busy_seconds for r in steady]),
+            "optimizer in step()": med([r.optimizer_seconds for r in steady]),
+            "waits for new values": med([r.step_wait_seconds for r in steady])}
+
+
+def retry_micro_batch(fn: Any) -> Any:
+    """Runs ``fn()`` (one micro-batch's forward and backward) and, if it raises
+    DeviceBudgetExceeded (the engine has given up its device placement), runs it once more."""
+    try:
+        return fn()
+    except DeviceBudgetExceeded as exc:
+        log.warning("retrying the micro-batch once: %s", exc.gave_up or exc)
+    # outside the except block: the failed attempt's frames (and its activations) are freed first
+    return fn()
 
 
 def _count_tokens(args: tuple, kwargs: dict) -> int:

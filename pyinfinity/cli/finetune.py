@@ -89,6 +89,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     from pyinfinity.cli.train import _mean, build_config
     from pyinfinity.config import format_size
     from pyinfinity.data import TextData, load_tokenizer
+    from pyinfinity.engine import retry_micro_batch
     from pyinfinity.pretrained import build_empty_model
 
     check_finetune_arguments(args)
@@ -122,8 +123,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         while engine.global_steps < args.steps and (args.stop_after is None or done < args.stop_after):
             x = data.next_batch(args.batch).to(engine.device)
             tokens += x.numel()
-            out = engine(input_ids=x, labels=x)
-            engine.backward(out.loss)
+            retry_micro_batch(lambda: engine.backward(engine(input_ids=x, labels=x).loss))
             rec = engine.step()
             if rec is None:
                 continue

@@ -232,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
     records = []
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from pyinfinity.engine import retry_micro_batch
+
     with pyinfinity.initialize(model, cfg) as engine, logging_redirect_tqdm():
         engine.train()
         log.info("engine built in %.1fs", time.perf_counter() - t0)
@@ -252,8 +254,7 @@ def run(args: argparse.Namespace) -> int:
         while engine.global_steps < args.steps:
             x, y = next(data)
             x, y = x.to(engine.device), y.to(engine.device)
-            out = engine(input_ids=x, labels=y)
-            engine.backward(out.loss)
+            retry_micro_batch(lambda: engine.backward(engine(input_ids=x, labels=y).loss))
             rec = engine.step()
             if rec is not None:
                 records.append(rec)

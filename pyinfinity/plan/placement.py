@@ -11,7 +11,8 @@ config leaves open and returns the fastest that respects every budget, or raises
 :class:`PlanError` with the numbers when none does.
 
 The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the optimizer):
-  * micro-batch: matmul FLOPs / matmul rate; every non-persistent shard is fetched twice (forward
+  * micro-batch: matmul and attention FLOPs / matmul rate, plus ELEMENTWISE_SHARE of it for the
+    non-matmul kernels (norms, rotary, activations, the loss); every non-persistent shard is fetched twice (forward
     and backward; the recompute of checkpointing re-fetches instead of the backward); fetches
     from RAM are host->device copies (on the CPU device: memcpys the compute thread does itself,
     so they add to compute), fetches from disk are SwapEngine reads that prefetch overlaps with
@@ -56,6 +57,13 @@ PERSISTENT_SHARE = 0.05  # small shards stay resident when they cost at most thi
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
 TIE = 0.02  # candidates within 2% of the fastest are ties; less disk traffic wins
 DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optimizer.DEVICE_CHUNK)
+# flat unit gradients alive on the device at once in backward: the unit being collected and the one
+# whose copy off the device is still in flight (its memory is reused only after the copy ran)
+GRAD_BUFFERS_LIVE = 2
+# non-matmul kernels of a decoder layer (norms, rotary, SiLU, residual adds, softmax and the loss)
+# as a share of its matmul time: the matmul-only prediction was 0.76-0.80x the measured step at
+# 1.1B and 7B on an H200 (BENCHMARKS.md), where the step is compute-bound
+ELEMENTWISE_SHARE = 0.25
 
 
 class PlanError(ValueError):
@@ -89,6 +97,101 @@ class TrainShape:
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+
+@dataclass
+class DeviceCharges:
+    """What the device holds at the peak of a step, by kind (bytes). The one place the device
+    budget is charged: the planner's placement and buffer sizing (``evaluate``, ``_fill``), the
+    engine's prefetch reserve and its refusal of a shape that cannot fit take their figures here."""
+
+    persistent: int = 0  # small shards kept resident (stage3_param_persistence_threshold) and buffers
+    resident: int = 0  # units kept on the device between steps (pyinfinity.resident_bytes)
+    working_set: int = 0  # units fetched for the module in use and the next (0 when every unit is resident)
+    prefetch: int = 0  # units fetched ahead (stage3_prefetch_bucket_size)
+    activations: int = 0  # saved activations of one micro-batch and the loss's logits
+    grad_buffers: int = 0  # flat unit gradients being collected and the largest parameter's own gradient
+    device_state: int = 0  # optimizer state of device-stepped units, their gradients, the step's fp32 chunk
+    headroom: int = 0  # the allocator's fragmentation and kernel workspaces (DEVICE_HEADROOM of the budget)
+
+    @property
+    def total(self) -> int:
+        return (self.persistent + self.resident + self.working_set + self.prefetch + self.activations
+                + self.grad_buffers + self.device_state + self.headroom)
+
+    @property
+    def reserve(self) -> int:
+        """What a prefetch must leave free for the rest of the step (``DeviceBudget.reserve``)."""
+        return self.grad_buffers + self.headroom
+
+    def describe(self) -> str:
+        parts = [(n, getattr(self, n)) for n in ("resident", "persistent", "working_set", "prefetch", "activations",
+                                                 "grad_buffers", "device_state", "headroom")]
+        return ", ".join(f"{n.replace('_', ' ')} {fmt(v)}" for n, v in parts if v)
+
+
+def grad_buffer_bytes(largest_trainable_shard_bytes: int, largest_param_bytes: int) -> int:
+    """Device bytes of gradients in backward beyond the activations: GRAD_BUFFERS_LIVE flat unit
+    gradients (``coordinator._collect``) and the parameter gradient autograd hands over before it
+    is summed in."""
+    return GRAD_BUFFERS_LIVE * largest_trainable_shard_bytes + largest_param_bytes
+
+
+def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, resident: int = 0,
+                   persistent: int = 0, prefetch: int = 0, device_state: int = 0, all_resident: bool = False,
+                   activations: Optional[int] = None, device_is_host: bool = False) -> DeviceCharges:
+    """The device charges of one step (see :class:`DeviceCharges`). ``device_is_host``: the CPU
+    device, whose pool (the engine's own count) holds the shards only: gradients are host tensors
+    and there is no caching allocator to leave headroom for."""
+    trainable = [n for n, t in zip(sizes.shard_numels, sizes.shard_trainable) if t]
+    largest_param = sizes.largest_param_numel or sizes.largest_shard_numel
+    grads = grad_buffer_bytes(max(trainable, default=0) * sizes.itemsize,
+                              largest_param * sizes.itemsize if trainable else 0)
+    return DeviceCharges(persistent=persistent, resident=resident,
+                         working_set=0 if all_resident else _working_set(sizes, train),
+                         prefetch=0 if all_resident else prefetch,
+                         activations=_activations(sizes, train) if activations is None else activations,
+                         grad_buffers=0 if device_is_host else grads, device_state=device_state,
+                         headroom=0 if device_is_host else int(device_memory * DEVICE_HEADROOM))
+
+
+def largest_shape(sizes: ModelSizes, train: TrainShape, device_memory: int, persistent: int = 0) -> tuple[int, int]:
+    """The largest (micro-batch, sequence length) whose step fits ``device_memory`` with nothing
+    resident and nothing prefetched: the sequence at the shape's micro-batch, else at micro-batch 1
+    ((0, 0): not even one token)."""
+    def fits(mb: int, seq: int) -> bool:
+        t = replace(train, micro_batch=mb, seq_len=seq, activation_bytes=None)
+        return device_charges(sizes, t, device_memory, persistent=persistent).total <= device_memory
+
+    for mb in dict.fromkeys((train.micro_batch, 1)):
+        if not fits(mb, 1):
+            continue
+        lo, hi = 1, max(1, train.seq_len)
+        while fits(mb, hi):
+            lo, hi = hi, hi * 2
+            if hi > 1 << 24:
+                return mb, lo
+        while hi - lo > 1:  # fits(lo), not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mb, mid) else (lo, mid)
+        return mb, lo
+    return 0, 0
+
+
+def shape_refusal(sizes: ModelSizes, train: TrainShape, device_memory: int, persistent: int = 0) -> Optional[str]:
+    """Why micro-batch x sequence cannot train within ``device_memory`` even with no unit resident,
+    no prefetch and no optimizer state on the device (one line naming the largest shape that fits),
+    or None when it can."""
+    c = device_charges(sizes, train, device_memory, persistent=persistent)
+    if c.total <= device_memory:
+        return None
+    mb, seq = largest_shape(sizes, train, device_memory, persistent)
+    best = f"the largest that fits is {mb} x {seq}" if mb else "not even 1 x 1 fits"
+    return (f"micro-batch x sequence {train.micro_batch} x {train.seq_len}"
+            f"{' with checkpointing' if train.checkpointing else ''} cannot fit the device budget "
+            f"{fmt(device_memory)} even with no unit resident: it needs {fmt(c.total)} ({c.describe()}); {best}; "
+            "lower the micro-batch or sequence length, enable activation checkpointing, or raise "
+            "pyinfinity.device_memory")
 
 
 @dataclass
@@ -166,6 +269,7 @@ class Placement:
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     device_state_bytes: int = 0  # of device_bytes, resident units' optimizer state (a copy of its host home)
+    charges: Optional[DeviceCharges] = None  # device_bytes by kind
 
     @property
     def feasible(self) -> bool:
@@ -239,10 +343,12 @@ class Placement:
         return evaluate(sizes, replace(train, seq_len=int(seq_len)), budgets, rates, self.knobs, paths)
 
     def compare(self, step_seconds: Sequence[float], warmup: int = 2,
-                tokens_per_micro_batch: Optional[int] = None) -> str:
+                tokens_per_micro_batch: Optional[int] = None, parts: Optional[dict[str, float]] = None) -> str:
         """Plan vs measured, for the end of a run: the median step after ``warmup`` steps against
         the prediction, and the ratio. With ``tokens_per_micro_batch`` (what the run really fed),
-        the prediction is redone at that sequence length when it differs from the planned one."""
+        the prediction is redone at that sequence length when it differs from the planned one.
+        ``parts``: measured seconds per step of named parts (e.g. the optimizer's busy time), printed
+        beside the predicted terms so a ratio far from 1 says which term is off."""
         steady = list(step_seconds[warmup:]) or list(step_seconds)
         if not steady:
             return f"plan: predicted {self.predicted.total:.3f} s/step; no step measured"
@@ -260,8 +366,12 @@ class Placement:
                     shape = (f" at the run's {seq} tokens per sequence (planned at {train.seq_len}: "
                              f"{pred.total:.3f} s/step)")
                     pred = again.predicted
+        measured = "".join(f", {k} {v:.3f}" for k, v in (parts or {}).items())
+        terms = (f" [terms: compute {pred.compute:.3f}, host<->device {pred.h2d:.3f}, disk {pred.disk:.3f}, "
+                 f"optimizer {pred.optimizer:.3f}, visible optimizer {pred.optimizer_phase:.3f}"
+                 + (f"; measured {measured[2:]}" if measured else "") + "]")
         return (f"plan: predicted {pred.total:.3f} s/step{shape} (bound by {pred.bottleneck}), "
-                f"measured {med:.3f} s/step (median of {len(steady)}), predicted/measured "
+                f"measured {med:.3f} s/step (median of {len(steady)}){terms}, predicted/measured "
                 f"{pred.total / med:.2f}")
 
 
@@ -391,15 +501,17 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                                                                            param_tier))
                               if t and pt != "ram" and i not in dev_state))
     device_state_bytes = per_param * dev_state_numel
-    # -- device: persistent shards + one block's working set + the next shard + prefetch + activations
-    acts = _activations(sizes, train)
-    if k.param_device == "none":
-        shard_peak = params.device
-    elif resident_bytes + persistent >= params.total:  # everything stays: no working set, no prefetch
-        shard_peak = resident_bytes + persistent
-    else:
-        shard_peak = resident_bytes + persistent + _working_set(sizes, train) + (k.prefetch_bytes if k.prefetch else 0)
-    device_bytes = shard_peak + acts + (device_state_bytes + DEVICE_STEP_SCRATCH if dev_state else 0)
+    # -- device: the charges of one step (DeviceCharges: shards, activations, gradients, state, headroom)
+    everything = k.param_device == "none" or resident_bytes + persistent >= params.total
+    charges = device_charges(sizes, train, budgets.device_memory, device_is_host=budgets.device_is_host,
+                             resident=params.device if k.param_device == "none" else resident_bytes,
+                             persistent=0 if k.param_device == "none" else persistent,
+                             prefetch=k.prefetch_bytes if k.prefetch else 0,
+                             device_state=device_state_bytes + DEVICE_STEP_SCRATCH if dev_state else 0,
+                             all_resident=everything)
+    acts = charges.activations
+    shard_peak = charges.resident + charges.persistent + charges.working_set + charges.prefetch
+    device_bytes = charges.total
     if k.optimizer_step_device == "device":  # two sets of [master|m|v] + grad buffers, after release_all
         device_bytes = max(device_bytes, persistent + 2 * 16 * sizes.largest_shard_numel)
     # -- host: homes in RAM, gradients, staging, write-back temporaries (+ the device pool on the CPU)
@@ -427,8 +539,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         violations.append(
             f"device memory: needs {fmt(device_bytes)} (parameters resident/in flight {fmt(shard_peak)}, "
             f"activations {fmt(acts)} for micro-batch {train.micro_batch} x {train.seq_len} tokens"
-            f"{' with checkpointing' if train.checkpointing else ''}"
-            f"{', optimizer state ' + fmt(device_state_bytes) if device_state_bytes else ''}), "
+            f"{' with checkpointing' if train.checkpointing else ''}; {charges.describe()}), "
             f"budget {fmt(budgets.device_memory)}")
     if host_bytes > budgets.host_memory:
         violations.append(
@@ -462,7 +573,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=k.optimizer_step_device,
                      host_memory=budgets.host_memory, violations=violations, notes=notes,
-                     device_state_bytes=device_state_bytes)
+                     device_state_bytes=device_state_bytes, charges=charges)
 
 
 def _div(a: float, b: float) -> float:
@@ -481,7 +592,8 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     if train.compute_seconds is not None:
         compute = train.compute_seconds
     else:
-        compute = sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
+        compute = (sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
+                   * (1 + ELEMENTWISE_SHARE))
     passes = FETCH_PASSES
     ram_copy = _div(passes * fetch_ram, rates.h2d)
     disk_read = passes * fetch_disk_s
@@ -598,7 +710,9 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
         k.persistence_threshold = SMALL_SHARD_NUMEL if small <= PERSISTENT_SHARE * budgets.device_memory else 0
     persistent = sizes.small_shard_bytes(k.persistence_threshold) if k.persistence_threshold else 0
     working = _working_set(sizes, train)
-    room = int(budgets.device_memory * (1 - DEVICE_HEADROOM)) - persistent - working - acts
+    base = device_charges(sizes, train, budgets.device_memory, persistent=persistent, activations=acts,
+                          device_is_host=budgets.device_is_host)
+    room = budgets.device_memory - base.total  # what the budget leaves for resident units and prefetch
     cap = (2 if budgets.device_is_host else 4) * max(sizes.block_bytes, sizes.largest_shard_bytes)
     if fixed.prefetch_bytes is None:
         k.prefetch_bytes = max(0, min(room, cap))
@@ -610,7 +724,7 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
         # fill the device: every unit stays if they all fit beside the activations; else what is left
         # after the working set and prefetch (resident units are never fetched again)
         offloaded = sizes.param_bytes - persistent
-        total_room = int(budgets.device_memory * (1 - DEVICE_HEADROOM)) - persistent - acts
+        total_room = room + base.working_set  # every unit resident: no working set, no prefetch
         if offloaded <= total_room:
             k.resident_bytes, k.prefetch_bytes = offloaded, 0 if fixed.prefetch_bytes is None else k.prefetch_bytes
         else:
@@ -649,11 +763,10 @@ def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, r
     if k.resident_bytes <= 0:
         return 0
     offloaded = sizes.param_bytes - persistent
-    shards = min(k.resident_bytes, offloaded) + persistent
-    if k.resident_bytes < offloaded:
-        shards += _working_set(sizes, train) + (k.prefetch_bytes if k.prefetch else 0)
-    room = int(budgets.device_memory * (1 - DEVICE_HEADROOM)) - shards - acts - DEVICE_STEP_SCRATCH
-    return max(0, room)
+    c = device_charges(sizes, train, budgets.device_memory, resident=min(k.resident_bytes, offloaded),
+                       persistent=persistent, prefetch=k.prefetch_bytes if k.prefetch else 0,
+                       all_resident=k.resident_bytes >= offloaded, activations=acts)
+    return max(0, budgets.device_memory - c.total - DEVICE_STEP_SCRATCH)
 
 
 def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
@@ -765,8 +878,11 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
     hints = []
     for v in msgs:
         if v.startswith("device memory"):
+            mb, seq = largest_shape(sizes, train, budgets.device_memory)
             hints.append("raise the device budget (--gpu-memory / pyinfinity.device_memory), lower the "
-                         "micro-batch or sequence length, or enable activation checkpointing")
+                         "micro-batch or sequence length, or enable activation checkpointing"
+                         + (f" (the largest micro-batch x sequence that fits with nothing resident is {mb} x {seq})"
+                            if mb and not budgets.device_is_host else ""))
         elif v.startswith("host RAM") and not paths:
             state = sizes.trainable_numel * (OPT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) + sizes.param_bytes
             hints.append(f"give a swap directory (--nvme DIR / nvme_path) with at least "
@@ -792,5 +908,6 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
     return "; ".join(msgs + hints)
 
 
-__all__ = ["device_state_cost", "Placement", "Knobs", "Share", "StepTime", "TrainShape", "Fixed", "PlanError", "evaluate", "predict",
+__all__ = ["DeviceCharges", "device_charges", "grad_buffer_bytes", "largest_shape", "shape_refusal",
+           "device_state_cost", "Placement", "Knobs", "Share", "StepTime", "TrainShape", "Fixed", "PlanError", "evaluate", "predict",
            "solve", "candidates", "fmt"]

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from pyinfinity.plan.budgets import Budgets, measure_budgets
-from pyinfinity.plan.placement import Fixed, Placement, TrainShape, evaluate, solve
+from pyinfinity.plan.placement import Fixed, Placement, PlanError, TrainShape, evaluate, largest_shape, solve
 from pyinfinity.plan.rates import Rates, measure_rates
 from pyinfinity.plan.sizes import ModelSizes, model_sizes
 
@@ -287,12 +287,35 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     if seq_len is None and not str(dev).startswith("cuda"):
         # the CPU device: activations live in host RAM beside it, not in the device budget
         train.activation_bytes = 0
-    out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
+    try:
+        out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
+        planned_at = f"{DEFAULT_SEQ_LEN} tokens per sequence"
+    except PlanError:
+        if seq_len is not None or train.activation_bytes == 0:
+            raise
+        # the shape is not known yet: plan at the longest sequence that fits with nothing resident;
+        # the first forward refuses a longer one in one line (Engine._check_shape)
+        mb, seq = largest_shape(sizes, train, budgets.device_memory)
+        if mb != train.micro_batch or seq >= train.seq_len:
+            raise
+        for _ in range(20):  # knobs the config fixes (a prefetch bucket, say) take a little more
+            train.seq_len = seq
+            try:
+                out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
+                break
+            except PlanError:
+                if seq <= 1:
+                    raise
+                seq = max(1, seq * 15 // 16)
+        else:
+            raise
+        planned_at = (f"{seq} tokens per sequence, the longest that fits the device budget at micro-batch {mb} "
+                      f"({DEFAULT_SEQ_LEN} does not)")
     # for Placement.compare at the end of the run, which re-predicts at the run's real shape
     placement.inputs = (sizes, budgets, rates, train, list(c.nvme_paths))
     if seq_len is None:
         placement.notes.append(f"sequence length unknown at initialize: activations and compute estimated at "
-                               f"{DEFAULT_SEQ_LEN} tokens per sequence")
+                               f"{planned_at}")
     log.info("plan:\n%s", placement.table())
     return out, decisions, placement
 

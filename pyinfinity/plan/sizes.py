@@ -62,6 +62,7 @@ class ModelSizes:
     act_width: int = 0  # sum of matmul output widths per token (generic activation estimate)
     source: str = ""
     dtype: Optional[torch.dtype] = None  # the compute dtype when every shard has it (None: mixed or unknown)
+    largest_param_numel: int = 0  # the largest single parameter (its gradient is whole before it is summed in; 0: unknown)
 
     @property
     def numel(self) -> int:
@@ -98,19 +99,32 @@ class ModelSizes:
                          itemsize: Optional[int] = None) -> int:
         """Device bytes of saved activations for one micro-batch.
 
-        Transformers: Korthikanti et al.'s 34·h bytes per token and layer at 2-byte activations
-        (scaled by itemsize; no seq² term: fused/SDPA attention keeps no score matrix), plus the
-        logits in fp32 twice (output and its gradient); with checkpointing each layer keeps only its
-        input, plus one layer's full set during recompute. Other models: every matmul output kept
-        once and twice for its gradient.
+        Transformers: a Llama-style layer (gated MLP) counted tensor by tensor as transformers saves
+        them (about 46·h bytes per token at 2-byte activations for Llama-2-7B), else Korthikanti et
+        al.'s 34·h bytes per token and layer at 2-byte activations (scaled by itemsize); no seq²
+        term: fused/SDPA attention keeps no score matrix. Plus the loss over the vocabulary (the
+        logits, the fp32 log-softmax and two fp32 gradients); with checkpointing each layer keeps
+        its input, plus the larger of the loss's tensors and one layer's full set during recompute.
+        Other models: every matmul output kept once and twice for its gradient.
         """
         isz = itemsize or self.itemsize
         tokens = micro_batch * seq
         if self.hidden and self.layers:
-            per_layer = tokens * 34 * self.hidden * isz // 2
-            logits = tokens * self.vocab * 4 * 2
-            if checkpointing:
-                return self.layers * tokens * self.hidden * isz + per_layer + logits
+            h = self.hidden
+            if self.intermediate and self.intermediate != 4 * h:
+                # a Llama-style layer (gated MLP, RMSNorm, rotary; what transformers saves for backward):
+                # two norms' fp32 inputs (4h bytes each), then 8h values (norm outputs, q/k/v, the
+                # rotated q/k, attention output) and gate, up, SiLU(gate) and the down-projection's
+                # input (4 x intermediate). Counted with saved-tensor hooks on transformers 5.x's Llama
+                # in bf16: 45.9·h bytes per token and layer at intermediate 2.69·h; this gives 45.5
+                per_layer = tokens * (8 * h + isz * (8 * h + 4 * self.intermediate))
+            else:
+                per_layer = tokens * 34 * h * isz // 2
+            # the loss over the vocabulary: logits in the compute dtype (held by the output), their
+            # fp32 copy's log-softmax, and in backward its gradient and the gradient of the fp32 copy
+            logits = tokens * self.vocab * (isz + 3 * 4)
+            if checkpointing:  # the loss's tensors are gone before the first layer's recompute
+                return self.layers * tokens * h * isz + max(per_layer, logits)
             return self.layers * per_layer + logits
         return 3 * tokens * max(self.act_width, 1) * isz
 
@@ -158,6 +172,7 @@ def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]]
     numels: list[int] = []
     trainable: list[bool] = []
     itemsizes: list[int] = []
+    largest_param = max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
     flops = 0.0
     act_width = 0
     for module in model.modules():
@@ -198,7 +213,7 @@ def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]]
     floats = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
     s = ModelSizes(shard_numels=numels, shard_trainable=trainable, itemsize=itemsize, block_bytes=block,
                    flops_per_token=flops, act_width=act_width, source=type(model).__name__,
-                   dtype=dt if dt is not None else (floats.pop() if len(floats) == 1 else None))
+                   largest_param_numel=largest_param, dtype=dt if dt is not None else (floats.pop() if len(floats) == 1 else None))
     if cfg is not None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_hidden_layers", None):
         s.hidden = int(cfg.hidden_size)
         s.layers = int(cfg.num_hidden_layers)
@@ -248,7 +263,7 @@ def llama_sizes(d: dict, dtype: Union[str, torch.dtype] = "bf16") -> ModelSizes:
                       block_bytes=sum(layer) * isz, flops_per_token=2.0 * (L * sum(layer[:7]) + V * h),
                       hidden=h, layers=L, heads=heads, vocab=V, intermediate=ff,
                       act_width=(heads * hd + 2 * kv * hd + h + 3 * ff) * L + V, source="llama (analytic)",
-                      dtype=parse_dtype(dtype))
+                      largest_param_numel=max(V * h, h * ff), dtype=parse_dtype(dtype))
 
 
 def sizes_from_config(config: Union[str, os.PathLike, dict],

@@ -12,6 +12,16 @@ class DeviceBudgetError(RuntimeError):
     """The device budget cannot hold what one module call needs."""
 
 
+class DeviceBudgetExceeded(torch.OutOfMemoryError):
+    """The device ran out of memory in forward or backward before any unit was stepped. The engine
+    has moved its resident units and device optimizer state back to their host homes (``gave_up``
+    says what) and freed the step's buffers: the same micro-batch may be run again."""
+
+    def __init__(self, message: str, gave_up: str = "") -> None:
+        super().__init__(message)
+        self.gave_up = gave_up
+
+
 @dataclass
 class FetchStats:
     """How shards reached the device (cumulative; the engine reports deltas per step)."""
@@ -45,6 +55,11 @@ class DeviceBudget:
     peak: int = 0
     fixed: int = 0  # buffers and persistent shards, counted in resident too
     cuda_device: Optional[torch.device] = None
+    # bytes a prefetch must leave free for what the step allocates after it: on a GPU the flat
+    # gradients being collected, the largest parameter gradient and the allocator's headroom; on the
+    # CPU device the planner's headroom (``plan.placement.device_charges``: the engine sets it from
+    # the same charges as the planner). A fetch the compute waits for may still use all of capacity.
+    reserve: int = 0
 
     def fits(self, nbytes: int) -> bool:
         if self.capacity is None:
@@ -52,14 +67,20 @@ class DeviceBudget:
         if self.resident + nbytes > self.capacity:
             return False
         if self.cuda_device is not None:  # a host-side counter: no synchronisation
-            # keep headroom for the allocator's fragmentation and the step's transient tensors
-            headroom = min(256 << 20, self.capacity // 8)
+            headroom = max(self.reserve, min(256 << 20, self.capacity // 8))
             return torch.cuda.memory_allocated(self.cuda_device) + nbytes <= self.capacity - headroom
-        return True
+        return self.resident + nbytes <= self.capacity - self.reserve
+
+    step_peak: int = 0  # the high-water since the last ``reset_step_peak`` (the engine's per-step measure)
+
+    def reset_step_peak(self) -> None:
+        """The next step's peak starts from what is resident now."""
+        self.step_peak = self.resident
 
     def add(self, nbytes: int) -> None:
         self.resident += nbytes
         self.peak = max(self.peak, self.resident)
+        self.step_peak = max(self.step_peak, self.resident)
 
     def sub(self, nbytes: int) -> None:
         self.resident -= nbytes

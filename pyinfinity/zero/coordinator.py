@@ -101,6 +101,8 @@ class ParameterCoordinator:
         self.max_inflight_reads = max_inflight_reads  # offload_param.buffer_count: NVMe reads ahead
         self.stats = FetchStats()
         self.in_backward = False
+        self.grads_handed = 0  # units whose gradient on_grad got in this backward (the engine resets it)
+        self.prefetch_high = 0  # most bytes prefetched ahead at once since the engine last reset it
         self._handles: list[Any] = []
         self._transfers: dict[int, _Transfer] = {}  # shard index -> in-flight fetch
         self._storage: dict[int, FlatShard] = {}  # storage data_ptr -> resident shard
@@ -274,9 +276,12 @@ class ParameterCoordinator:
             self._maybe_evict(sh)
 
     def abandon_grads(self) -> None:
-        """A backward failed: drops the gradients collected so far (nothing is handed off)."""
+        """A backward failed: drops the gradients collected so far (nothing is handed off), and any
+        parameter gradient autograd left behind (the next backward would add to it)."""
         for sh in self.partition.shards:
             sh.grad_dev = None
+            for sl in sh.slices:
+                sl.param.grad = None
             sh.grads_seen = 0
             sh.grad_done = False
             sh.grads_in.clear()
@@ -295,6 +300,18 @@ class ParameterCoordinator:
                         log.warning("shard %d: dropping a failed fetch: %s", sh.index, exc)
                         continue
                 self._evict(sh)
+
+    def give_up_resident(self, sh: FlatShard) -> int:
+        """A unit kept on the device between steps leaves it: from now on it is fetched from its
+        home before each use (which must hold its current values). Returns the device bytes freed."""
+        if not sh.persistent or sh.home.tier == Tier.GPU:
+            return 0
+        sh.persistent = False
+        sh.ready = None
+        self.budget.fixed -= sh.nbytes
+        if sh.state != ShardState.RELEASED and sh.users == 0 and not sh.backward_held:
+            self._evict(sh, count=False)
+        return sh.nbytes
 
     def refresh_persistent(self) -> None:
         """Re-reads persistent shards from their homes (the optimizer wrote new values there)."""
@@ -376,6 +393,7 @@ class ParameterCoordinator:
             live += sh.numel
             reads += nvme
             self.stats.prefetch_issued += 1
+        self.prefetch_high = max(self.prefetch_high, self.prefetch_bytes - room)
         self._advance_transfers()
 
     def _drop_unused_prefetches(self, keep: Optional[FlatShard] = None) -> None:
@@ -578,6 +596,7 @@ class ParameterCoordinator:
         """A unit's gradient is final for this backward: its norm on the device, one copy of the
         flat gradient to its host destination, then ``on_grad``."""
         shard.grad_done = True
+        self.grads_handed += 1
         g, shard.grad_dev = shard.grad_dev, None
         norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
         if shard.device_step:  # its optimizer state is on the device: the gradient stays, stepped there in order

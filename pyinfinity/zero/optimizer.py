@@ -289,6 +289,31 @@ class OffloadOptimizer:
                     req.wait()
             st.dev_stale = False
 
+    def to_host(self, shard: FlatShard, write_home: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None) -> int:
+        """Undoes ``to_device``: the host homes are brought up to date (``write_home(shard, master)``
+        for the parameter home), the device copy is dropped and the shard steps on the CPU again (an
+        fp32 accumulator on the device comes to the host). Returns the device bytes freed."""
+        st = self._by_shard.get(shard.index)
+        if st is None or st.dev is None:
+            return 0
+        if st.dev_stale:
+            host = self._state_in_ram(st, read=False)
+            host.copy_(st.dev)
+            if st.home.tier != Tier.CPU:
+                self.swapper.write(st.home, host).wait()
+            if write_home is not None:
+                req = write_home(shard, host[:st.numel])
+                if req is not None:
+                    req.wait()
+        freed = st.dev.numel() * 4
+        if st.grad is not None and st.grad.device.type != "cpu":
+            st.grad = st.grad.cpu()
+        st.src = st.norm = None
+        st.dev = st.dev_step = None
+        st.dev_stale = False
+        shard.device_step = False
+        return freed
+
     def _state_in_ram(self, st: ShardOptimState, read: bool) -> torch.Tensor:
         """A shard's [master|m|v] in RAM: its home there, else a buffer of its size (filled from
         the home on disk when ``read``)."""

@@ -103,7 +103,7 @@ def test_more_ram_means_less_on_disk_and_a_smaller_device_less_resident():
     assert on_disk == sorted(on_disk, reverse=True) and on_disk[0] > 0 and on_disk[-1] == 0, on_disk
     assert times == sorted(times, reverse=True), times
     resident, prefetch = [], []
-    for dm in (64, 16, 8, 4, 3, 2.5, 2.2):
+    for dm in (64, 16, 8, 6, 5, 4.5, 4):
         p = solve(sizes, train, _budgets(dm * 2**30, 100 * GB), GPU_RATES)
         resident.append(p.knobs.resident_bytes)
         prefetch.append(p.knobs.prefetch_bytes)
