@@ -510,10 +510,10 @@ class Engine:
             raise PlanError(why)
 
     def _give_up(self, need: int, prefetch: bool = True) -> list[str]:
-        """Frees at least ``need`` device bytes of the placement if it can: prefetch first (with
-        ``prefetch``), then the
-        optimizer state on the device (from the back: the units stepped there last), then resident
-        units (from the front: backward needs the back first). Returns what was given up."""
+        """Frees at least ``need`` device bytes of the placement if it can: the prefetch it used
+        (with ``prefetch``), then the optimizer state on the device (from the back: the units
+        stepped there last), then resident units (from the front: backward needs the back first).
+        Returns what was given up."""
         from pyinfinity.config import format_size
 
         gave: list[str] = []
@@ -575,9 +575,10 @@ class Engine:
         from pyinfinity.config import format_size
 
         self.coordinator.release_all()
-        for st in self.optimizer.states:  # this micro-batch's gradients are dropped
-            if not st.busy:
-                st.src = st.event = st.norm = None
+        if where == "backward":  # this micro-batch's gradients are dropped (a home holding one was restored)
+            for st in self.optimizer.states:
+                if not st.busy:
+                    st.src = st.event = st.norm = None
         gave = self._give_up_all()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -589,10 +590,11 @@ class Engine:
         return DeviceBudgetExceeded(msg, what)
 
     def _watch_budget(self) -> None:
-        """After each optimizer step: the measured device peak (torch's allocator on a GPU, since the
-        last shrink; the engine's own count of the step on the CPU device); past SHRINK_AT of the budget, the placement
-        gives up what the peak exceeds the planner's target by (a unit given up is fetched again
-        when used, so the next step may give up more), with a warning the first time."""
+        """After each optimizer step: the measured device peak (torch's allocator on a GPU, since
+        the last shrink; the engine's own count of the step on the CPU device); past SHRINK_AT of
+        the budget, the placement gives up what the peak exceeds the planner's target by (a unit
+        given up is fetched again when used, so the next step may give up more), with a warning
+        the first time."""
         from pyinfinity.config import format_size
         from pyinfinity.plan.placement import DEVICE_HEADROOM
 

@@ -365,3 +365,39 @@ def test_the_engine_plans_at_the_longest_sequence_that_fits_when_1024_does_not()
     assert plan.device_bytes <= 8 * GIB
     with pytest.raises(PlanError, match=r"the largest micro-batch x sequence that fits with nothing resident is 1 x "):
         solve(sizes, TrainShape(1, 1024), budgets, GPU_RATES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mb, seq", [(1, 512), (1, 2048), (4, 1024), (1, 4096)])
+def test_gpu_a_llama_under_a_tight_cap_trains_within_it_or_is_refused_in_one_line(mb, seq, tmp_path):
+    """A transformers Llama whose weights and activations exceed a 768 MiB cap, "auto" placement,
+    checkpointing: each shape either trains three steps with max_memory_allocated within the cap
+    and no out-of-memory error, or is refused at the first forward naming the largest that fits."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                                   use_cache=False)
+    cap = 768 << 20
+    ds = {"train_micro_batch_size_per_gpu": mb, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "auto"},
+                                "offload_optimizer": {"device": "auto"}},
+          "pyinfinity": {"device": "cuda:0", "device_memory": cap}}
+    with pyinfinity.init_empty(ds):
+        model = transformers.LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    g = torch.Generator().manual_seed(0)
+    eng = pyinfinity.initialize(model, ds)  # plans at the longest sequence that fits if 1024 does not
+    with eng:
+        eng.train()
+        try:
+            for _ in range(3):
+                x = torch.randint(0, 32000, (mb, seq), generator=g).cuda()
+                retry_micro_batch(lambda: eng.backward(eng(input_ids=x, labels=x).loss))
+                eng.step()
+        except PlanError as exc:
+            assert str(exc).startswith(f"micro-batch x sequence {mb} x {seq}") and "the largest that fits is" in str(exc)
+            assert mb * seq > 512  # 1 x 512 fits this cap
+            return
+        assert all(r.peak_device_allocated <= cap for r in eng.history), [r.peak_device_allocated for r in eng.history]
+        assert len(eng.history) == 3
