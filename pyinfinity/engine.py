@@ -142,13 +142,15 @@ def init_empty(config: Union[dict, str, Config, None] = None) -> Iterator[None]:
 
 
 def initialize(model: nn.Module, config: Union[dict, str, os.PathLike, Config],
-               lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None) -> "Engine":
+               lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None, *,
+               seq_len: Optional[int] = None) -> "Engine":
     """Wraps ``model`` for offloaded ZeRO-3 training; ``config`` is DeepSpeed's format (dict or
     JSON path). ``lr_scheduler``: a scheduler object, or a callable taking the engine's optimizer
     and returning one (overrides the config's ``scheduler``). ``weights``: a safetensors checkpoint
     (file or model directory) whose values the parameters start from, streamed module by module
-    into their tiers (``pretrained.WeightLoader``)."""
-    return Engine(model, config, lr_scheduler, weights=weights)
+    into their tiers (``pretrained.WeightLoader``). ``seq_len``: the tokens per sequence the run
+    will train on, when known: the planner sizes activations and compute for it (default 1024)."""
+    return Engine(model, config, lr_scheduler, weights=weights, seq_len=seq_len)
 
 
 def _resolve_device(spec: str) -> torch.device:
@@ -259,7 +261,8 @@ class Engine:
     """Offloaded ZeRO-3 training of one model on one device. Use ``initialize`` to make one."""
 
     def __init__(self, model: nn.Module, config: Union[dict, str, os.PathLike, Config],
-                 lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None) -> None:
+                 lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None, *,
+                 seq_len: Optional[int] = None) -> None:
         self._closed = True
         guards.check_not_wrapped(model)
         cfg = load_config(config)
@@ -279,7 +282,7 @@ class Engine:
         # every "auto" decided by the planner (placement, sizes, budgets), logged below
         from pyinfinity.plan import plan_engine_config
 
-        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device,
+        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device, seq_len=seq_len,
                                                        checkpointing=_recomputes_activations(model))
         for d in decisions:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
