@@ -204,17 +204,18 @@ def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any
     quiet = logging.getLogger("pyinfinity")  # the what-if plans' own INFO lines are not the user's plan
     level = quiet.level
     quiet.setLevel(max(level, logging.WARNING))
-    for what, r, b in tries:
-        try:
-            _, p = resolve_auto(config_dict, sizes, budgets=b, rates=r, seq_len=args.seq_len,
-                                checkpointing=args.checkpointing, fill_absent=True)
-        except ValueError as exc:
-            lines.append(f"  {what}: no plan ({exc})")
-            continue
-        finally:
-            quiet.setLevel(level)
-        t = p.predicted.total
-        lines.append(f"  {what}: {t:.3f} s/step ({now / t:.2f}x), then bound by {p.predicted.bottleneck}")
+    try:
+        for what, r, b in tries:
+            try:
+                _, p = resolve_auto(config_dict, sizes, budgets=b, rates=r, seq_len=args.seq_len,
+                                    checkpointing=args.checkpointing, fill_absent=True)
+            except ValueError as exc:
+                lines.append(f"  {what}: no plan ({exc})")
+                continue
+            t = p.predicted.total
+            lines.append(f"  {what}: {t:.3f} s/step ({now / t:.2f}x), then bound by {p.predicted.bottleneck}")
+    finally:
+        quiet.setLevel(level)
     return lines
 
 
