@@ -180,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{summary['last_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s, peak device "
                   f"{format_size(summary['peak_device_allocated'] or summary['peak_device_bytes'])}, overlap "
                   f"{'n/a' if ov is None else f'{ov:.2f}'}")
+        moved = bytes_moved_line(steady)
+        if moved:
+            print(moved)
         print(report.table())
         if args.save:
             engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn})
@@ -190,6 +193,19 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg,
                        "memory": asdict(report)}, f, indent=1, default=str)
     return 0
+
+
+def bytes_moved_line(records: list) -> str:
+    """Bytes moved per tier in one optimizer step (the mean over ``records``), one line; "" when
+    nothing moved (everything stayed on the device)."""
+    from pyinfinity.config import format_size
+
+    total: dict[str, int] = {}
+    for r in records:
+        for k, v in (r.bytes_moved or {}).items():
+            total[k] = total.get(k, 0) + int(v)
+    parts = [f"{k} {format_size(v / len(records))}" for k, v in sorted(total.items()) if v]
+    return f"bytes moved per step (mean of {len(records)}): " + ", ".join(parts) if parts else ""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
