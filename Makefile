@@ -63,7 +63,7 @@ test-tsan: venv
 	$(call cpp_suite,build-tsan,-DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYINFINITY_SANITIZE=thread,TSAN_OPTIONS=halt_on_error=1)
 
 test-python: build
-	$(PY) -m pytest -q -p no:cacheprovider tests/python
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests/python
 
 clean:
 	rm -rf build build-tests build-asan build-tsan pyinfinity/_C*.so *.egg-info $(VENV)/.built
