@@ -451,7 +451,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                                   f"add {fmt(need - free)}, or a second path")
     if resident_bytes:
         notes_resident = (f"{fmt(resident_bytes)} of parameters stay on the device: the whole units that fit "
-                          f"pyinfinity.resident_bytes ({fmt(k.resident_bytes)}, the config's value)")
+                          f"pyinfinity.resident_bytes: {int(k.resident_bytes)} ({fmt(k.resident_bytes)})")
     pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
                    fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state,
                    device_stepped=dev_state_numel)
