@@ -320,3 +320,26 @@ def test_the_suite_leaves_no_large_files_and_prints_skip_reasons(tmp_path):
     assert os.listdir(left) == ["small.json"]
     line = next(line for line in read("Makefile").splitlines() if "-m pytest" in line and "tests/python" in line)
     assert "-rs" in line.split()
+
+
+def test_readme_says_how_to_reach_the_command_and_its_example_runs_without_a_guess():
+    """After `make train` the README says to activate .venv (or call .venv/bin/pyinfinity, the
+    entry point pyproject.toml installs); its Python example defines `loader` before using it and
+    says how it runs on a CPU."""
+    import ast
+    import re
+
+    readme = read("README.md")
+    assert "source .venv/bin/activate" in readme and ".venv/bin/pyinfinity " in readme
+    assert re.search(r'^pyinfinity = "pyinfinity\.cli:main"$', read("pyproject.toml"), re.M)
+    example = readme[readme.index("## Training with offload"):]
+    code = example[example.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    names = [(n.lineno, type(n.ctx).__name__) for n in ast.walk(ast.parse(code))
+             if isinstance(n, ast.Name) and n.id == "loader"]
+    stores = [line for line, ctx in names if ctx == "Store"]
+    assert stores and min(stores) < min(line for line, ctx in names if ctx == "Load"), names
+    assert re.search(r'"pyinfinity": \{"device": "auto"', code) and '"cpu"' in code
+    prose = example[:example.index("### Fine-tuning")]
+    assert "runs the same\ncode on the CPU" in prose or "on the CPU" in prose.split("```")[-1]
+    assert "bytes moved per tier in a step" in " ".join(readme.split())  # the train summary prints them
