@@ -73,7 +73,7 @@ test-tsan: venv
 	$(call cpp_suite,build-tsan,-DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYINFINITY_SANITIZE=thread,TSAN_OPTIONS=halt_on_error=1)
 
 test-python: build
-	$(PY) -m pytest -q -p no:cacheprovider tests/python
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests/python
 
 # The GPU suite in one process: every user path on CUDA (README's examples, `train` at `make
 # train`'s GPU size, fine-tune/export/from_pretrained, save/SIGKILL/resume, DeepSpeed with

@@ -8,6 +8,7 @@ ZeRO stage 3 offload) parsed into dataclasses and validated, with errors that na
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import logging
 import math
@@ -675,16 +676,29 @@ def _validate(c: Config) -> None:
         check_swap_dir(p, "nvme_path")
 
 
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def check_swap_dir(path: str, key: str = "nvme_path") -> None:
-    """Create ``path`` if needed and check that files can be created in it (a clear error otherwise)."""
+    """Check that files can be created in ``path``, or that it can be created when it does not exist
+    yet (a clear error otherwise). Nothing is created here: a training engine creates a missing swap
+    directory when it starts (``pyinfinity.swap.ownership``), with a warning, and removes it at close."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}: {path!r} is not a directory (a swap path must be a directory)")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot create swap directory {path!r}: {exc.strerror}") from exc
-    if not os.path.isdir(path):
-        raise ConfigError(f"{key}: {path!r} is not a directory")
+    if not os.path.exists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ConfigError(f"{key}: cannot create swap directory {path!r}: {parent!r} is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}: cannot create swap directory {path!r}: "
+                              f"{os.strerror(errno.EROFS if _read_only(parent) else errno.EACCES)}")
+        return
     probe = os.path.join(path, f".pyinfinity-probe-{os.getpid()}")
     try:
         with open(probe, "wb") as f:

@@ -37,39 +37,53 @@ def load_tokenizer(model_dir: Union[str, os.PathLike]) -> Any:
     return tok
 
 
+def _text_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 file; bytes that are not UTF-8 are a DataError naming the
+    file, line and byte offset (a binary file given as text data fails at its first bad byte)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode reads it
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                                f"{offset + exc.start}); --data takes a UTF-8 text file or JSON lines: convert it "
+                                "(e.g. iconv -f LATIN1 -t UTF-8) or give the text, not a binary file") from None
+            offset += len(raw)
+            yield lineno, line
+
+
 def read_documents(path: Union[str, os.PathLike], field: str = "text") -> Iterator[str]:
     """The documents of ``path``: one per line of a JSON-lines file (its ``field``), or the
     text file in line-aligned chunks. Errors name the file and line."""
     path = os.fspath(path)
     if path.endswith(JSONL_SUFFIXES):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-                if not isinstance(rec, dict) or field not in rec:
-                    have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                    raise DataError(f"{path}:{lineno}: no {field!r} field (found {have}); pass the field that holds "
-                                    "the text with --data-field")
-                text = rec[field]
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not a string")
-                yield text
+        for lineno, line in _text_lines(path):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(rec, dict) or field not in rec:
+                have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                raise DataError(f"{path}:{lineno}: no {field!r} field (found {have}); pass the field that holds "
+                                "the text with --data-field")
+            text = rec[field]
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not a string")
+            yield text
         return
-    with open(path, encoding="utf-8") as f:
-        chunk: list[str] = []
-        n = 0
-        for line in f:
-            chunk.append(line)
-            n += len(line)
-            if n >= TEXT_CHUNK_CHARS:
-                yield "".join(chunk)
-                chunk, n = [], 0
-        if chunk:
+    chunk: list[str] = []
+    n = 0
+    for _lineno, line in _text_lines(path):
+        chunk.append(line)
+        n += len(line)
+        if n >= TEXT_CHUNK_CHARS:
             yield "".join(chunk)
+            chunk, n = [], 0
+    if chunk:
+        yield "".join(chunk)
 
 
 def tokenize_file(path: Union[str, os.PathLike], tokenizer: Any, field: str = "text") -> torch.Tensor:

@@ -147,13 +147,15 @@ def init_empty(config: Union[dict, str, Config, None] = None) -> Iterator[None]:
 
 
 def initialize(model: nn.Module, config: Union[dict, str, os.PathLike, Config],
-               lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None) -> "Engine":
+               lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None, *,
+               seq_len: Optional[int] = None) -> "Engine":
     """Wraps ``model`` for offloaded ZeRO-3 training; ``config`` is DeepSpeed's format (dict or
     JSON path). ``lr_scheduler``: a scheduler object, or a callable taking the engine's optimizer
     and returning one (overrides the config's ``scheduler``). ``weights``: a safetensors checkpoint
     (file or model directory) whose values the parameters start from, streamed module by module
-    into their tiers (``pretrained.WeightLoader``)."""
-    return Engine(model, config, lr_scheduler, weights=weights)
+    into their tiers (``pretrained.WeightLoader``). ``seq_len``: the tokens per sequence the run
+    will train on, when known: the planner sizes activations and compute for it (default 1024)."""
+    return Engine(model, config, lr_scheduler, weights=weights, seq_len=seq_len)
 
 
 def _resolve_device(spec: str) -> torch.device:
@@ -261,7 +263,8 @@ class Engine:
     """Offloaded ZeRO-3 training of one model on one device. Use ``initialize`` to make one."""
 
     def __init__(self, model: nn.Module, config: Union[dict, str, os.PathLike, Config],
-                 lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None) -> None:
+                 lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None, *,
+                 seq_len: Optional[int] = None) -> None:
         self._closed = True
         guards.check_not_wrapped(model)
         cfg = load_config(config)
@@ -284,8 +287,15 @@ class Engine:
         from pyinfinity.plan import plan_engine_config
 
         self._checkpointing = _recomputes_activations(model)
-        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device, checkpointing=self._checkpointing)
-        self._plan_sizes = self.plan.inputs[0] if self.plan is not None else None  # for the shape check
+        cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device, seq_len=seq_len,
+                                                       checkpointing=self._checkpointing)
+        # for the shape check at the first forward: the planner's sizes, or (a config with nothing
+        # left to plan) the model's own, counted before the partition empties its parameters
+        self._plan_sizes = self.plan.inputs[0] if self.plan is not None else None
+        if self._plan_sizes is None and self.device.type == "cuda":
+            from pyinfinity.plan.sizes import model_sizes
+
+            self._plan_sizes = model_sizes(model, torch.float16 if fp16 else torch.bfloat16 if bf16 else None)
         for d in decisions:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
         self.config = cfg

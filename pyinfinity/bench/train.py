@@ -68,6 +68,12 @@ SIZES: dict[str, dict[str, Any]] = {
                 num_key_value_heads=36),
     "13b": dict(_LLAMA, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                 num_key_value_heads=40),
+    # LLaMA-30B's shape (the original LLaMA release)
+    "30b": dict(_LLAMA, hidden_size=6656, intermediate_size=17920, num_hidden_layers=60, num_attention_heads=52,
+                num_key_value_heads=52),
+    # Llama-2-70B's shape (grouped-query attention: 8 KV heads)
+    "70b": dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8),
 }
 DEFAULT_SIZES_GPU = ("1.1b", "3b", "7b", "10b")
 DEFAULT_SIZES_CPU = ("tiny",)

@@ -27,7 +27,9 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyinfinity", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at DEBUG level, and a user error's traceback (anywhere on the line)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
         try:
@@ -38,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         mod.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from pyinfinity import __version__
+
+    return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return _guarded(lambda: bench_train.main(rest[2:] + (["-v"] if verbose else [])), "bench train", verbose)
     parser = build_parser()
-    args = parser.parse_args(argv)  # argparse's own errors: usage, one line, exit 2
+    args = parser.parse_args(rest)  # argparse's own errors: usage, one line, exit 2
+    args.verbose = verbose  # -v anywhere: before the subcommand or among its flags
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not getattr(args, "func", None):

@@ -10,37 +10,9 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
+from pyinfinity.cli.train_args import add_arguments, check_arguments, engine_config, mean
+
 log = logging.getLogger(__name__)
-
-
-def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("fine-tuning a pretrained model on your data")
-    g.add_argument("--model", metavar="DIR",
-                   help="a transformers model directory (config.json, safetensors, tokenizer files) to start from; "
-                        "nothing is downloaded")
-    g.add_argument("--data", metavar="FILE", help="text file, or JSON lines (.jsonl) with a text field, to train on")
-    g.add_argument("--data-field", default="text", metavar="F", help="the JSON-lines field that holds the text")
-    g.add_argument("--eval-every", type=int, default=0, metavar="N",
-                   help="eval loss on the held-out blocks every N optimizer steps (0: at the end only)")
-    g.add_argument("--eval-fraction", type=float, default=0.05, metavar="R",
-                   help="share of the data's blocks held out for the eval loss")
-    g.add_argument("--model-dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="dtype the model is built and exported in (auto: config.json's torch_dtype, as transformers' "
-                        "dtype='auto'); the optimizer keeps fp32 masters either way")
-    g.add_argument("--stop-after", type=int, metavar="N",
-                   help="stop after N optimizer steps of this run (the schedule still spans --steps; with --save, "
-                        "a later --resume continues)")
-    if "--resume" not in p._option_string_actions:
-        g.add_argument("--resume", metavar="DIR", help="continue from the checkpoint a --save wrote there")
-
-
-def check_finetune_arguments(args: argparse.Namespace) -> None:
-    if bool(args.model) != bool(args.data):
-        raise SystemExit("--model and --data go together: a model directory to start from and the data to train on")
-    if args.eval_every < 0:
-        raise SystemExit(f"--eval-every: {args.eval_every} must be 0 or positive")
-    if not 0 <= args.eval_fraction < 1:
-        raise SystemExit(f"--eval-fraction: {args.eval_fraction} must be in [0, 1)")
 
 
 def _model_dtype(path: str, choice: str) -> Any:
@@ -81,21 +53,21 @@ def eval_loss(engine: Any, data: Any, batch: int) -> Optional[float]:
     return sum(losses) / data.eval.shape[0] if losses else None
 
 
-def run_finetune(args: argparse.Namespace) -> int:
+def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[str]]] = None) -> int:
+    """Fine-tunes ``args.model`` on ``args.data``; ``resume``: --resume's (save_dir, tag) from
+    ``check_arguments`` (checked again here when it is not given)."""
     import torch
 
     import pyinfinity
-    from pyinfinity.cli.errors import check_device_here
-    from pyinfinity.cli.train import _mean, build_config
     from pyinfinity.config import format_size
     from pyinfinity.data import TextData, load_tokenizer
     from pyinfinity.engine import retry_micro_batch
     from pyinfinity.pretrained import build_empty_model
 
-    check_finetune_arguments(args)
+    if resume is None:
+        resume = check_arguments(args)
     torch.manual_seed(args.seed)
-    device = check_device_here(args.device)  # cuda and auto with the GPU's index
-    cfg = build_config(args, device)
+    cfg, _device = engine_config(args)
     # the data first: a bad file fails before anything is loaded or written
     data = TextData.from_file(args.data, load_tokenizer(args.model), args.seq, field=args.data_field,
                               eval_fraction=args.eval_fraction, seed=args.seed)
@@ -105,15 +77,15 @@ def run_finetune(args: argparse.Namespace) -> int:
     model = build_empty_model(args.model, cfg, _model_dtype(args.model, args.model_dtype))
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine = pyinfinity.initialize(model, cfg, weights=args.model)
+    engine = pyinfinity.initialize(model, cfg, weights=args.model, seq_len=args.seq)
     load_s = time.perf_counter() - t0
     peak_load = _peak_rss()
     log.info("loaded %s in %.1fs (%s of weights), peak RSS %s", args.model, load_s,
              format_size(engine.partition.nbytes), format_size(peak_load))
     with engine:
         engine.train()
-        if args.resume:
-            path, client = engine.load_checkpoint(args.resume)
+        if resume[0] is not None:
+            path, client = engine.load_checkpoint(*resume)
             if "data" not in client:
                 raise SystemExit(f"--resume: {path} has no data position (it was not saved by a --model/--data run)")
             data.load_state_dict(client["data"], origin=path)
@@ -145,7 +117,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             "first_loss": records[0].loss if records else None, "last_loss": records[-1].loss if records else None,
             "eval_loss": evals[-1]["loss"], "evals": evals,
             "tokens_per_s": sum(n for n, _ in steady) / max(1e-9, sum(t for _, t in steady)),
-            "step_seconds": _mean([t for _, t in steady]),
+            "step_seconds": mean([t for _, t in steady]),
             "weights_missing": engine.weights.report.missing, "weights_unexpected": engine.weights.report.unexpected,
         }
         print(f"fine-tuned {args.model} ({format_size(engine.partition.nbytes)} of weights, loaded in {load_s:.1f}s, "
@@ -166,8 +138,6 @@ def run_finetune(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from pyinfinity.cli.train import add_arguments
-
     parser = argparse.ArgumentParser(prog="finetune", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)

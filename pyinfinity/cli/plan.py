@@ -17,8 +17,14 @@ log = logging.getLogger(__name__)
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="plan placement and buffers for a model and budgets",
                               description=__doc__)
-    p.add_argument("--model", required=True, metavar="CONFIG",
-                   help="a transformers config.json (or a directory holding one)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="CONFIG", help="a transformers config.json (or a directory holding one)")
+    from pyinfinity.bench.train import SIZES
+
+    which.add_argument("--model-size", choices=list(SIZES), metavar="SIZE",
+                       help="a Llama shape from the `pyinfinity bench train --sizes` preset table (vocab 32000 but "
+                            "tiny): " + ", ".join(SIZES) + " (1.1b is TinyLlama's shape, 30b LLaMA-30B's, 70b "
+                            "Llama-2-70B's)")
     p.add_argument("--config", metavar="JSON",
                    help="a DeepSpeed-format config whose \"auto\" values are decided (default: all auto)")
     p.add_argument("--gpu-memory", "--device-memory", dest="device_memory", default=None,
@@ -27,13 +33,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cpu-memory", dest="host_memory", default=None,
                    help="host RAM budget, e.g. 64GiB (default: 80%% of what is available)")
     p.add_argument("--nvme", action="append", metavar="DIR", default=None,
-                   help="swap directory (repeat to stripe over several drives)")
+                   help="swap directory (repeat to stripe over several drives); the plan never creates it")
+    p.add_argument("--nvme-free", metavar="SIZE", default=None,
+                   help="free space of each --nvme directory's drive on the target machine, e.g. 2TB (default: "
+                        "measured here)")
+    p.add_argument("--cpu-cores", type=int, metavar="N", default=None,
+                   help="CPU cores of the target machine: the optimizer's threads, and this machine's Adam rate "
+                        "scaled to them (default: this machine's; a --rates file made on the target is better)")
     p.add_argument("--device", default=None,
                    help="compute device: cpu, cuda, cuda:N (default: cuda if present, or when --gpu-memory is "
                         "given); a GPU that is not on this machine is planned for from presets, never touched")
     p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default: the config's, else 1)")
     p.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation steps")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
+    p.add_argument("--seq-len", "--seq", dest="seq_len", type=int, default=1024,
+                   help="tokens per sequence (default 1024)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--rates", metavar="JSON",
@@ -109,7 +122,101 @@ def template(args: argparse.Namespace) -> dict:
         cfg.pop(key, None)
     if args.dtype != "fp32":
         cfg[args.dtype] = {"enabled": True}
+    if args.cpu_cores and e.get("optimizer_threads", "auto") == "auto" and e.get("device") != "cpu":
+        e["optimizer_threads"] = args.cpu_cores
     return cfg
+
+
+def model_source(args: argparse.Namespace) -> Any:
+    """--model's path, or --model-size's preset as a transformers config dict."""
+    if args.model:
+        return args.model
+    from pyinfinity.bench.train import SIZES
+
+    return {"model_type": "llama", **SIZES[args.model_size]}
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    from pyinfinity.cli.errors import UsageError
+
+    for flag, value in (("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum),
+                        ("--seq-len", args.seq_len), ("--cpu-cores", args.cpu_cores)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag}: {value} must be >= 1")
+    if args.nvme_free is not None and not args.nvme:
+        raise UsageError("--nvme-free: the free space of the target's swap drive needs the swap directory it "
+                         "will be used as: pass --nvme DIR too")
+
+
+def target_budgets(args: argparse.Namespace, cfg: Any, dev: Any) -> Any:
+    """This machine's budgets, with the target's free swap space when --nvme-free gives it."""
+    from dataclasses import replace
+
+    from pyinfinity.config import parse_size
+    from pyinfinity.plan.budgets import measure_budgets
+
+    dm, hm = cfg.pyinfinity.device_memory, cfg.pyinfinity.host_memory
+    b = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
+                        host_memory=hm if isinstance(hm, int) else None)
+    if args.nvme_free is not None:
+        free = parse_size(args.nvme_free, "--nvme-free")
+        b.swap = [replace(d, free=free, fs_id=i + 1) for i, d in enumerate(b.swap)]  # one drive each
+    return b
+
+
+def _this_cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any, placement: Any,
+                         args: argparse.Namespace) -> list[str]:
+    """The predicted step with the resource that bounds it doubled (re-planned, so a placement
+    the extra resource allows is taken): a few lines for the end of the plan."""
+    from dataclasses import replace
+
+    from pyinfinity.plan import resolve_auto
+    from pyinfinity.plan.rates import LINK_PRESETS
+
+    bound = placement.predicted.bottleneck
+    tries: list[tuple[str, Any, Any]] = []
+    if bound == "disk":
+        tries.append(("a second swap drive as fast (--nvme twice)",
+                      replace(rates, disk_read=2 * rates.disk_read, disk_write=2 * rates.disk_write), budgets))
+        tries.append(("twice the RAM budget (--cpu-memory)", rates, replace(budgets, host_memory=2 * budgets.host_memory)))
+    elif bound == "optimizer":
+        tries.append(("twice the CPU Adam rate (twice the cores, --cpu-cores)", replace(rates, adam=2 * rates.adam),
+                      budgets))
+    elif bound == "host<->device":
+        faster = sorted((v.h2d, k) for k, v in LINK_PRESETS.items() if v.h2d > rates.h2d * 1.05)
+        if faster:
+            lp = LINK_PRESETS[faster[0][1]]
+            tries.append((f"the next link preset, --link {faster[0][1]}",
+                          replace(rates, h2d=lp.h2d, d2h=lp.d2h, h2d_pageable=lp.h2d_pageable), budgets))
+    elif bound == "compute":
+        tries.append(("a device twice as fast (--tflops)", replace(rates, matmul=2 * rates.matmul), budgets))
+    tries.append(("twice the device memory (--gpu-memory)", rates,
+                  replace(budgets, device_memory=2 * budgets.device_memory)))
+    now = placement.predicted.total
+    lines = [f"what would change this plan (bound by {bound}, {now:.3f} s/step):"]
+    quiet = logging.getLogger("pyinfinity")  # the what-if plans' own INFO lines are not the user's plan
+    level = quiet.level
+    quiet.setLevel(max(level, logging.WARNING))
+    try:
+        for what, r, b in tries:
+            try:
+                _, p = resolve_auto(config_dict, sizes, budgets=b, rates=r, seq_len=args.seq_len,
+                                    checkpointing=args.checkpointing, fill_absent=True)
+            except ValueError as exc:
+                lines.append(f"  {what}: no plan ({exc})")
+                continue
+            t = p.predicted.total
+            lines.append(f"  {what}: {t:.3f} s/step ({now / t:.2f}x), then bound by {p.predicted.bottleneck}")
+    finally:
+        quiet.setLevel(level)
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pyinfinity.plan.rates import device_is_here
 
+    check_arguments(args)
     cfg_dict = template(args)
     cfg = load_config(json.loads(json.dumps(cfg_dict)))
     dev = _device(cfg, None)
@@ -133,13 +241,19 @@ def run(args: argparse.Namespace) -> int:
                           "(leave it auto, or pass --tflops)")
     if not here and args.measure:
         raise ConfigError(f"--measure: trains on {dev}, which is not on this machine")
-    sizes = sizes_from_config(args.model, args.dtype)
+    model = model_source(args)
+    sizes = sizes_from_config(model, args.dtype)
     tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
     m = sizes.hidden or 1024
     rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
                           aio=_aio_dict(cfg), matmul_shape=(min(tokens, 8192), m, m),
                           dtype=_compute_dtype(cfg) or __import__("torch").float32, link=args.link,
                           disk=args.disk, matmul=args.tflops * 1e12 if args.tflops else None)
+    if args.cpu_cores and rates.source.get("adam", "").startswith("probe"):
+        here_cores = _this_cpu_count()
+        rates.adam *= args.cpu_cores / here_cores
+        rates.source["adam"] = (f"probe on this machine's {here_cores} cores, scaled to --cpu-cores {args.cpu_cores} "
+                                "(linear: an estimate; a --rates file made on the target replaces it)")
     if not rates.shard_overhead:
         rates.shard_overhead, rates.shard_step_overhead = measure_engine_overhead(dev if here else "cpu")
         rates.source["shard_overhead"] = rates.source["shard_step_overhead"] = (
@@ -152,12 +266,13 @@ def run(args: argparse.Namespace) -> int:
         from pyinfinity.plan.sizes import _load_config_dict, parse_dtype
 
         compute_s, acts = measure_decoder_compute(
-            _load_config_dict(args.model), dev, cfg.train_micro_batch_size_per_gpu, args.seq_len,
+            _load_config_dict(model), dev, cfg.train_micro_batch_size_per_gpu, args.seq_len,
             parse_dtype(args.dtype), args.checkpointing)
         acts = acts or None
         print(f"calibrated: forward+backward {compute_s:.3f} s per micro-batch"
               + (f", activations {acts / 1e9:.2f} GB" if acts else ""), file=sys.stderr)
-    resolved, placement = resolve_auto(cfg_dict, sizes, rates=rates, seq_len=args.seq_len,
+    budgets = target_budgets(args, cfg, dev)
+    resolved, placement = resolve_auto(cfg_dict, sizes, budgets=budgets, rates=rates, seq_len=args.seq_len,
                                        checkpointing=args.checkpointing, fill_absent=True,
                                        compute_seconds=compute_s, activation_bytes=acts)
     if "buffer_size" not in (cfg_dict.get("zero_optimization", {}).get("offload_param") or {}):
@@ -169,6 +284,11 @@ def run(args: argparse.Namespace) -> int:
           f"accumulation{', checkpointing' if args.checkpointing else ''}; device {dev}")
     print(f"rates{'' if here else f' (planning for {dev}, which is not on this machine: nothing was run on it)'}:"
           f"\n{rates.describe_sources()}")
+    mine = [k for k, v in rates.source.items() if "this machine" in v]
+    if mine and not here:
+        print(f"  {', '.join(mine)}: this machine's, not the target's. For the target's own rates run there "
+              f"`pyinfinity plan {'--model CONFIG' if args.model else f'--model-size {args.model_size}'} "
+              "--nvme DIR --save-rates rates.json` and pass --rates rates.json here")
     print(placement.table())
     text = json.dumps(resolved, indent=2) + "\n"
     if args.out:
@@ -179,6 +299,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    # after the config: it ends the output a person reads (the config goes to -o or a pipe)
+    print("\n".join(what_would_change_it(cfg_dict, sizes, budgets, rates, placement, args)),
+          file=sys.stdout if args.out else sys.stderr)
     result: dict[str, Any] = {"placement": placement.to_json(), "rates": rates.to_json(), "config": resolved}
     if args.measure:
         result["measured"] = measure(resolved, args, placement.predicted.total, args.measure)
@@ -246,7 +369,7 @@ def measure(resolved: dict, args: argparse.Namespace, predicted: float, steps: i
     import pyinfinity
     from pyinfinity.plan.sizes import _load_config_dict
 
-    d = _load_config_dict(args.model)
+    d = _load_config_dict(model_source(args))
     hf = transformers.AutoConfig.for_model(d.get("model_type", "llama"),
                                            **{k: v for k, v in d.items() if k != "model_type"})
     hf.use_cache = False

@@ -14,26 +14,13 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli.finetune import add_finetune_arguments, run_finetune
+from pyinfinity.cli.train_args import PRESETS, add_arguments, check_arguments, engine_config, mean
 
 log = logging.getLogger(__name__)
 
 VOCAB = 260  # 256 byte values + BOS/EOS/PAD and one spare
 BOS, EOS = 256, 257
 
-# name -> (hidden, layers, heads, intermediate)
-PRESETS = {
-    "tiny": (128, 4, 4, 344),
-    "small": (256, 8, 8, 688),
-    "medium": (512, 12, 8, 1376),
-    "125m": (768, 12, 12, 2048),
-    "350m": (1024, 24, 16, 2816),
-    "1b": (2048, 16, 16, 5504),
-    "3b": (2560, 32, 32, 6912),
-    "5b": (4096, 24, 32, 11008),  # bf16 weights ~9.8 GB: more than an 8 GiB device budget
-    "7b": (4096, 32, 32, 11008),
-    "13b": (5120, 40, 40, 13824),
-}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -41,56 +28,6 @@ def add_parser(subparsers: Any) -> None:
                               description=__doc__)
     add_arguments(p)
     p.set_defaults(func=run)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-size", default="tiny", choices=sorted(PRESETS),
-                   help="preset (hidden, layers, heads, intermediate); --hidden/--layers override")
-    p.add_argument("--hidden", type=int, help="hidden size")
-    p.add_argument("--layers", type=int, help="decoder layers")
-    p.add_argument("--heads", type=int, help="attention heads")
-    p.add_argument("--intermediate", type=int, help="MLP intermediate size")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--seq", type=int, default=256, help="sequence length (bytes)")
-    p.add_argument("--batch", type=int, default=4, help="micro-batch size")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--clip", type=float, default=1.0, metavar="NORM",
-                   help="gradient clipping to this global norm (0: off, which lets the optimizer step "
-                        "overlap backward, pyinfinity.overlap_step)")
-    p.add_argument("--warmup", type=int, default=5, help="WarmupCosineLR warm-up steps")
-    p.add_argument("--offload", default="auto", choices=["none", "cpu", "nvme", "auto"],
-                   help="where parameters and optimizer states live (nvme needs --nvme)")
-    p.add_argument("--offload-optimizer", choices=["cpu", "nvme", "auto"],
-                   help="optimizer-state tier if different from --offload")
-    p.add_argument("--optimizer-nvme-ratio", type=float, default=1.0, metavar="R",
-                   help="with the optimizer on nvme: the fraction of its state on disk (the rest in RAM)")
-    p.add_argument("--optimizer-step", default="cpu", choices=["cpu", "device"],
-                   help="run the Adam step on the CPU, or stream the states to the device and step there")
-    p.add_argument("--nvme", action="append", metavar="DIR",
-                   help="swap directory (repeat to stripe over several drives)")
-    p.add_argument("--device", default="auto", help="compute device: cpu, cuda, cuda:N or auto")
-    p.add_argument("--gpu-memory", "--device-memory", dest="device_memory", default="auto",
-                   help="device memory budget, e.g. 8GiB (auto: measured)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU)")
-    p.add_argument("--checkpoint-activations", action="store_true", help="recompute activations in backward")
-    p.add_argument("--no-prefetch", action="store_true", help="fetch every shard on demand")
-    p.add_argument("--corpus-bytes", default="16MB", help="how much of the stdlib sources to read")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save", metavar="DIR", help="save a checkpoint there at the end (DIR/global_stepN, "
-                                                 "DIR/latest names the newest)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="with --save: also save a checkpoint every N optimizer steps")
-    p.add_argument("--resume", metavar="DIR",
-                   help="continue the run saved there (a --save directory, or one of its global_stepN): "
-                        "the step count, LR schedule, optimizer state and data position carry on; give the "
-                        "same flags as the first run")
-    p.add_argument("--export", metavar="DIR", help="export the trained weights (safetensors) there")
-    p.add_argument("--json", metavar="FILE", help="write the run's telemetry as JSON")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (it is off anyway when stderr is not a terminal, e.g. a log file)")
-    add_finetune_arguments(p)
 
 
 def stdlib_corpus(max_bytes: int) -> bytes:
@@ -156,43 +93,6 @@ def llama_config(args: argparse.Namespace) -> Any:
                        use_cache=False)
 
 
-def build_config(args: argparse.Namespace, device: str) -> dict:
-    opt_tier = args.offload_optimizer or ("cpu" if args.offload == "none" else args.offload)
-    nvme = args.nvme
-    if "nvme" in (args.offload, opt_tier) and not nvme:
-        raise SystemExit("--nvme: a swap directory is needed with --offload nvme")
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bf16" if device.startswith("cuda") else "fp32"
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": args.grad_accum,
-        "gradient_clipping": args.clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": max(args.steps, args.warmup),
-                                                           "warmup_num_steps": args.warmup,
-                                                           "warmup_type": "linear"}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": args.offload, "max_in_cpu": 0},
-            "offload_optimizer": {"device": opt_tier, "ratio": args.optimizer_nvme_ratio},
-            "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto",
-        },
-        "pyinfinity": {"device": device, "device_memory": args.device_memory, "prefetch": not args.no_prefetch,
-                       "log_every": max(1, args.steps // 10),
-                       "optimizer_step_device": args.optimizer_step},
-    }
-    if nvme:
-        cfg["zero_optimization"]["offload_param"]["nvme_path"] = nvme
-        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif dtype == "fp16":
-        cfg["fp16"] = {"enabled": True}
-    return cfg
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
@@ -201,23 +101,13 @@ def run(args: argparse.Namespace) -> int:
     import pyinfinity
     from pyinfinity.config import format_size, parse_size
 
-    from pyinfinity.cli.errors import UsageError, check_device_here
-
+    resume_dir, resume_tag = check_arguments(args)  # every flag, before anything is built or read
     if args.model or args.data:
-        return run_finetune(args)
+        from pyinfinity.cli.finetune import run_finetune
+
+        return run_finetune(args, (resume_dir, resume_tag))
     torch.manual_seed(args.seed)
-    device = check_device_here(args.device)  # cuda and auto with the GPU's index
-    for flag, value, low in (("--steps", args.steps, 1), ("--seq", args.seq, 1), ("--batch", args.batch, 1),
-                             ("--grad-accum", args.grad_accum, 1), ("--warmup", args.warmup, 0),
-                             ("--save-every", args.save_every, 0)):
-        if value < low:
-            raise UsageError(f"{flag}: {value} must be >= {low}")
-    if args.clip < 0:
-        raise UsageError(f"--clip: {args.clip} must be 0 (off) or positive")
-    if args.save_every and not args.save:
-        raise UsageError("--save-every: needs --save DIR (where to write the checkpoints)")
-    resume_dir, resume_tag = _checkpoint_location(args.resume) if args.resume else (None, None)
-    cfg = build_config(args, device)
+    cfg, device = engine_config(args)
     mcfg = llama_config(args)
     t0 = time.perf_counter()
     with pyinfinity.init_empty(cfg):
@@ -234,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pyinfinity.engine import retry_micro_batch
 
-    with pyinfinity.initialize(model, cfg) as engine, logging_redirect_tqdm():
+    with pyinfinity.initialize(model, cfg, seq_len=args.seq) as engine, logging_redirect_tqdm():
         engine.train()
         log.info("engine built in %.1fs", time.perf_counter() - t0)
         if resume_dir is not None:
@@ -278,9 +168,9 @@ def run(args: argparse.Namespace) -> int:
             "tokens_per_s": sum(r.tokens for r in steady) / max(1e-9, sum(r.seconds for r in steady)),
             "peak_device_bytes": max((r.peak_device_bytes for r in records), default=0),
             "peak_device_allocated": max((r.peak_device_allocated or 0 for r in records), default=0) or None,
-            "overlap_fraction": _mean([r.overlap_fraction for r in steady]),
-            "optimizer_seconds": _mean([r.optimizer_seconds for r in steady]),
-            "step_seconds": _mean([r.seconds for r in steady]),
+            "overlap_fraction": mean([r.overlap_fraction for r in steady]),
+            "optimizer_seconds": mean([r.optimizer_seconds for r in steady]),
+            "step_seconds": mean([r.seconds for r in steady]),
             "prefetch_hits": sum(r.prefetch_hits for r in records),
             "on_demand_fetches": sum(r.on_demand_fetches for r in records),
             "auto": {d.key: d.value for d in engine.auto_decisions},
@@ -292,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{summary['last_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s, peak device "
                   f"{format_size(summary['peak_device_allocated'] or summary['peak_device_bytes'])}, overlap "
                   f"{'n/a' if ov is None else f'{ov:.2f}'}")
+        moved = bytes_moved_line(steady)
+        if moved:
+            print(moved)
         print(report.table())
         if args.save:
             engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn, "flags": _run_flags(args)})
@@ -330,22 +223,17 @@ def _check_resume_flags(path: str, client: dict, args: argparse.Namespace) -> No
                          "the same flags (a new run: leave out --resume)")
 
 
-def _checkpoint_location(path: str) -> tuple[str, Optional[str]]:
-    """(save_dir, tag) of a --resume argument: a --save directory (its ``latest``) or one tag in it."""
-    from pyinfinity.cli.errors import UsageError
+def bytes_moved_line(records: list) -> str:
+    """Bytes moved per tier in one optimizer step (the mean over ``records``), one line; "" when
+    nothing moved (everything stayed on the device)."""
+    from pyinfinity.config import format_size
 
-    path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, "meta.json")):
-        return os.path.dirname(path), os.path.basename(path)
-    if os.path.isfile(os.path.join(path, "latest")):
-        return path, None
-    raise UsageError(f"--resume: {path} is not a checkpoint (expected a --save directory holding 'latest', or "
-                     "one of its global_stepN directories)")
-
-
-def _mean(xs: list) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
+    total: dict[str, int] = {}
+    for r in records:
+        for k, v in (r.bytes_moved or {}).items():
+            total[k] = total.get(k, 0) + int(v)
+    parts = [f"{k} {format_size(v / len(records))}" for k, v in sorted(total.items()) if v]
+    return f"bytes moved per step (mean of {len(records)}): " + ", ".join(parts) if parts else ""
 
 
 def main(argv: Optional[list[str]] = None) -> int:

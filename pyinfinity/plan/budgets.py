@@ -111,17 +111,14 @@ def cgroup_memory_left(root: str = "/sys/fs/cgroup") -> Optional[int]:
 
 
 def swap_dirs(paths: Sequence[str]) -> list[SwapDir]:
-    """Free space of each swap directory (created if missing; the nearest existing parent is
-    measured when it cannot be)."""
+    """Free space of each swap directory (of its nearest existing parent when it does not exist
+    yet: a plan never creates it; the engine does, with a warning)."""
     out = []
     for p in paths:
         p = os.path.abspath(os.path.expanduser(p))
         probe = p
-        try:
-            os.makedirs(p, exist_ok=True)
-        except OSError:
-            while probe and not os.path.exists(probe):
-                probe = os.path.dirname(probe)
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
         st = os.statvfs(probe or "/")
         out.append(SwapDir(path=p, free=st.f_bavail * st.f_frsize, fs_id=st.f_fsid))
     return out

@@ -322,7 +322,9 @@ class Placement:
                  f"{k.persistence_threshold:,} elements"
                  + (f", optimizer state {fmt(self.device_state_bytes)}" if self.device_state_bytes else "") + ")",
                  f"  host RAM {fmt(self.host_bytes)} of {fmt(self.host_memory)} (pinned pool {fmt(self.pinned_bytes)})",
-                 f"  swap {fmt(self.swap_bytes)}" + "".join(f"; {d}: {fmt(b)}" for d, b in self.swap_per_dir.items()),
+                 f"  swap: {fmt(self.swap_bytes)} of state on disk"
+                 + (f"; swap files up to {fmt(max(self.swap_per_dir.values()))} per directory (grown in steps): "
+                    + ", ".join(self.swap_per_dir) if self.swap_per_dir else ""),
                  f"  buffers: {k.param_buffer_count} parameter reads in flight of <= {fmt(k.param_buffer_size)}, "
                  f"{k.optimizer_buffer_count} optimizer staging buffers; optimizer steps on {self.optimizer_step_device}",
                  f"  predicted: {p.breakdown()}"]
@@ -559,7 +561,8 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                 violations.append(f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; "
                                   f"add {fmt(need - free)}, or a second path")
     if resident_bytes:
-        notes_resident = f"{fmt(resident_bytes)} of parameters stay on the device (pyinfinity.resident_bytes)"
+        notes_resident = (f"{fmt(resident_bytes)} of parameters stay on the device: the whole units that fit "
+                          f"pyinfinity.resident_bytes: {int(k.resident_bytes)} ({fmt(k.resident_bytes)})")
     pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
                    fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state,
                    device_stepped=dev_state_numel)

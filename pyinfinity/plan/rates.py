@@ -287,11 +287,19 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
 
     aio: the ``aio`` section to use (block_size, queue_depth, thread_count/intra_op_parallelism, backend).
     """
+    from pyinfinity.swap.ownership import make_swap_dir, remove_created_dirs
+
+    made = make_swap_dir(directory, warn=False)  # a swap directory not made yet: timed, then removed
+    try:
+        return _measure_disk(directory, nbytes, reps, aio or {})
+    finally:
+        remove_created_dirs(made)
+
+
+def _measure_disk(directory: str, nbytes: int, reps: int, aio: dict) -> tuple[float, float, float]:
     from pyinfinity.swap import SwapEngine
     from pyinfinity.swap.tensor_swapper import aligned_empty
 
-    aio = aio or {}
-    os.makedirs(directory, exist_ok=True)
     nbytes = disk_probe_size(directory, nbytes)
     path = os.path.join(directory, f".pyinfinity-rates-{os.getpid()}.bin")
     buf = aligned_empty(nbytes, torch.uint8)
@@ -463,17 +471,18 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
         aio = {**file_aio, **aio}
         source.update({k: f"file:{rates_file}" for k in given})
     vals: dict[str, float] = dict(given)
+    link_default, disk_default = link is None and not here, disk is None and not here  # not given: say so
     if not here:
         link = link or DEFAULT_LINK
         disk = disk or DEFAULT_DISK
     if link is not None:  # a named preset fills what the file does not give
         lp = _preset(LINK_PRESETS, link, "link")
-        how = f"preset {link} ({lp.note})" + ("" if here or link != DEFAULT_LINK else f"; default, pass --link")
+        how = f"preset {link} ({lp.note})" + ("; default, pass --link" if link_default else "")
         for k, v in (("h2d", lp.h2d), ("d2h", lp.d2h), ("h2d_pageable", lp.h2d_pageable)):
             if k not in vals:
                 vals[k], source[k] = v, how
     if disk is not None:
-        _set_disk_preset(vals, source, disk, "" if here or disk != DEFAULT_DISK else "; default, pass --disk")
+        _set_disk_preset(vals, source, disk, "; default, pass --disk" if disk_default else "")
     if matmul is not None and "matmul" not in vals:
         vals["matmul"], source["matmul"] = float(matmul), "given"
     if not here and "matmul" not in vals:

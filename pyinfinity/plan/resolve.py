@@ -284,7 +284,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
                               matmul_shape=(1024, m, m), dtype=_compute_dtype(c) or torch.float32, cache=True)
     fixed, owned = _fixed_from(c, None)
     train = _train_shape(c, seq_len, checkpointing)
-    if seq_len is None and not str(dev).startswith("cuda"):
+    if not str(dev).startswith("cuda"):
         # the CPU device: activations live in host RAM beside it, not in the device budget
         train.activation_bytes = 0
     try:

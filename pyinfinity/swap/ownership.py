@@ -254,6 +254,7 @@ class SwapOwnership:
         self.cleaned: list[str] = []  # stale files removed at start (for callers and tests)
         self._state = {"fds": self._lock_fds, "files": self._files, "dirs": self.dirs, "released": False,
                        "manifests": set(),  # dirs whose manifest is ours (never remove another's)
+                       "created": [],  # directories acquire() made (outermost first): removed at release
                        "pid": os.getpid()}  # a forked child never removes its parent's files
         self._finalizer = weakref.finalize(self, SwapOwnership._release, self._state)
         if self.dirs:
@@ -268,6 +269,8 @@ class SwapOwnership:
         not ours, and checks the free space ``plans`` need; releases everything on failure."""
         own = cls(dirs, plans)
         try:
+            for d in own.dirs:
+                own._state["created"] += make_swap_dir(d)
             for d in own.dirs:
                 own._lock_dir(d)
             for d in own.dirs:
@@ -525,6 +528,80 @@ class SwapOwnership:
             except OSError:
                 pass
         state["fds"].clear()
+        remove_created_dirs(state["created"])
+
+
+# ----------------------------------------------------------------------------------- directories
+
+
+def mount_of(path: str) -> tuple[str, str, str]:
+    """(mount point, filesystem type, source) of the filesystem ``path`` (or its nearest existing
+    parent) is on, from /proc/self/mounts; ("/", "unknown", "") when that cannot be read."""
+    probe = os.path.realpath(path)
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    best = ("/", "unknown", "")
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = probe == mnt or probe.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best[0]):
+                    best = (mnt, parts[2], parts[0])
+    except OSError:
+        pass
+    return best
+
+
+def make_swap_dir(path: str, warn: bool = True) -> list[str]:
+    """Creates the swap directory ``path`` and its missing parents, as DeepSpeed does, with a
+    warning naming the filesystem it landed on (a mistyped mount point otherwise fills the root
+    disk unnoticed). Returns the directories made, outermost first (nothing when it existed)."""
+    path = os.path.abspath(path)
+    missing = []
+    p = path
+    while p and not os.path.exists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    if not missing:
+        return []
+    made = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+                made.append(d)
+            except FileExistsError:
+                pass
+    except BaseException:
+        remove_created_dirs(made)
+        raise
+    if not warn:
+        return made
+    mnt, fstype, source = mount_of(path)
+    where = f"the filesystem mounted at {mnt} ({fstype}{', ' + source if source else ''})"
+    log.warning("swap directory %s did not exist: created it on %s%s; pyinfinity removes it at close",
+                path, where, " - the root filesystem, not a separate drive" if mnt == "/" else "")
+    return made
+
+
+def remove_created_dirs(made: Sequence[str]) -> None:
+    """Removes the directories ``make_swap_dir`` made (innermost first) when they are empty: what
+    another program put there since is kept, with the directory holding it."""
+    for d in reversed(list(made)):
+        try:
+            os.rmdir(d)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                log.warning("could not remove swap directory %s: %s", d, exc)
+            break
+    if isinstance(made, list):
+        made.clear()
 
 
 # ----------------------------------------------------------------------------------- SIGTERM
@@ -670,5 +747,5 @@ def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
     return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
 
 
-__all__ = ["SwapOwnership", "SpacePlan", "Owner", "CapacityError", "SwapDirBusyError", "SwapFileError",
+__all__ = ["make_swap_dir", "remove_created_dirs", "mount_of", "SwapOwnership", "SpacePlan", "Owner", "CapacityError", "SwapDirBusyError", "SwapFileError",
            "claim_swap_dirs", "clean_checkpoint_leftovers", "read_manifest", "LOCK_NAME", "MANIFEST_NAME", "MANIFEST_VERSION"]

@@ -27,6 +27,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+LARGE_TEMP_FILE = 1 << 20  # bytes: larger files a test leaves under pytest's temp root are removed after it
+
+
+def remove_large_files(root: str) -> None:
+    """Deletes the files over LARGE_TEMP_FILE under ``root`` (swap files, data files, images): pytest
+    keeps its last three temp roots, which would otherwise hold gigabytes. Small files (configs,
+    logs, JSON results) stay for a look after a failure."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                if os.lstat(path).st_size > LARGE_TEMP_FILE:
+                    os.unlink(path)
+            except OSError:
+                pass  # a read-only mount, a file gone meanwhile
+
+
+@pytest.fixture(autouse=True)
+def _drop_large_temp_files(request):
+    """After each test: its tmp_path's large files (see remove_large_files)."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if tmp is not None:
+        remove_large_files(str(tmp))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drop_large_session_files(tmp_path_factory):
+    """At the end of the session: what module- and session-scoped fixtures left (tmp_path_factory)."""
+    yield
+    remove_large_files(str(tmp_path_factory.getbasetemp()))
+
+
 def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
     """n random bytes (never zeros-only), reproducible."""
     g = torch.Generator().manual_seed(seed)

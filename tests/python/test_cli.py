@@ -133,3 +133,229 @@ def test_resume_with_other_data_or_schedule_flags_is_refused(tmp_path):
     assert last.startswith("pyinfinity train: error: --resume:"), last
     for flag in ("--seed 1", "--lr 0.002", "--batch 1", "--seq 16", "--grad-accum 2", "--warmup 1", "same flags"):
         assert flag in last, last
+
+
+# ------------------------------------------------------------------ what a new user meets first
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_TRAIN_MODEL = {"model_type": "llama", "vocab_size": 260, "hidden_size": 128, "intermediate_size": 344,
+                    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                    "max_position_embeddings": 2048, "tie_word_embeddings": False}
+
+
+def read(path: str) -> str:
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.python.pretrained_dirs import make_model_dir
+
+    return make_model_dir(str(tmp_path_factory.mktemp("cli-model") / "llama"))
+
+
+def test_a_missing_swap_directory_is_created_with_a_warning_and_removed_and_a_run_says_what_moved(tmp_path):
+    """A run creates a missing --nvme directory as DeepSpeed does, says on which filesystem, and
+    removes it at the end; a plan creates nothing; a run that fails after the engine is built
+    (a checkpoint it cannot read) removes it too. The summary has the bytes moved per tier."""
+    swap = tmp_path / "new" / "swap"
+    p = cli(*TRAIN, "--offload", "nvme", "--nvme", str(swap))
+    assert p.returncode == 0, p.stderr[-3000:]
+    warn = [line for line in p.stderr.splitlines() if "did not exist" in line]
+    assert len(warn) == 1 and str(swap) in warn[0] and "filesystem mounted at" in warn[0], p.stderr[-3000:]
+    assert not (tmp_path / "new").exists()
+    moved = [line for line in p.stdout.splitlines() if line.startswith("bytes moved per step")]
+    assert moved and "params.nvme.read" in moved[0] and "device.h2d" in moved[0], p.stdout
+    (tmp_path / "model.json").write_text(json.dumps(TINY_LLAMA))
+    p = cli("plan", "--model", str(tmp_path / "model.json"), "--device", "cpu", "--nvme", str(swap),
+            "-o", str(tmp_path / "plan.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not (tmp_path / "new").exists()
+    bad = tmp_path / "ck"  # looks like a checkpoint until it is read
+    (bad / "global_step1").mkdir(parents=True)
+    (bad / "latest").write_text("global_step1")
+    (bad / "global_step1" / "meta.json").write_text("{not json")
+    p = cli(*TRAIN, "--offload", "nvme", "--nvme", str(swap), "--resume", str(bad))
+    assert p.returncode != 0 and "engine built" in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "new").exists(), p.stderr[-3000:]
+
+
+def test_a_missing_model_directory_never_reaches_for_the_network(tmp_path):
+    (tmp_path / "data.txt").write_text("hello\n" * 100)
+    data = str(tmp_path / "data.txt")
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9"}  # were the Hub asked, the error would say so
+    for model in (str(tmp_path / "does_not_exist"), "meta-llama/Llama-2-7b-hf"):
+        p = cli("train", "--model", model, "--data", data, "--device", "cpu", env=env)
+        last = assert_one_line_user_error(p, "--model", model, "no such directory", "nothing is downloaded")
+        assert "Repo id" not in last and "127.0.0.1" not in p.stderr and "no usable tokenizer" not in last
+    (tmp_path / "empty").mkdir()
+    assert_one_line_user_error(cli("train", "--model", str(tmp_path / "empty"), "--data", data, env=env),
+                               "not a transformers model directory", "no config.json")
+
+
+def test_fine_tuning_flags_are_checked_before_anything_is_built(model_dir, tmp_path):
+    """--batch -1, a --resume folder that is not a checkpoint and binary --data on the
+    --model/--data path: one line each, by the flag's or the file's name, before the tokenizer
+    or the model is loaded."""
+    (tmp_path / "data.txt").write_text("some text to train on\n" * 200)
+    data = str(tmp_path / "data.txt")
+    base = ["train", "--model", model_dir, "--data", data, "--device", "cpu", "--seq", "16", "--steps", "1"]
+    for extra, needles in ((["--batch", "-1"], ("--batch", "-1", ">= 1")),
+                           (["--resume", str(tmp_path)], ("--resume", str(tmp_path), "not a checkpoint"))):
+        p = cli(*base, *extra)
+        assert_one_line_user_error(p, *needles)
+        assert "INFO" not in p.stderr, p.stderr  # nothing loaded, built or tokenised first
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(b"ok\n" + bytes([0x00, 0xff, 0xd3, 0xfe]) * 50)
+    last = assert_one_line_user_error(cli(*base[:4], str(binary), *base[5:]), str(binary), "not UTF-8",
+                                      "offset 4", "--data takes a UTF-8 text file or JSON lines")
+    assert "codec" not in last
+
+
+def test_train_accepts_the_config_plan_writes_and_the_flags_given_override_it(tmp_path):
+    (tmp_path / "model.json").write_text(json.dumps(TINY_TRAIN_MODEL))
+    cfg = tmp_path / "plan.json"
+    p = cli("plan", "--model", str(tmp_path / "model.json"), "--device", "cpu", "--micro-batch", "3",
+            "--seq-len", "32", "--cpu-memory", "3GiB", "-o", str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    planned = json.loads(cfg.read_text())
+    p = cli("train", "--config", str(cfg), "--model-size", "tiny", "--steps", "1", "--seq", "32", "--corpus-bytes",
+            "64KB", "--lr", "1e-3", "--json", str(tmp_path / "run.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    used = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert used["train_micro_batch_size_per_gpu"] == 3  # the plan's, no --batch given
+    assert used["optimizer"]["params"]["lr"] == 1e-3  # the flag's
+    assert used["pyinfinity"]["host_memory"] == planned["pyinfinity"]["host_memory"]  # the plan's budget
+    assert used["zero_optimization"]["offload_param"] == planned["zero_optimization"]["offload_param"]
+    p = cli("train", "--config", str(cfg), "--model-size", "tiny", "--steps", "1", "--seq", "32", "--corpus-bytes",
+            "64KB", "--batch", "2", "--json", str(tmp_path / "run2.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "run2.json").read_text())["config"]["train_micro_batch_size_per_gpu"] == 2
+    (tmp_path / "bad.json").write_text("{")
+    assert_one_line_user_error(cli("train", "--config", str(tmp_path / "bad.json")), "--config", "not valid JSON")
+
+
+def test_v_works_anywhere_on_the_line(tmp_path):
+    p = cli(*TRAIN[:-2], "--batch", "-4", "-v")
+    assert p.returncode == 2 and "Traceback" in p.stderr and "--batch" in p.stderr.splitlines()[-1], p.stderr
+    p = cli("plan", "--model-size", "7b", "--micro-batch", "0", "--device", "cpu", "-v")
+    assert p.returncode == 2 and "Traceback" in p.stderr and "--micro-batch" in p.stderr.splitlines()[-1], p.stderr
+
+
+def test_plan_model_size_presets_are_the_benchmarks_table_with_30b_and_70b():
+    from pyinfinity.bench.train import SIZES
+
+    assert SIZES["30b"] == {**SIZES["7b"], "hidden_size": 6656, "intermediate_size": 17920, "num_hidden_layers": 60,
+                            "num_attention_heads": 52, "num_key_value_heads": 52}
+    assert SIZES["70b"] == {**SIZES["7b"], "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                            "num_attention_heads": 64, "num_key_value_heads": 8}
+    assert all(SIZES[s]["vocab_size"] == 32000 for s in ("1.1b", "7b", "10b", "13b", "30b", "70b"))
+    h = cli("plan", "--help")
+    assert h.returncode == 0 and "--model-size" in h.stdout and "bench train" in " ".join(h.stdout.split())
+    p = cli("plan", "--model-size", "70b", "--gpu-memory", "80GiB", "--cpu-memory", "2TiB", "--tflops", "400")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "68,976,648,192 parameters" in p.stdout  # Llama-2-70B's count
+
+
+def test_plan_for_a_target_machine_and_what_would_change_it(tmp_path):
+    """--nvme-free and --cpu-cores describe the target; the rates that are this machine's are
+    named with how to make the target's file; a flag given is not called a default; the plan
+    ends with the bounding resource doubled; the notes agree with the config written."""
+    out = tmp_path / "cfg.json"
+    args = ["plan", "--model-size", "7b", "--gpu-memory", "8GiB", "--cpu-memory", "64GiB", "--link", "pcie4x16",
+            "--nvme", str(tmp_path / "target-swap"), "--cpu-cores", "32", "-o", str(out)]
+    p = cli(*args, "--nvme-free", "2TB")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not (tmp_path / "target-swap").exists()
+    cfg = json.loads(out.read_text())
+    assert cfg["pyinfinity"]["optimizer_threads"] == 32
+    rates = {line.split()[0]: line for line in p.stdout.splitlines() if line.startswith("  ")}
+    assert "scaled to --cpu-cores 32" in rates["adam"]
+    assert "default" not in rates["h2d"] and "pcie4x16" in rates["h2d"]  # it was given
+    assert "default, pass --disk" in rates["disk_read"]  # it was not
+    assert "this machine's, not the target's" in p.stdout and "--save-rates" in p.stdout
+    tail = p.stdout[p.stdout.index("what would change this plan"):].splitlines()
+    assert "bound by disk" in tail[0] and "a second swap drive" in tail[1] and "s/step" in tail[1], tail
+    assert 2 <= len(tail) <= 5
+    res = [line for line in p.stdout.splitlines() if "stay on the device" in line]
+    assert res and f"pyinfinity.resident_bytes: {cfg['pyinfinity']['resident_bytes']} (" in res[0], res
+    assert "  swap: " in p.stdout and "of state on disk" in p.stdout
+    small = cli(*args, "--nvme-free", "1GB")  # the target's disk, not this machine's
+    assert_one_line_user_error(small, "swap", "free")
+    assert_one_line_user_error(cli("plan", "--model-size", "7b", "--nvme-free", "1TB"), "--nvme-free", "--nvme")
+
+
+def test_the_run_plans_at_its_sequence_length():
+    p = cli(*TRAIN)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "pyinfinity.plan.placement: plan:" in p.stderr, p.stderr[-3000:]  # it did plan
+    assert "sequence length unknown" not in p.stderr, p.stderr[-3000:]
+
+
+def test_version_and_report_without_a_gpu():
+    import pyinfinity
+
+    v = cli("--version")
+    assert v.returncode == 0 and v.stdout.strip() == f"pyinfinity {pyinfinity.__version__}"
+    if torch.cuda.is_available() or os.path.exists("/proc/driver/nvidia/version"):
+        pytest.skip("needs a machine without an NVIDIA driver")
+    r = cli("report")
+    gpu = [line for line in r.stdout.splitlines() if "] GPUs" in line]
+    assert gpu and "no NVIDIA driver / no GPU" in gpu[0] and "cudaError" not in gpu[0], r.stdout
+
+
+def test_train_and_finetune_share_one_module_of_helpers():
+    import ast
+
+    def imports(path: str) -> set[str]:
+        tree = ast.parse(read(path))
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+    assert "pyinfinity.cli.train" not in imports("pyinfinity/cli/finetune.py")
+    assert "pyinfinity.cli.train_args" in imports("pyinfinity/cli/finetune.py")
+    assert "pyinfinity.cli.train_args" in imports("pyinfinity/cli/train.py")
+    assert not {"pyinfinity.cli.train", "pyinfinity.cli.finetune"} & imports("pyinfinity/cli/train_args.py")
+
+
+def test_the_suite_leaves_no_large_files_and_prints_skip_reasons(tmp_path):
+    """The conftest removes the large files a test leaves in its tmp_path (pytest keeps three temp
+    roots); `make test` prints why tests were skipped."""
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    (inner / "test_big.py").write_text(
+        "def test_big(tmp_path):\n"
+        "    (tmp_path / 'big.bin').write_bytes(b'x' * (4 << 20))\n"
+        "    (tmp_path / 'small.json').write_text('{}')\n"
+        f"    open({str(tmp_path / 'where')!r}, 'w').write(str(tmp_path))\n")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.python.conftest",
+                        "--basetemp", str(tmp_path / "bt"), "--rootdir", str(inner), str(inner / "test_big.py")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    left = (tmp_path / "where").read_text()
+    assert os.listdir(left) == ["small.json"]
+    line = next(line for line in read("Makefile").splitlines() if "-m pytest" in line and "tests/python" in line)
+    assert "-rs" in line.split()
+
+
+def test_readme_says_how_to_reach_the_command_and_its_example_runs_without_a_guess():
+    """After `make train` the README says to activate .venv (or call .venv/bin/pyinfinity, the
+    entry point pyproject.toml installs); its Python example defines `loader` before using it and
+    says how it runs on a CPU."""
+    import ast
+    import re
+
+    readme = read("README.md")
+    assert "source .venv/bin/activate" in readme and ".venv/bin/pyinfinity " in readme
+    assert re.search(r'^pyinfinity = "pyinfinity\.cli:main"$', read("pyproject.toml"), re.M)
+    example = readme[readme.index("## Training with offload"):]
+    code = example[example.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    names = [(n.lineno, type(n.ctx).__name__) for n in ast.walk(ast.parse(code))
+             if isinstance(n, ast.Name) and n.id == "loader"]
+    stores = [line for line, ctx in names if ctx == "Store"]
+    assert stores and min(stores) < min(line for line, ctx in names if ctx == "Load"), names
+    assert re.search(r'"pyinfinity": \{"device": "auto"', code) and '"cpu"' in code
+    prose = example[:example.index("### Fine-tuning")]
+    assert "runs the same\ncode on the CPU" in prose or "on the CPU" in prose.split("```")[-1]
+    assert "bytes moved per tier in a step" in " ".join(readme.split())  # the train summary prints them

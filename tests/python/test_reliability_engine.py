@@ -33,7 +33,8 @@ def _train(eng, batches):
 
 
 def _listing(d) -> list[str]:
-    return sorted(os.listdir(d))
+    """What is in ``d``; a directory the engine created and removed at close holds nothing."""
+    return sorted(os.listdir(d)) if os.path.exists(d) else []
 
 
 def _bytes(text: str) -> float:
@@ -301,14 +302,29 @@ def test_swap_directory_removed_under_a_running_engine_is_warned_and_training_go
 # ----------------------------------------------------------------------------------- bad paths, budgets
 
 
-def test_missing_swap_path_is_created_and_removed_files_only(tiny_lm, lm_batches, engine_config, tmp_path):
+def test_missing_swap_path_is_created_with_a_warning_naming_its_filesystem_and_removed(
+        tiny_lm, lm_batches, engine_config, tmp_path, caplog):
+    """As DeepSpeed, a missing nvme_path is created (with its parents); unlike it, the warning
+    says which filesystem it landed on, and close removes what the engine created, unless
+    someone else has put a file there since."""
+    from pyinfinity.swap.ownership import mount_of
+
     cfg = engine_config("nvme")
     deep = str(tmp_path / "a" / "b" / "swap")
     for sec in ("offload_param", "offload_optimizer"):
         cfg["zero_optimization"][sec]["nvme_path"] = deep
+    with caplog.at_level(logging.WARNING, logger="pyinfinity"):
+        with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+            assert os.path.isdir(deep)
+            _train(eng, lm_batches(1))
+    msg = [r.getMessage() for r in caplog.records if "did not exist" in r.getMessage()]
+    assert len(msg) == 1 and deep in msg[0] and f"mounted at {mount_of(deep)[0]} " in msg[0], msg
+    assert not os.path.exists(tmp_path / "a") and os.path.isdir(tmp_path)
     with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+        with open(tmp_path / "a" / "theirs.txt", "w") as f:
+            f.write("kept")
         _train(eng, lm_batches(1))
-    assert os.path.isdir(deep) and _listing(deep) == []
+    assert _listing(tmp_path / "a") == ["theirs.txt"]  # only the empty directories it made are removed
 
 
 @pytest.mark.parametrize("kind", ["not_a_directory", "read_only"])

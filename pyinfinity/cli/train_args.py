@@ -1,0 +1,306 @@
+"""The `train` command's flags, their checks and the engine config they make: one module that both
+runs of `pyinfinity train` use (the built-in corpus, ``train.py``; a model directory and your data,
+``finetune.py``), so neither imports the other's helpers.
+
+Every mistake a flag can hold is found here, before a model is built or a file is read: a bad
+number by its flag's name, a ``--model`` that is not a local model directory (nothing is ever
+downloaded), a ``--resume`` that is not a checkpoint, a ``--config`` that is not JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+from typing import Any, Optional
+
+from pyinfinity.cli.errors import UsageError
+
+# name -> (hidden, layers, heads, intermediate)
+PRESETS = {
+    "tiny": (128, 4, 4, 344),
+    "small": (256, 8, 8, 688),
+    "medium": (512, 12, 8, 1376),
+    "125m": (768, 12, 12, 2048),
+    "350m": (1024, 24, 16, 2816),
+    "1b": (2048, 16, 16, 5504),
+    "3b": (2560, 32, 32, 6912),
+    "5b": (4096, 24, 32, 11008),  # bf16 weights ~9.8 GB: more than an 8 GiB device budget
+    "7b": (4096, 32, 32, 11008),
+    "13b": (5120, 40, 40, 13824),
+}
+
+# flags whose default is applied after parsing, so that a flag given on the command line can be
+# told from one left out (with --config, only the given ones override the file)
+DEFAULTS: dict[str, Any] = {"steps": 20, "batch": 4, "grad_accum": 1, "lr": 3e-4, "clip": 1.0, "warmup": 5,
+                            "offload": "auto", "optimizer_nvme_ratio": 1.0, "optimizer_step": "cpu",
+                            "device": "auto", "device_memory": "auto", "dtype": "auto"}
+
+# flag dest -> the config keys it sets (dotted); --config's file keeps the rest
+FLAG_KEYS: dict[str, tuple[str, ...]] = {
+    "batch": ("train_micro_batch_size_per_gpu",),
+    "grad_accum": ("gradient_accumulation_steps",),
+    "lr": ("optimizer.params.lr",),
+    "clip": ("gradient_clipping",),
+    "steps": ("scheduler",),
+    "warmup": ("scheduler",),
+    "offload": ("zero_optimization.offload_param.device", "zero_optimization.offload_param.max_in_cpu"),
+    "offload_optimizer": ("zero_optimization.offload_optimizer.device",),
+    "optimizer_nvme_ratio": ("zero_optimization.offload_optimizer.ratio",),
+    "optimizer_step": ("pyinfinity.optimizer_step_device",),
+    "nvme": ("zero_optimization.offload_param.nvme_path", "zero_optimization.offload_optimizer.nvme_path"),
+    "device_memory": ("pyinfinity.device_memory",),
+    "dtype": ("bf16", "fp16"),
+    "no_prefetch": ("pyinfinity.prefetch",),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every `pyinfinity train` flag (both runs)."""
+    p.add_argument("--config", metavar="FILE",
+                   help="a DeepSpeed-format config to train with, e.g. the one `pyinfinity plan -o FILE` writes; "
+                        "the flags given on the command line override its values")
+    p.add_argument("--model-size", default="tiny", choices=sorted(PRESETS),
+                   help="preset (hidden, layers, heads, intermediate); --hidden/--layers override")
+    p.add_argument("--hidden", type=int, help="hidden size")
+    p.add_argument("--layers", type=int, help="decoder layers")
+    p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--intermediate", type=int, help="MLP intermediate size")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 20)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length (bytes, or tokens with --model; default 256)")
+    p.add_argument("--batch", type=int, help="micro-batch size (default 4)")
+    p.add_argument("--grad-accum", type=int, help="gradient accumulation steps (default 1)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-4)")
+    p.add_argument("--clip", type=float, metavar="NORM",
+                   help="gradient clipping to this global norm (default 1.0; 0: off, which lets the optimizer step "
+                        "overlap backward, pyinfinity.overlap_step)")
+    p.add_argument("--warmup", type=int, help="WarmupCosineLR warm-up steps (default 5)")
+    p.add_argument("--offload", choices=["none", "cpu", "nvme", "auto"],
+                   help="where parameters and optimizer states live (default auto; nvme needs --nvme)")
+    p.add_argument("--offload-optimizer", choices=["cpu", "nvme", "auto"],
+                   help="optimizer-state tier if different from --offload")
+    p.add_argument("--optimizer-nvme-ratio", type=float, metavar="R",
+                   help="with the optimizer on nvme: the fraction of its state on disk, the rest in RAM (default 1)")
+    p.add_argument("--optimizer-step", choices=["cpu", "device"],
+                   help="run the Adam step on the CPU (default), or stream the states to the device and step there")
+    p.add_argument("--nvme", action="append", metavar="DIR",
+                   help="swap directory (repeat to stripe over several drives); created if missing, with a "
+                        "warning naming its filesystem, and removed at the end")
+    p.add_argument("--device", help="compute device: cpu, cuda, cuda:N or auto (default: cuda when present)")
+    p.add_argument("--gpu-memory", "--device-memory", dest="device_memory",
+                   help="device memory budget, e.g. 8GiB (default auto: measured)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="compute dtype (default auto: bf16 on a GPU, fp32 on the CPU)")
+    p.add_argument("--checkpoint-activations", action="store_true", help="recompute activations in backward")
+    p.add_argument("--no-prefetch", action="store_true", help="fetch every shard on demand")
+    p.add_argument("--corpus-bytes", default="16MB", help="how much of the stdlib sources to read")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint there at the end (DIR/global_stepN, "
+                                                 "DIR/latest names the newest)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="with --save: also save a checkpoint every N optimizer steps")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the run saved there (a --save directory, or one of its global_stepN): "
+                        "the step count, LR schedule, optimizer state and data position carry on; give the "
+                        "same flags as the first run")
+    p.add_argument("--export", metavar="DIR", help="export the trained weights (safetensors) there")
+    p.add_argument("--json", metavar="FILE", help="write the run's telemetry as JSON")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is off anyway when stderr is not a terminal, e.g. a log file)")
+    g = p.add_argument_group("fine-tuning a pretrained model on your data")
+    g.add_argument("--model", metavar="DIR",
+                   help="a local transformers model directory (config.json, safetensors, tokenizer files) to start "
+                        "from; nothing is downloaded")
+    g.add_argument("--data", metavar="FILE", help="UTF-8 text file, or JSON lines (.jsonl) with a text field, to "
+                                                  "train on")
+    g.add_argument("--data-field", default="text", metavar="F", help="the JSON-lines field that holds the text")
+    g.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="eval loss on the held-out blocks every N optimizer steps (0: at the end only)")
+    g.add_argument("--eval-fraction", type=float, default=0.05, metavar="R",
+                   help="share of the data's blocks held out for the eval loss")
+    g.add_argument("--model-dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="dtype the model is built and exported in (auto: config.json's torch_dtype, as transformers' "
+                        "dtype='auto'); the optimizer keeps fp32 masters either way")
+    g.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after N optimizer steps of this run (the schedule still spans --steps; with --save, "
+                        "a later --resume continues)")
+
+
+def apply_defaults(args: argparse.Namespace) -> None:
+    """Fills the flags left out with their defaults; ``args.given`` names the ones given."""
+    if getattr(args, "given", None) is not None:
+        return
+    args.given = {k for k in DEFAULTS if getattr(args, k, None) is not None}
+    args.given |= {k for k in ("offload_optimizer", "nvme") if getattr(args, k, None)}
+    if getattr(args, "no_prefetch", False):
+        args.given.add("no_prefetch")
+    for k, v in DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[str]]:
+    """Every flag checked before anything is built or read; returns --resume's (save_dir, tag)."""
+    apply_defaults(args)
+    for flag, value, low in (("--steps", args.steps, 1), ("--seq", args.seq, 1), ("--batch", args.batch, 1),
+                             ("--grad-accum", args.grad_accum, 1), ("--warmup", args.warmup, 0),
+                             ("--save-every", args.save_every, 0), ("--eval-every", args.eval_every, 0)):
+        if value < low:
+            raise UsageError(f"{flag}: {value} must be >= {low}")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise UsageError(f"--stop-after: {args.stop_after} must be >= 1")
+    if args.clip < 0:
+        raise UsageError(f"--clip: {args.clip} must be 0 (off) or positive")
+    if not 0 <= args.eval_fraction < 1:
+        raise UsageError(f"--eval-fraction: {args.eval_fraction} must be in [0, 1)")
+    if args.save_every and not args.save:
+        raise UsageError("--save-every: needs --save DIR (where to write the checkpoints)")
+    if bool(args.model) != bool(args.data):
+        raise UsageError("--model and --data go together: a model directory to start from and the data to train on")
+    if args.model:
+        check_model_dir(args.model)
+        if not os.path.isfile(args.data):
+            raise UsageError(f"--data: {args.data}: no such file")
+    if args.config and not os.path.isfile(args.config):
+        raise UsageError(f"--config: {args.config}: no such file")
+    return checkpoint_location(args.resume) if args.resume else (None, None)
+
+
+def check_model_dir(path: str) -> None:
+    """UsageError unless ``path`` is a local transformers model directory (no network, ever)."""
+    if not os.path.isdir(path):
+        what = "is a file" if os.path.exists(path) else "no such directory"
+        raise UsageError(f"--model: {path}: {what} (a local transformers model directory with config.json, "
+                         "safetensors and tokenizer files is needed; nothing is downloaded: fetch a Hub model "
+                         "first, e.g. `huggingface-cli download REPO --local-dir DIR`)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--model: {path} is not a transformers model directory: no config.json (save one with "
+                         "model.save_pretrained(DIR))")
+
+
+def checkpoint_location(path: str) -> tuple[str, Optional[str]]:
+    """(save_dir, tag) of a --resume argument: a --save directory (its ``latest``) or one tag in it."""
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return os.path.dirname(path), os.path.basename(path)
+    if os.path.isfile(os.path.join(path, "latest")):
+        return path, None
+    raise UsageError(f"--resume: {path} is not a checkpoint (expected a --save directory holding 'latest', or "
+                     "one of its global_stepN directories)")
+
+
+def resolve_device(spec: str) -> str:
+    """The device ``spec`` names on this machine: ``auto`` and ``cuda`` become the GPU with its
+    index (``LOCAL_RANK`` under torchrun), ``auto`` the CPU without one; a device this machine
+    lacks is refused."""
+    from pyinfinity.cli.errors import check_device_here
+
+    return check_device_here(spec)
+
+
+def build_config(args: argparse.Namespace, device: str) -> dict:
+    """The engine config the flags describe (DeepSpeed format)."""
+    apply_defaults(args)
+    opt_tier = args.offload_optimizer or ("cpu" if args.offload == "none" else args.offload)
+    nvme = args.nvme
+    if "nvme" in (args.offload, opt_tier) and not nvme:
+        raise UsageError("--nvme: a swap directory is needed with --offload nvme")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "gradient_clipping": args.clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": max(args.steps, args.warmup),
+                                                           "warmup_num_steps": args.warmup,
+                                                           "warmup_type": "linear"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": args.offload, "max_in_cpu": 0},
+            "offload_optimizer": {"device": opt_tier, "ratio": args.optimizer_nvme_ratio},
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+        "pyinfinity": {"device": device, "device_memory": args.device_memory, "prefetch": not args.no_prefetch,
+                       "log_every": max(1, args.steps // 10),
+                       "optimizer_step_device": args.optimizer_step},
+    }
+    if nvme:
+        cfg["zero_optimization"]["offload_param"]["nvme_path"] = nvme
+        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True}
+    return cfg
+
+
+def _get(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _put(d: dict, dotted: str, value: Any) -> None:
+    *head, last = dotted.split(".")
+    for part in head:
+        d = d.setdefault(part, {})
+    if value is None:
+        d.pop(last, None)
+    else:
+        d[last] = copy.deepcopy(value)
+
+
+def read_config_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--config: {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(cfg, dict):
+        raise UsageError(f"--config: {path}: a JSON object (a DeepSpeed-format config) is needed")
+    return cfg
+
+
+def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
+    """(the engine config, the compute device) of a run: the flags' config, or with --config the
+    file's, the flags given on the command line overriding it. ``args.batch`` and
+    ``args.grad_accum`` follow the result (the data is drawn to its micro-batch)."""
+    apply_defaults(args)
+    if not args.config:
+        device = resolve_device(args.device)
+        return build_config(args, device), device
+    file_cfg = read_config_file(args.config)
+    spec = args.device if "device" in args.given else (_get(file_cfg, "pyinfinity.device") or "auto")
+    device = resolve_device(str(spec))
+    flag_cfg = build_config(args, device)
+    cfg = copy.deepcopy(file_cfg)
+    given = set(args.given)
+    if "offload" in given and "offload_optimizer" not in given:
+        given.add("offload_optimizer")  # --offload places both, as without --config
+    if "scheduler" not in cfg:
+        given.add("steps")
+    for dest in given:
+        for key in FLAG_KEYS.get(dest, ()):
+            _put(cfg, key, _get(flag_cfg, key))
+    if given & {"batch", "grad_accum"}:
+        cfg.pop("train_batch_size", None)
+    _put(cfg, "pyinfinity.device", device)
+    if _get(cfg, "pyinfinity.log_every") is None:
+        _put(cfg, "pyinfinity.log_every", _get(flag_cfg, "pyinfinity.log_every"))
+    gas = int(cfg.get("gradient_accumulation_steps") or 1)
+    if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" in cfg:
+        cfg["train_micro_batch_size_per_gpu"] = max(1, int(cfg["train_batch_size"]) // gas)
+    args.batch = int(cfg.get("train_micro_batch_size_per_gpu") or args.batch)
+    args.grad_accum = gas
+    return cfg, device
+
+
+def mean(xs: list) -> Optional[float]:
+    """The mean of the values that are not None (None when there are none)."""
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
