@@ -14,6 +14,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     echo "bootstrap: using the installed torch ($("$PYTHON" -c 'import torch; print(torch.__version__)'))"
     "$PYTHON" -m venv --system-site-packages "$VENV"
+    # --system-site-packages reaches the base interpreter's packages only: where PYTHON is itself a
+    # virtual environment (as on many GPU images), its own site-packages are added by a .pth file
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PYTHON" -c 'import site, sys; print("\n".join(p for p in site.getsitepackages() if p.startswith(sys.prefix)))' \
+      > "$site/_bootstrap_parent_site.pth"
   else
     "$PYTHON" -m venv "$VENV"
   fi

@@ -75,3 +75,22 @@ def test_make_train_uses_the_gpu_when_the_venv_sees_one(tmp_path):
     assert 2 * params > parse_size("1GiB", "budget")
     # TRAIN_ARGS given on the command line wins on either machine
     assert "--steps 3" in train_command(fake_venv(tmp_path / "x", gpu=True), "TRAIN_ARGS=--steps 3")
+
+
+def test_bootstrap_from_a_virtual_environment_uses_its_torch(tmp_path):
+    """A GPU image's python3 is often itself a virtual environment holding torch: the venv the
+    README's commands make from it must import that torch (--system-site-packages alone reaches
+    only the base interpreter's packages) and install nothing (such a machine may be offline)."""
+    import sys
+
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the test runs under a virtual environment's python (the project's .venv)")
+    venv = tmp_path / "v"
+    env = {**os.environ, "PIP_NO_INDEX": "1"}  # any install attempt fails instead of reaching the network
+    p = subprocess.run(["bash", os.path.join(ROOT, ".ci", "bootstrap.sh"), sys.executable, str(venv)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "installing" not in p.stdout, p.stdout
+    q = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, sys; print(torch.__file__)"],
+                       capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0 and q.stdout.startswith(sys.prefix), q.stdout + q.stderr
