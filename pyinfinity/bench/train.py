@@ -789,8 +789,8 @@ def ratio_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
     out = []
     accum = sorted({int(r.get("grad_accum") or 1) for r in runs})
     if accum != [1]:
-        out.append("s/step and tokens/s are per optimizer step (grad-accum "
-                   + ", ".join(str(a) for a in accum) + " micro-batches); ratios compare runs of one invocation")
+        out.append("s/step and tokens/s are per optimizer step (micro-batches a step in these runs: "
+                   + ", ".join(str(a) for a in accum) + "); ratios compare runs of one invocation")
     for r in runs:
         if below_bound(r):
             b = r["bound"]

@@ -472,7 +472,7 @@ def test_tokens_per_step_count_every_micro_batch(monkeypatch, tmp_path):
         assert r["tokens_per_s"] == pytest.approx(4 * 64 / r["step_seconds"])
     one = bt.size_facts(bt.model_fields("tiny", 32), "fp32", 2, 32, True)["flops_per_step"]
     assert data["runs"][0]["flops_per_step"] == pytest.approx(4 * one)
-    assert "per optimizer step (grad-accum 4 micro-batches)" in bt.report(data)
+    assert "per optimizer step (micro-batches a step in these runs: 4)" in bt.report(data)
 
 
 def test_torch_accumulates_over_micro_batches_as_one_big_batch():
