@@ -519,6 +519,15 @@ class Engine:
         if why is not None:
             raise PlanError(why)
 
+    def _state_to_host(self, sh: FlatShard) -> int:
+        """Moves one shard's optimizer state from the device to its host home (it is stepped on
+        the CPU from now on); returns the device bytes freed."""
+        n = self.optimizer.to_host(sh, self._homes.write_home)
+        self.coordinator.budget.sub(n)
+        self.coordinator.budget.fixed -= n
+        self.device_state_bytes -= n
+        return n
+
     def _give_up(self, need: int, prefetch: bool = True) -> list[str]:
         """Frees at least ``need`` device bytes of the placement if it can: the prefetch it used
         (with ``prefetch``), then the optimizer state on the device (from the back: the units
@@ -542,10 +551,7 @@ class Engine:
             if need <= 0:
                 break
             if sh.device_step:
-                n = self.optimizer.to_host(sh, self._homes.write_home)
-                coord.budget.sub(n)
-                coord.budget.fixed -= n
-                self.device_state_bytes -= n
+                n = self._state_to_host(sh)
                 need -= n
                 freed += n
                 units += 1
@@ -559,11 +565,7 @@ class Engine:
             if need <= 0:
                 break
             if sh.device_step:
-                n = self.optimizer.to_host(sh, self._homes.write_home)
-                coord.budget.sub(n)
-                coord.budget.fixed -= n
-                self.device_state_bytes -= n
-                need -= n
+                need -= self._state_to_host(sh)
             n = coord.give_up_resident(sh)
             self._resident_units.remove(sh)
             self.resident_bytes -= n
