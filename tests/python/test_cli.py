@@ -264,7 +264,7 @@ def test_plan_for_a_target_machine_and_what_would_change_it(tmp_path):
     ends with the bounding resource doubled; the notes agree with the config written."""
     out = tmp_path / "cfg.json"
     args = ["plan", "--model-size", "7b", "--gpu-memory", "8GiB", "--cpu-memory", "64GiB", "--link", "pcie4x16",
-            "--nvme", str(tmp_path / "target-swap"), "--cpu-cores", "32", "-o", str(out)]
+            "--checkpointing", "--nvme", str(tmp_path / "target-swap"), "--cpu-cores", "32", "-o", str(out)]
     p = cli(*args, "--nvme-free", "2TB")
     assert p.returncode == 0, p.stderr[-3000:]
     assert not (tmp_path / "target-swap").exists()
