@@ -93,7 +93,7 @@ def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> Train
         overlap = "on" if ov is True else "auto"
     return TrainShape(micro_batch=int(cfg.train_micro_batch_size_per_gpu), seq_len=int(seq_len or DEFAULT_SEQ_LEN),
                       grad_accum=int(cfg.gradient_accumulation_steps), checkpointing=checkpointing,
-                      overlap_step=overlap)
+                      overlap_step=overlap, norm_first=cfg.gradient_clipping > 0 or cfg.fp16.enabled)
 
 
 def _compute_dtype(cfg: Any) -> Optional[torch.dtype]:

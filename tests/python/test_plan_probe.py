@@ -3,6 +3,8 @@ buffer with the engine's optimizer thread count; and the optimizer term charges 
 engine makes for a placement (no cast pass when the kernel writes the bf16 home in RAM itself)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -80,3 +82,29 @@ def test_the_fine_tunes_optimizer_term_is_one_kernel_pass():
     # another dtype of the home (fp32 here) adds the cast pass from the master
     p32 = evaluate(llama_sizes(LLAMA_7B, torch.float32), train, budgets, rates, knobs)
     assert p32.predicted.optimizer > n / rates.adam
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_step_that_waits_for_the_norm_hides_behind_the_next_forward_only(clip):
+    """With clipping (``pyinfinity train``'s default) no unit steps before the global norm, known at
+    the end of the backward: the overlapped step runs behind the next forward, which waits for
+    each unit's new values, so only the forward's share of a micro-batch hides it (the fine-tune's
+    "waits for new values" were most of its optimizer time). Without clipping units step as their
+    gradients land and the backward's share hides it."""
+    from pyinfinity.config import load_config
+    from pyinfinity.plan.placement import BACKWARD_SHARE
+    from pyinfinity.plan.resolve import _train_shape
+
+    cfg = load_config({"gradient_clipping": clip, "pyinfinity": {"device": "cuda"}})
+    train = replace(_train_shape(cfg, 1024, True), compute_seconds=0.387)
+    assert train.norm_first is (clip > 0) and train.overlap_step == "auto"
+    sizes = llama_sizes(LLAMA_7B, torch.bfloat16)
+    rates = Rates(h2d=57.8e9, d2h=57.8e9, disk_read=0.0, disk_write=0.0, adam=4.65e9, matmul=600e12, memcpy=60e9,
+                  device="cuda")
+    budgets = Budgets(device_memory=8 << 30, host_memory=1000 << 30, swap=[SwapDir("/swap", 1 << 42, 1)])
+    knobs = Knobs(param_device="cpu", optimizer_device="cpu", ratio=0.0, prefetch_bytes=1 << 30)
+    p = evaluate(sizes, train, budgets, rates, knobs).predicted
+    share = BACKWARD_SHARE[True]
+    hidden = p.micro_batch * ((1 - share) if clip else share)
+    assert p.optimizer_phase == pytest.approx(p.optimizer - hidden, rel=1e-9)
+    assert p.total == pytest.approx(p.micro_batch + p.optimizer - hidden, rel=1e-9)
