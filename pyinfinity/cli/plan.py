@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from pyinfinity.config import ConfigError, load_config
     from pyinfinity.plan import resolve_auto
     from pyinfinity.plan.rates import measure_rates
-    from pyinfinity.plan.resolve import _aio_dict, _compute_dtype, _device
+    from pyinfinity.plan.resolve import _aio_dict, _compute_dtype, _device, engine_optimizer_threads
     from pyinfinity.plan.sizes import sizes_from_config
 
     from pyinfinity.plan.rates import device_is_here
@@ -248,7 +248,10 @@ def run(args: argparse.Namespace) -> int:
     rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
                           aio=_aio_dict(cfg), matmul_shape=(min(tokens, 8192), m, m),
                           dtype=_compute_dtype(cfg) or __import__("torch").float32, link=args.link,
-                          disk=args.disk, matmul=args.tflops * 1e12 if args.tflops else None)
+                          disk=args.disk, matmul=args.tflops * 1e12 if args.tflops else None,
+                          # the engine's optimizer threads here; every core when scaled to --cpu-cores
+                          optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev)
+                          if here and not args.cpu_cores else None)
     if args.cpu_cores and rates.source.get("adam", "").startswith("probe"):
         here_cores = _this_cpu_count()
         rates.adam *= args.cpu_cores / here_cores

@@ -28,7 +28,11 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     (``pyinfinity.overlap_step``, :attr:`TrainShape.overlap_step`): then the boundary
     micro-batch's backward (and recompute) hides up to its own length of it (on the CPU device
     only the disk part: Adam would compete for the cores), and at least the largest shard's share
-    stays visible (it is often the embedding, the last to get its gradient).
+    stays visible (it is often the embedding, the last to get its gradient). With gradient
+    clipping or fp16 loss scaling (:attr:`TrainShape.norm_first`) no unit can step before the
+    global norm, known when the backward ends: the step then runs in model order behind the next
+    forward, which waits for each unit's new values, so only that forward's share of a
+    micro-batch hides it.
 """
 from __future__ import annotations
 
@@ -51,7 +55,8 @@ SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
 SWAP_SLOT_ALIGN = 4096
 FETCH_PASSES = 2  # forward + backward (or recompute) fetch of every non-persistent shard
 # share of a micro-batch's compute after its forward: backward (2 passes of 3), with checkpointing
-# recompute + backward (3 of 4); an overlapped optimizer step can hide behind it
+# recompute + backward (3 of 4); an overlapped optimizer step can hide behind it (one that waits for
+# the global norm: behind the rest, the next forward)
 BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
 PERSISTENT_SHARE = 0.05  # small shards stay resident when they cost at most this share of the device
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
@@ -93,6 +98,9 @@ class TrainShape:
     # pyinfinity.overlap_step as the engine resolves it: "on", "off", or "auto" (on with a GPU, and
     # on the CPU device when part of the optimizer state is on disk)
     overlap_step: str = "off"
+    # gradient clipping or fp16 loss scaling: the step needs the global norm, so an overlapped step
+    # starts after the boundary backward and hides behind the next forward instead
+    norm_first: bool = False
 
     @property
     def tokens(self) -> int:
@@ -658,7 +666,8 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     overlapped = train.overlap_step == "on" or (train.overlap_step == "auto" and (
         cuda or (knobs.optimizer_device == "nvme" and knobs.ratio > 0)))
     if overlapped and knobs.optimizer_step_device != "device":
-        window = micro * BACKWARD_SHARE[train.checkpointing]
+        back = BACKWARD_SHARE[train.checkpointing]
+        window = micro * ((1.0 - back) if train.norm_first else back)
         hideable = opt_phase if cuda else max(0.0, opt_phase - (host + a + b))
         tail = hideable * sizes.largest_shard_numel / max(1, sizes.numel)
         visible = opt_phase - hideable + max(hideable - window, tail)

@@ -5,8 +5,9 @@ Disk rates come from a saved JSON when given (``pyinfinity bench io --json`` res
 written by :meth:`Rates.save`; a ``pyinfinity tune`` output holds only the chosen ``aio`` settings,
 which the probe then uses), else from a short probe through ``pyinfinity.swap.SwapEngine`` in the
 swap directory (O_DIRECT where the filesystem allows, as the engine does). Everything else is
-timed here on a few MB: torch's fused AdamW kernel (the one the engine's optimizer calls), a matmul
-of the model's shape on the compute device, pinned copies (GPU) or memcpy (CPU device).
+timed here: the engine's one-pass CPU Adam kernel on ADAM_PROBE_NUMEL parameters with the engine's
+optimizer thread count, a matmul of the model's shape on the compute device, pinned copies (GPU) or
+memcpy (CPU device), each on a few MB.
 Figures are medians of a few repetitions.
 """
 from __future__ import annotations
@@ -72,6 +73,12 @@ DEFAULT_DISK = "nvme-gen4"
 DEFAULT_GPU_MATMUL = 100e12
 """FLOP/s assumed for a GPU that is not on this machine when no ``--tflops`` is given (a mid-range
 data-center GPU's sustained bf16 matmul); the plan names it as an assumption."""
+
+ADAM_PROBE_NUMEL = 8_000_000
+"""Parameters of the CPU Adam probe, quick or not. The engine steps whole shards (tens to hundreds of
+millions of parameters) streaming their state from memory; the kernel starts its threads at every
+call. A probe much smaller measures the caches and those thread starts: at 1M parameters on 16
+cores it read about half the rate of the real step."""
 
 MIN_DISK_PROBE = 1 << 20
 """The smallest file the disk probe writes; with less free space it does not write at all."""
@@ -201,21 +208,31 @@ def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Calla
 # ----------------------------------------------------------------------------------- probes
 
 
-def measure_adam(numel: int = 8_000_000, reps: int = 5) -> float:
+def all_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+
+def measure_adam(numel: int = ADAM_PROBE_NUMEL, reps: int = 5, threads: Optional[int] = None) -> float:
     """Params/s of the engine's CPU optimizer step: the one-pass kernel (``_C.adam_step``) on one
     shard's flat ``[master | m | v]`` fp32 layout with a bf16 gradient and the bf16 weights written
-    out, on every CPU this process may use (as the optimizer's worker runs on a GPU machine).
-    ``numel`` is large enough that the state (14 bytes a parameter) does not fit in the caches: a
-    probe that fits measures the cache, not the memory the real step streams through. Without the
-    extension: torch's fused AdamW on separate fp32 tensors."""
+    out, on ``threads`` threads (the engine's ``pyinfinity.optimizer_threads``; None: every CPU this
+    process may use, as the optimizer's worker does on a GPU machine). ``numel`` is large enough
+    that the state (14 bytes a parameter) does not fit in the caches and the kernel's thread starts
+    are a small share of a call, as in the engine's step of a whole shard (see ADAM_PROBE_NUMEL).
+    Without the extension: torch's fused AdamW on separate fp32 tensors."""
     try:
         from pyinfinity import _C
     except ImportError:
         _C = None
-    try:
-        threads = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        threads = os.cpu_count() or 1
+    if threads is None:
+        threads = all_cpus()
+    if threads < 1:
+        raise ValueError(f"measure_adam: threads must be at least 1, got {threads}")
     if _C is not None and hasattr(_C, "adam_step"):
         flat = torch.zeros(3 * numel)
         grad = (torch.randn(numel) * 1e-3).to(torch.bfloat16)
@@ -446,7 +463,8 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                   rates_file: Optional[str] = None, aio: Optional[dict] = None,
                   matmul_shape: tuple[int, int, int] = (1024, 1024, 1024),
                   dtype: torch.dtype = torch.float32, quick: bool = True, cache: bool = False,
-                  link: Optional[str] = None, disk: Optional[str] = None, matmul: Optional[float] = None) -> Rates:
+                  link: Optional[str] = None, disk: Optional[str] = None, matmul: Optional[float] = None,
+                  optimizer_threads: Optional[int] = None) -> Rates:
     """Rates for a run on ``device``. Each figure comes from, in this order: ``rates_file``; the
     named ``link`` (h2d/d2h, :data:`LINK_PRESETS`) and ``disk`` (:data:`DISK_PRESETS`) presets
     and a given ``matmul`` (FLOP/s); a probe on this machine (about a second with ``quick``).
@@ -456,10 +474,12 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
     disk to :data:`DEFAULT_DISK` (a swap directory here is not the target's drive); Adam and
     memcpy are this machine's CPU's. ``Rates.source`` says where each figure came from. Without a swap directory (and no disk preset) the disk figures are 0 (no disk tier).
     cache: reuse an earlier measurement of the same arguments in this process (the engine's
-    "auto" does, so several engines in one process probe once)."""
+    "auto" does, so several engines in one process probe once). optimizer_threads: the threads the
+    engine's CPU Adam step will use (``pyinfinity.optimizer_threads``, resolved); the Adam probe runs
+    on as many (None: every CPU of this process)."""
     dev = torch.device(device)
     key = (str(dev), swap_dir, rates_file, json.dumps(aio, sort_keys=True, default=str), matmul_shape, str(dtype),
-           quick, link, disk, matmul)
+           quick, link, disk, matmul, optimizer_threads)
     if cache and key in _CACHE:
         return _CACHE[key]
     here = device_is_here(dev)
@@ -491,8 +511,9 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
     reps = 3 if quick else 7
     host_note = "probe" if here else "probe (this machine's CPU, not the target's)"
     if "adam" not in vals:
-        vals["adam"] = measure_adam(1_000_000 if quick else 8_000_000, reps)
-        source["adam"] = host_note
+        threads = optimizer_threads or all_cpus()
+        vals["adam"] = measure_adam(ADAM_PROBE_NUMEL, reps, threads=threads)
+        source["adam"] = f"{host_note}, {threads} thread{'s' if threads != 1 else ''}"
     if "memcpy" not in vals:
         vals["memcpy"] = measure_memcpy((32 << 20) if quick else (256 << 20), reps)
         source["memcpy"] = host_note
@@ -567,7 +588,7 @@ def preset_rates(device: Union[str, torch.device] = "cuda", link: Optional[str] 
         vals["matmul"], source["matmul"] = DEFAULT_GPU_MATMUL, f"assumed {DEFAULT_GPU_MATMUL / 1e12:.0f} TFLOP/s"
     else:
         vals["matmul"], source["matmul"] = float(matmul), "given"
-    for k, given, probe in (("adam", adam, lambda: measure_adam(1_000_000, 3)),
+    for k, given, probe in (("adam", adam, lambda: measure_adam(ADAM_PROBE_NUMEL, 3)),
                             ("memcpy", memcpy, lambda: measure_memcpy(32 << 20, 3))):
         if given is None:
             vals[k], source[k] = probe(), "probe (this machine's CPU)"
@@ -579,5 +600,5 @@ def preset_rates(device: Union[str, torch.device] = "cuda", link: Optional[str] 
 
 
 __all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRESETS", "DISK_PRESETS",
-           "LinkPreset", "DiskPreset", "disk_probe_size", "measure_decoder_compute", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
+           "LinkPreset", "DiskPreset", "disk_probe_size", "all_cpus", "ADAM_PROBE_NUMEL", "measure_decoder_compute", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
            "measure_disk", "load_rates_file"]

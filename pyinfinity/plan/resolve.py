@@ -93,7 +93,7 @@ def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> Train
         overlap = "on" if ov is True else "auto"
     return TrainShape(micro_batch=int(cfg.train_micro_batch_size_per_gpu), seq_len=int(seq_len or DEFAULT_SEQ_LEN),
                       grad_accum=int(cfg.gradient_accumulation_steps), checkpointing=checkpointing,
-                      overlap_step=overlap)
+                      overlap_step=overlap, norm_first=cfg.gradient_clipping > 0 or cfg.fp16.enabled)
 
 
 def _compute_dtype(cfg: Any) -> Optional[torch.dtype]:
@@ -191,6 +191,15 @@ def _threads(e: Any) -> list[Decision]:
                      "one on the CPU device, else every CPU of this process")]
 
 
+def engine_optimizer_threads(e: Any, device: Union[str, torch.device]) -> int:
+    """The threads the engine's CPU Adam step runs on under the ``pyinfinity`` section ``e`` on
+    ``device`` (what ``Engine`` gives the optimizer): the rate probe times the kernel on as many."""
+    from pyinfinity.config import default_optimizer_threads
+
+    ot = e.optimizer_threads
+    return int(ot) if ot != AUTO else default_optimizer_threads(str(torch.device(device)))
+
+
 def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budgets] = None,
                  rates: Optional[Rates] = None, *, seq_len: Optional[int] = None, checkpointing: bool = False,
                  device: Optional[Union[str, torch.device]] = None, rates_file: Optional[str] = None,
@@ -222,7 +231,8 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
         rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=rates_file,
                               aio=_aio_dict(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
                                                                                 * (seq_len or DEFAULT_SEQ_LEN))), m, m),
-                              dtype=_compute_dtype(cfg) or torch.float32, cache=True)
+                              dtype=_compute_dtype(cfg) or torch.float32, cache=True,
+                              optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev))
     fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
     train = _train_shape(cfg, seq_len, checkpointing)
     train.compute_seconds, train.activation_bytes = compute_seconds, activation_bytes
@@ -281,7 +291,8 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     if rates is None:
         m = sizes.hidden or 1024
         rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=_aio_dict(c),
-                              matmul_shape=(1024, m, m), dtype=_compute_dtype(c) or torch.float32, cache=True)
+                              matmul_shape=(1024, m, m), dtype=_compute_dtype(c) or torch.float32, cache=True,
+                              optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev))
     fixed, owned = _fixed_from(c, None)
     train = _train_shape(c, seq_len, checkpointing)
     if not str(dev).startswith("cuda"):
