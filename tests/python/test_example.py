@@ -82,7 +82,7 @@ def test_finetune_7b_shape_defaults_fit_the_box_it_documents(tmp_path):
     that it fits, where --offload nvme is refused; --batch/--seq reach the train command."""
     import argparse
 
-    from pyinfinity.cli.train import add_arguments, build_config
+    from pyinfinity.cli.train_args import add_arguments, build_config
     from pyinfinity.plan import PlanError
     from pyinfinity.plan.budgets import Budgets, SwapDir
     from pyinfinity.plan.rates import preset_rates
