@@ -34,6 +34,7 @@ from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import FlatShard, compute_dtype_for, partition_model
+from pyinfinity.zero.partition import init_empty  # noqa: F401 - also importable from here, as before
 
 log = logging.getLogger(__name__)
 
@@ -113,36 +114,6 @@ def _rss() -> int:
         return 0
 
 
-# ----------------------------------------------------------------------------------- init_empty
-
-
-@contextlib.contextmanager
-def init_empty(config: Union[dict, str, Config, None] = None) -> Iterator[None]:
-    """Builds models without materialising their parameters: each parameter is moved to the meta
-    device as it is registered (before any initialiser touches its memory).
-
-    ``initialize`` then materialises one module at a time, initialises it (``reset_parameters`` or
-    a transformers model's ``_init_weights``), partitions it and writes the shard straight to its
-    tier, so the whole model never exists in host RAM. Buffers are real (they are small and often
-    computed in ``__init__``, e.g. rotary frequencies).
-    """
-    if config is not None:
-        load_config(config)  # fail early on a bad config
-    orig = nn.Module.register_parameter
-
-    def register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-        orig(self, name, param)
-        if param is not None and not param.is_meta:
-            p = self._parameters[name]
-            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = orig  # type: ignore[method-assign]
-
-
 # ----------------------------------------------------------------------------------- engine
 
 
@@ -156,6 +127,18 @@ def initialize(model: nn.Module, config: Union[dict, str, os.PathLike, Config],
     into their tiers (``pretrained.WeightLoader``). ``seq_len``: the tokens per sequence the run
     will train on, when known: the planner sizes activations and compute for it (default 1024)."""
     return Engine(model, config, lr_scheduler, weights=weights, seq_len=seq_len)
+
+
+def from_pretrained(path: Union[str, os.PathLike], config: Any, *, dtype: Optional[torch.dtype] = None,
+                    **engine_kwargs: Any) -> Any:
+    """``initialize`` for a transformers model directory: the architecture from its config.json,
+    the weights streamed from its safetensors into the tiers of ``config``. ``dtype``: the
+    dtype the model is built in (and exported in); default fp32, as transformers does.
+    ``engine_kwargs``: the rest of ``initialize``'s (``lr_scheduler``)."""
+    from pyinfinity.pretrained import build_empty_model
+
+    model = build_empty_model(path, config, dtype)
+    return initialize(model, config, weights=path, **engine_kwargs)
 
 
 def _resolve_device(spec: str) -> torch.device:
@@ -355,7 +338,7 @@ class Engine:
         ot = cfg.pyinfinity.optimizer_threads
         # on the CPU device backward has the cores (see AUTO_OVERLAP_ON_CPU)
         self.optimizer.threads = int(ot) if ot != AUTO else default_optimizer_threads(str(self.device))
-        self.optimizer._total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
+        self.optimizer.total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
                                                                if p.requires_grad}.values())
         self._cpu_params_left = int(op.max_in_cpu) if op.device == "nvme" else 0
         self._param_tier = {"none": Tier.GPU, "cpu": Tier.CPU, "nvme": Tier.NVME}[op.device]
@@ -986,6 +969,11 @@ class Engine:
         return export.write(self, out_dir)
 
     # ------------------------------------------------------------------------- life
+    @property
+    def closed(self) -> bool:
+        """Whether the engine was closed (or its construction failed): it can no longer be used."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("Engine: used after close()")

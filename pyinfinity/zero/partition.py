@@ -11,10 +11,11 @@ config enables fp16/bf16, and the fp32 master copy (taken before any cast) goes 
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -128,6 +129,36 @@ def compute_dtype_for(param_dtype: torch.dtype, fp16: bool, bf16: bool) -> torch
 def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """What a released parameter's ``.data`` is: 0 elements, the right dtype and device."""
     return torch.empty(0, dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def init_empty(config: Any = None) -> Iterator[None]:
+    """Builds models without materialising their parameters: each parameter is moved to the meta
+    device as it is registered (before any initialiser touches its memory).
+
+    ``initialize`` then materialises one module at a time, initialises it (``reset_parameters`` or
+    a transformers model's ``_init_weights``), partitions it and writes the shard straight to its
+    tier, so the whole model never exists in host RAM. Buffers are real (they are small and often
+    computed in ``__init__``, e.g. rotary frequencies). ``config`` (optional, any form
+    ``initialize`` takes) is checked first, so a bad one fails before the model is built.
+    """
+    if config is not None:
+        from pyinfinity.config import load_config
+
+        load_config(config)  # fail early on a bad config
+    orig = nn.Module.register_parameter
+
+    def register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        orig(self, name, param)
+        if param is not None and not param.is_meta:
+            p = self._parameters[name]
+            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = orig  # type: ignore[method-assign]
 
 
 def materialize_module(module: nn.Module, root: Optional[nn.Module],
