@@ -4,7 +4,7 @@ it within ``pyinfinity.device_memory``.
 Resident units (whole units from the end of the model, ``pyinfinity.resident_bytes``) and the
 optimizer state of some of them (from the front, ``pyinfinity.device_optimizer_bytes``) are
 placed once, at construction. Three guards back the planner's estimate of a step's charges
-(``plan.placement.DeviceCharges``): the first training forward refuses a micro-batch x sequence
+(``plan.charges.DeviceCharges``): the first training forward refuses a micro-batch x sequence
 that cannot fit even with nothing resident; after each step a measured peak past ``SHRINK_AT`` of
 the budget gives up prefetch, device optimizer state and resident units until the charges are back
 under the planner's target; an out-of-memory error in forward or backward gives all of it up.
@@ -86,7 +86,7 @@ class DevicePlacement:
         """Resident units whose optimizer state also lives on the device, within
         ``pyinfinity.device_optimizer_bytes``: whole units from the front of the model (their
         gradients come last in backward, when a CPU step would have the least time left)."""
-        from pyinfinity.plan.placement import device_state_cost
+        from pyinfinity.plan.charges import device_state_cost
 
         budget = self._state_budget
         left = 0 if budget == AUTO else int(budget)
@@ -109,7 +109,7 @@ class DevicePlacement:
     def watch(self, coordinator: ParameterCoordinator) -> None:
         """Starts watching ``coordinator``'s device budget: the prefetch reserve (the planner's charges
         for gradient buffers and headroom) and the step's peak."""
-        from pyinfinity.plan.placement import DEVICE_HEADROOM, grad_buffer_bytes
+        from pyinfinity.plan.charges import DEVICE_HEADROOM, grad_buffer_bytes
 
         self.coordinator = coordinator
         trainable = [sh for sh in self.partition.shards if sh.trainable]
@@ -134,7 +134,7 @@ class DevicePlacement:
         sizes = self.plan_sizes
         if sizes is None or not sizes.hidden:
             return  # the activation estimate is for transformers' decoders; the allocator has the last word
-        from pyinfinity.plan.placement import PlanError, TrainShape, shape_refusal
+        from pyinfinity.plan.charges import PlanError, TrainShape, shape_refusal
 
         train = TrainShape(micro_batch=int(t.shape[0]), seq_len=int(t.shape[1]),
                            grad_accum=self.accumulation, checkpointing=self.checkpointing)
@@ -151,7 +151,7 @@ class DevicePlacement:
         the budget, the placement gives up what the peak exceeds the planner's target by (a unit
         given up is fetched again when used, so the next step may give up more), with a warning
         the first time."""
-        from pyinfinity.plan.placement import DEVICE_HEADROOM
+        from pyinfinity.plan.charges import DEVICE_HEADROOM
 
         cap = self.device_memory
         coord = self._coordinator()
