@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from pyinfinity.config import format_size
-from pyinfinity.swap.ownership import clean_checkpoint_leftovers, fsync_path, write_fsynced
+from pyinfinity.swap.manifest import fsync_path, write_fsynced
+from pyinfinity.swap.ownership import clean_checkpoint_leftovers
 from pyinfinity.swap.tensor_swapper import aligned_empty
 
 if TYPE_CHECKING:
