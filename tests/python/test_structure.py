@@ -1,12 +1,23 @@
 """The package's structure holds: no import cycles and no module using another module's private
-(underscore) names. Both read the source with ``ast``, so they see every import, including those
-inside functions; an import under ``if TYPE_CHECKING:`` runs only for type checkers and does not
-count. ``pyinfinity._C`` (the compiled core) is a leaf, and its name is public."""
+(underscore) names, as docs/architecture.md states. Both read the source with ``ast``, so they see
+every import, including those inside functions; an import under ``if TYPE_CHECKING:`` runs only
+for type checkers and does not count. ``pyinfinity._C`` (the compiled core) is a leaf, and its name
+is public.
+
+An import is an edge to the module it names (``from pkg import mod``: to ``pkg.mod``; ``from pkg
+import name``: to ``pkg``'s ``__init__``), relative imports resolved; the parent packages Python
+also runs are not edges (``pyinfinity/__init__.py`` loads the engine only when an attribute asks
+for it). A private name is one with a single leading underscore: imported from another pyinfinity
+module (a private module included), or read or set as ``x._name`` / ``getattr(x, "_name")`` where
+``x`` is not ``self``/``cls`` and ``_name`` is bound by another pyinfinity module and not by this
+one (names torch's modules and tensors have are torch's). The examples are checked for private
+names too; the tests are not."""
 from __future__ import annotations
 
 import ast
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import pytest
 
@@ -114,7 +125,21 @@ def deepest_known(name: str, modules: dict[str, Module]) -> str | None:
     return None
 
 
-def analyse(modules: dict[str, Module]) -> None:
+def find_scripts(root: str, folder: str) -> dict[str, Module]:
+    """The scripts of ``folder`` (the examples): users of the package, checked for private names."""
+    scripts = {}
+    base = os.path.join(root, folder)
+    for f in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if f.endswith(".py"):
+            path = os.path.join(base, f)
+            with open(path, encoding="utf-8") as fh:
+                scripts[f"{folder}/{f}"] = Module(f"{folder}/{f}", path, ast.parse(fh.read(), filename=path), False)
+    return scripts
+
+
+def analyse(modules: dict[str, Module], scripts: Optional[dict[str, Module]] = None) -> None:
+    """Fills in each module's imports and private uses; ``scripts`` (outside the package) get their
+    private uses of the package's names only."""
     for m in modules.values():
         m.defines = defined_private_names(m.tree)
     defined_anywhere: dict[str, set[str]] = {}
@@ -123,8 +148,10 @@ def analyse(modules: dict[str, Module]) -> None:
             defined_anywhere.setdefault(n, set()).add(m.name)
     for n in torch_private_names():
         defined_anywhere.pop(n, None)
+    for m in (scripts or {}).values():
+        m.defines = defined_private_names(m.tree)
 
-    for m in modules.values():
+    for m in list(modules.values()) + list((scripts or {}).values()):
         for node in runtime_nodes(m.tree):
             line = getattr(node, "lineno", 0)
             if isinstance(node, ast.Import):
@@ -246,6 +273,13 @@ def modules() -> dict[str, Module]:
     return mods
 
 
+@pytest.fixture(scope="module")
+def examples() -> dict[str, Module]:
+    mods, scripts = find_modules(ROOT), find_scripts(ROOT, "examples")
+    analyse(mods, scripts)
+    return scripts
+
+
 def test_there_are_no_import_cycles(modules):
     cycles = import_cycles(modules)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
@@ -254,6 +288,13 @@ def test_there_are_no_import_cycles(modules):
 def test_no_module_uses_another_modules_private_names(modules):
     bad = {m.name: m.private_uses for m in modules.values() if m.private_uses}
     assert not bad, "private names used across modules:\n" + "\n".join(
+        f"{name}: {use}" for name, uses in sorted(bad.items()) for use in uses)
+
+
+def test_the_examples_use_no_private_names_of_the_package(examples):
+    assert examples, "no examples found"
+    bad = {m.name: m.private_uses for m in examples.values() if m.private_uses}
+    assert not bad, "private names of pyinfinity used by the examples:\n" + "\n".join(
         f"{name}: {use}" for name, uses in sorted(bad.items()) for use in uses)
 
 
@@ -320,3 +361,14 @@ def test_private_names_across_modules_are_found(tmp_path):
     assert any("'_state'" in u for u in uses)
     assert any(u.startswith("line 10:") and "._state" in u for u in uses)  # assigning one is using it
     assert not any("_not_ours" in u or "__dict__" in u for u in uses)  # not a name of this package
+
+
+def test_a_script_using_a_private_name_of_the_package_is_found(tmp_path):
+    make_package(tmp_path, {"a.py": "def _helper(): pass\nclass A:\n    def _check(self): pass\n"})
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "run.py").write_text(
+        "import pyinfinity.a as a\nfrom pyinfinity.a import A\n_mine = 1\na._helper()\nA()._check()\nprint(_mine)\n")
+    mods, scripts = find_modules(str(tmp_path)), find_scripts(str(tmp_path), "examples")
+    analyse(mods, scripts)
+    uses = scripts["examples/run.py"].private_uses
+    assert sorted(u.split(":", 1)[0] for u in uses) == ["line 4", "line 5"], uses
