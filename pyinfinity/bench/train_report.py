@@ -214,6 +214,14 @@ def ratio_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
             out.append(f"{r['size']} {r['system']}: host memory {gib(r['peak_rss'] - r['rss_before_build'])} "
                        f"(peak RSS {gib(r['peak_rss'])} minus {gib(r['rss_before_build'])} before the model), "
                        f"plan {gib(r['plan_host_bytes'])}: {share:.2f}x the plan")
+    for r in runs:
+        pred = r.get("plan_predicted")
+        if pred and usable(r) and r.get("step_seconds"):
+            t = pred["terms"]
+            out.append(f"{r['size']} {r['system']}: the engine's plan predicted {pred['seconds']:.3f} s/step "
+                       f"(bound by {pred['bottleneck']}; compute {t['compute']:.3f}, host<->device "
+                       f"{t['h2d']:.3f}, disk {t['disk']:.3f}, optimizer {t['optimizer']:.3f}), measured "
+                       f"{r['step_seconds']:.3f}: predicted/measured {pred['seconds'] / r['step_seconds']:.2f}")
     largest: dict[str, dict[str, Any]] = {}
     for r in runs:
         if r.get("ok") and (r["system"] not in largest or r["params"] > largest[r["system"]]["params"]):

@@ -438,6 +438,7 @@ def run(spec: dict) -> dict:
             plan = getattr(r.engine, "plan", None)
             if plan is not None:
                 res["plan_host_bytes"] = int(plan.host_bytes)
+                res["plan_predicted"] = _plan_prediction(plan, int(spec["seq"]))
         if spec.get("trace"):
             phase = "trace"
             res["trace"] = _traced_step(r, [b.to(device) for b in batches[steps]], device)
@@ -464,6 +465,21 @@ def run(spec: dict) -> dict:
     return res
 
 
+
+
+def _plan_prediction(plan: Any, seq: int) -> dict[str, Any]:
+    """The engine's own prediction of one optimizer step at the run's sequence length (the engine
+    plans before it sees a batch; ``Placement.compare`` redoes it the same way at close), its terms
+    and what bounds it, for the report's plan-versus-measured line."""
+    pred, planned_seq = plan.predicted, None
+    inputs = getattr(plan, "inputs", None)
+    if inputs is not None and seq > 0 and inputs[3].seq_len != seq:
+        planned_seq = inputs[3].seq_len
+        again = plan.at_seq_len(seq)
+        pred = again.predicted if again is not None else pred
+    return {"seconds": pred.total, "bottleneck": pred.bottleneck, "planned_seq": planned_seq,
+            "terms": {"compute": pred.compute, "h2d": pred.h2d, "disk": pred.disk,
+                      "optimizer": pred.optimizer, "visible_optimizer": pred.optimizer_phase}}
 
 
 def _traced_step(r: Run, x: list, device: Any) -> dict[str, Any]:
