@@ -238,6 +238,9 @@ class WeightLoader:
         self._missing_params: set[int] = set()
         self._loaded: set[int] = set()
         self._trim = _malloc_trim()
+        # module -> qualified name in ``model`` (buffers are named from here: the engine may be given a
+        # model that wraps this one, e.g. a PEFT model over the base the checkpoint belongs to)
+        self._names = {id(m): n for n, m in model.named_modules()}
         self._check(model)
 
     # -- names and shapes, checked before anything is written ----------------------------------
@@ -376,7 +379,7 @@ class WeightLoader:
                 todo.append((name, new, info))
             else:
                 todo.append((name, p, info))
-        mname = self._module_names(root).get(id(module), "")
+        mname = self._names.get(id(module), "")
         bufs = []
         for bname, b in module._buffers.items():
             info = self._buffer_source.get(f"{mname}.{bname}" if mname else bname)
@@ -385,13 +388,6 @@ class WeightLoader:
         if todo or bufs:
             self._trim()  # the previous module's buffers, freed after it was placed
             self._read(todo, bufs)
-
-    def _module_names(self, root: Optional[nn.Module]) -> dict[int, str]:
-        cached = getattr(self, "_names", None)
-        if cached is None:
-            cached = {id(m): n for n, m in root.named_modules()} if root is not None else {}
-            self._names = cached
-        return cached
 
     def _read(self, params: list[tuple[str, nn.Parameter, TensorInfo]],
               buffers: list[tuple[torch.Tensor, TensorInfo]]) -> None:
