@@ -73,8 +73,9 @@ def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional
     """The PEFT model over the model directory ``path`` (base weights not materialised), with a new
     adapter from ``peft_config`` or the existing one in ``adapter`` (trainable, as
     ``PeftModel.from_pretrained(..., is_trainable=True)``); returns it and the ``WeightLoader`` that
-    streams the base weights. Adapter values are real CPU tensors, fp32 where PEFT makes them fp32."""
-    from pyinfinity.pretrained import WeightLoader, build_empty_model
+    streams the base weights. ``dtype`` None: the base keeps the checkpoint's dtype (config.json's,
+    fp32 when it names none), as it is frozen; the adapters are fp32, as PEFT makes them."""
+    from pyinfinity.pretrained import WeightLoader, build_empty_model, checkpoint_dtype
 
     if (peft_config is None) == (adapter is None):
         raise ValueError("from_pretrained: give peft_config= (a new adapter) or adapter= (an adapter directory), not both")
@@ -93,7 +94,7 @@ def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional
     if peft_config.init_lora_weights not in LORA_INITS:
         raise AdapterError(f"peft_config: init_lora_weights={peft_config.init_lora_weights!r} reads the base weights, "
                            f"which are not in memory here; use one of {list(LORA_INITS)}")
-    base = build_empty_model(path, config, dtype)
+    base = build_empty_model(path, config, dtype if dtype is not None else checkpoint_dtype(path))
     loader = WeightLoader(path, base)  # checked against the base's own names, before anything is written
     rng = torch.random.get_rng_state()
     model = peft.get_peft_model(base, peft_config)
