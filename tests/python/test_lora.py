@@ -1,0 +1,263 @@
+"""LoRA adapters through PEFT, parameters and optimizer on the NVMe tier: adapters made by
+``from_pretrained(..., peft_config=)`` equal PEFT's under the same seed and train with PEFT +
+torch AdamW's losses; the export loads in PEFT (``PeftModel.from_pretrained``) and, merged, in
+transformers (``from_pretrained``) with the engine's logits; an exported adapter continues; the
+command line trains and exports one, and refuses bad flag combinations in one line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+import pyinfinity  # noqa: E402
+from pyinfinity.adapters import AdapterError, require_peft  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from pretrained_dirs import make_model_dir  # noqa: E402
+
+LR, WD = 1e-2, 0.01
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {f: make_model_dir(str(root / f), f) for f in ("llama", "gpt2")}
+
+
+def _config(swap: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+            "stage3_param_persistence_threshold": 0,
+        },
+        "pyinfinity": {"device": "cpu", "device_memory": "64MiB"},
+    }
+
+
+def _lora(**kw) -> "peft.LoraConfig":
+    return peft.LoraConfig(**{"r": 8, "target_modules": ["q_proj", "v_proj"], **kw})
+
+
+def _base(path: str, **kw):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kw)
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, 300, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _adapter_values(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+
+def _train_reference(model, steps: int = STEPS) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    losses = []
+    for i in range(steps):
+        x = _ids(i)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_engine(eng, steps: int = STEPS) -> list[float]:
+    losses = []
+    for i in range(steps):
+        x = _ids(i)
+        loss = eng(input_ids=x, labels=x).loss
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _eval_logits(eng) -> torch.Tensor:
+    eng.eval()
+    with torch.no_grad():
+        return eng(input_ids=_ids(99)).logits
+
+
+def test_adapters_are_peft_s_and_train_with_peft_s_losses(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    torch.manual_seed(7)
+    ref = peft.get_peft_model(_base(path), _lora())
+    after_ref = torch.random.get_rng_state()
+    torch.manual_seed(7)
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=_lora()) as eng:
+        assert torch.equal(torch.random.get_rng_state(), after_ref)  # the same draws as PEFT's
+        tiers = {sh.home.tier.value for sh in eng.partition.shards}
+        assert tiers == {"nvme"}
+        trainable = [sh for sh in eng.partition.shards if sh.trainable]
+        frozen = [sh for sh in eng.partition.shards if not sh.trainable]
+        assert trainable and frozen
+        assert all("lora_" in s.name for sh in trainable for s in sh.slices)
+        assert all(eng.optimizer.state_of(sh) is not None for sh in trainable)
+        assert all(eng.optimizer.state_of(sh) is None for sh in frozen)  # no master or moments for the base
+        eng.export(str(tmp_path / "initial"))
+        from safetensors.torch import load_file
+
+        initial = load_file(str(tmp_path / "initial" / "adapter_model.safetensors"))
+        want = _adapter_values(ref)
+        assert initial.keys() == want.keys()
+        for k in want:
+            assert torch.equal(initial[k], want[k]), k
+        losses = _train_engine(eng)
+    torch.testing.assert_close(losses, _train_reference(ref), rtol=1e-5, atol=0)
+
+
+def test_exports_load_in_peft_and_merged_in_transformers_with_the_engine_s_logits(model_dirs, tmp_path):
+    from safetensors import safe_open
+
+    path = model_dirs["llama"]
+    adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=_lora()) as eng:
+        _train_engine(eng)
+        want = _eval_logits(eng)
+        eng.export(adapter)
+        eng.export(merged, merge_adapters=True)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
+    with safe_open(os.path.join(adapter, "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("base_model.model.") and ".default." not in k and "lora_" in k for k in keys)
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 8
+    loaded = peft.PeftModel.from_pretrained(_base(path), adapter).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=_ids(99)).logits, want, atol=1e-5, rtol=0)
+    plain = _base(merged).eval()
+    with safe_open(os.path.join(merged, "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(_base(path).state_dict())  # the base model's own names, nothing of PEFT's
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=_ids(99)).logits, want, atol=1e-4, rtol=0)
+    assert os.path.isfile(os.path.join(merged, "tokenizer.json"))
+
+
+def test_merged_export_of_gpt2_s_conv1d_layers(model_dirs, tmp_path):
+    """GPT-2's Conv1D keeps its weight transposed (PEFT's fan_in_fan_out): the merge follows it."""
+    path = model_dirs["gpt2"]
+    cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=cfg) as eng:
+        _train_engine(eng, 2)
+        want = _eval_logits(eng)
+        eng.export(str(tmp_path / "merged"), merge_adapters=True)
+    with torch.no_grad():
+        got = _base(str(tmp_path / "merged")).eval()(input_ids=_ids(99)).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_an_exported_adapter_continues_as_peft_continues_it(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    adapter = str(tmp_path / "adapter")
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=_lora()) as eng:
+        _train_engine(eng, 2)
+        eng.export(adapter)
+    ref = peft.PeftModel.from_pretrained(_base(path), adapter, is_trainable=True)
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap2")), adapter=adapter) as eng:
+        losses = _train_engine(eng)
+    torch.testing.assert_close(losses, _train_reference(ref), rtol=1e-5, atol=0)
+
+
+def test_a_bf16_base_stays_bf16_and_the_adapters_are_fp32(tmp_path):
+    src = make_model_dir(str(tmp_path / "fp32"), "llama")
+    path = str(tmp_path / "bf16")
+    _base(src, dtype=torch.bfloat16).save_pretrained(path, safe_serialization=True)  # config.json: bfloat16
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=_lora()) as eng:
+        dtypes = {(s.orig_dtype, s.requires_grad) for sh in eng.partition.shards for s in sh.slices}
+        assert dtypes == {(torch.bfloat16, False), (torch.float32, True)}
+        _train_engine(eng, 1)
+
+
+def test_bad_adapter_setups_are_clear_errors(model_dirs, tmp_path, monkeypatch):
+    path = model_dirs["llama"]
+    cfg = _config(str(tmp_path / "swap"))
+    with pytest.raises(ValueError, match="not both"):
+        pyinfinity.from_pretrained(path, cfg, peft_config=_lora(), adapter=str(tmp_path))
+    with pytest.raises(AdapterError, match="init_lora_weights='pissa'"):
+        pyinfinity.from_pretrained(path, cfg, peft_config=_lora(init_lora_weights="pissa"))
+    with pytest.raises(AdapterError, match="DoRA"):
+        pyinfinity.from_pretrained(path, cfg, peft_config=_lora(use_dora=True))
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        pyinfinity.from_pretrained(path, cfg, adapter=str(tmp_path))
+    assert not os.path.exists(tmp_path / "swap") or not os.listdir(tmp_path / "swap")
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install peft"):
+        require_peft()
+
+
+def test_merge_without_adapters_is_refused(model_dirs, tmp_path):
+    with pyinfinity.from_pretrained(model_dirs["llama"], _config(str(tmp_path / "swap"))) as eng:
+        with pytest.raises(ValueError, match="no adapters to merge"):
+            eng.export(str(tmp_path / "out"), merge_adapters=True)
+
+
+# ---------------------------------------------------------------------------- the command line
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyinfinity", *args], capture_output=True, text=True, timeout=600,
+                          env=os.environ.copy())
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    from pretrained_dirs import CORPUS
+
+    p = tmp_path_factory.mktemp("data") / "data.txt"
+    p.write_text(CORPUS)
+    return str(p)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_cli_trains_lora_and_its_export_loads(model_dirs, data_file, tmp_path, merge):
+    path, out = model_dirs["llama"], str(tmp_path / "out")
+    p = _cli("train", "--model", path, "--data", data_file, "--lora", "4", "--lora-targets", "q_proj,v_proj",
+             "--steps", "2", "--seq", "32", "--batch", "2", "--device", "cpu", "--offload", "nvme", "--nvme",
+             str(tmp_path / "swap"), "--no-progress", "--export", out, *(["--merge-adapters"] if merge else []))
+    assert p.returncode == 0, p.stderr[-3000:]
+    if merge:
+        _base(out)
+        return
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert (cfg["r"], cfg["lora_alpha"], sorted(cfg["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
+    peft.PeftModel.from_pretrained(_base(path), out)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--lora-alpha", "8"], "--lora-alpha: needs --lora"),
+    (["--lora-dropout", "0.1"], "--lora-dropout: needs --lora"),
+    (["--lora-targets", "q_proj"], "--lora-targets: needs --lora"),
+    (["--lora", "4", "--merge-adapters"], "--merge-adapters: needs --export"),
+    (["--merge-adapters", "--export", "OUT"], "--merge-adapters: needs --lora"),
+    (["--lora", "0"], "--lora: 0 must be >= 1"),
+    (["--lora", "4", "--lora-dropout", "1.5"], "--lora-dropout: 1.5"),
+    (["--lora", "4", "--lora-targets", "q_proj,,v_proj"], "--lora-targets"),
+    (["--lora", "4", "--adapter", "DIR"], "give one"),
+    (["--adapter", "DIR"], "not a PEFT adapter directory"),
+])
+def test_cli_bad_lora_flags_are_one_line(model_dirs, data_file, tmp_path, flags, needle):
+    flags = [str(tmp_path / f) if f in ("OUT", "DIR") else f for f in flags]
+    p = _cli("train", "--model", model_dirs["llama"], "--data", data_file, "--device", "cpu", *flags)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert "Traceback" not in p.stderr and len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_cli_lora_needs_a_model(tmp_path):
+    p = _cli("train", "--lora", "4", "--device", "cpu")
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(
+        "--lora: needs --model DIR (adapters train over a pretrained model)"), p.stderr
