@@ -511,12 +511,23 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None) -> str:
         """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
-        written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
-        return checkpoint.save(self.state, save_dir, tag, client_state)
+        written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
+        Frozen parameters that all came from the pretrained weights (a LoRA run's base) are not
+        written: the checkpoint records the weights' identity, which a load checks."""
+        return checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity())
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
         """Restores a state written by ``save_checkpoint``; returns (path, client_state)."""
-        return checkpoint.load(self.state, load_dir, tag)
+        return checkpoint.load(self.state, load_dir, tag, base=self._base_identity())
+
+    def _base_identity(self) -> Optional[dict]:
+        """The identity of the pretrained weights every parameter started from, when some shards are
+        frozen (they hold those weights unchanged); None without frozen shards, without pretrained
+        weights, or when some parameters were newly initialised."""
+        w = self.weights
+        if w is None or not w.complete or all(self.optimizer.state_of(sh) is not None for sh in self.partition.shards):
+            return None
+        return w.identity()
 
     def export(self, out_dir: str, *, merge_adapters: bool = False) -> list[str]:
         """Writes the trained weights as a consolidated safetensors state dict loadable by the

@@ -38,6 +38,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
                    "spiece.model", "sentencepiece.bpe.model")
 
+IDENTITY_SAMPLE = 1 << 20  # bytes of each safetensors file a checkpoint's base identity samples
+
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
@@ -242,6 +244,30 @@ class WeightLoader:
         # model that wraps this one, e.g. a PEFT model over the base the checkpoint belongs to)
         self._names = {id(m): n for n, m in model.named_modules()}
         self._check(model)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every parameter of the model starts from the checkpoint (none newly initialised):
+        then its frozen parameters can be read from the checkpoint again instead of being saved."""
+        return not self._missing_params
+
+    def identity(self) -> dict:
+        """What identifies the checkpoint without reading it whole: its config.json (when the path
+        is a model directory) and every safetensors file it reads by name, size and the CRC-32 of
+        its first ``IDENTITY_SAMPLE`` bytes (the header and the first tensors' values)."""
+        import zlib
+
+        files = sorted({info.file for info in self.tensors.values()})
+        out: dict[str, Any] = {"files": {}}
+        for fpath in files:
+            with open(fpath, "rb") as f:
+                head = f.read(IDENTITY_SAMPLE)
+            out["files"][os.path.basename(fpath)] = {"nbytes": os.path.getsize(fpath), "crc32": zlib.crc32(head)}
+        cfg = os.path.join(self.path, "config.json")
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                out["config"] = json.load(f)
+        return out
 
     # -- names and shapes, checked before anything is written ----------------------------------
     def _file_key(self, key: str, prefix: str) -> Optional[str]:

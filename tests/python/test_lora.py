@@ -2,7 +2,9 @@
 ``from_pretrained(..., peft_config=)`` equal PEFT's under the same seed and train with PEFT +
 torch AdamW's losses; the export loads in PEFT (``PeftModel.from_pretrained``) and, merged, in
 transformers (``from_pretrained``) with the engine's logits; an exported adapter continues; the
-command line trains and exports one, and refuses bad flag combinations in one line."""
+command line trains and exports one, and refuses bad flag combinations in one line. A LoRA
+checkpoint holds the adapters' state and the base's identity only, resumes exactly, refuses
+another base, and a version-2 checkpoint (every shard saved) still loads."""
 from __future__ import annotations
 
 import json
@@ -76,9 +78,9 @@ def _train_reference(model, steps: int = STEPS) -> list[float]:
     return losses
 
 
-def _train_engine(eng, steps: int = STEPS) -> list[float]:
+def _train_engine(eng, steps: int = STEPS, start: int = 0) -> list[float]:
     losses = []
-    for i in range(steps):
+    for i in range(start, start + steps):
         x = _ids(i)
         loss = eng(input_ids=x, labels=x).loss
         eng.backward(loss)
@@ -261,3 +263,77 @@ def test_cli_lora_needs_a_model(tmp_path):
     p = _cli("train", "--lora", "4", "--device", "cpu")
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(
         "--lora: needs --model DIR (adapters train over a pretrained model)"), p.stderr
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _engine(path: str, swap: str):
+    torch.manual_seed(3)
+    return pyinfinity.from_pretrained(path, _config(swap), peft_config=_lora())
+
+
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        straight = _train_engine(eng, 4)
+    with _engine(path, str(tmp_path / "s1")) as eng:
+        first = _train_engine(eng, 2)
+        saved = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        adapter_numel = sum(sh.numel for sh in eng.partition.shards if sh.trainable)
+        base_numel = sum(sh.numel for sh in eng.partition.shards if not sh.trainable)
+    with open(os.path.join(saved, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["version"] == 3 and set(meta["base"]) == {"config", "files"}
+    assert {e["kind"] for e in meta["entries"]} == {"optim"}
+    assert os.path.getsize(os.path.join(saved, "state.bin")) < 3 * 4 * adapter_numel + 4096 * len(meta["entries"])
+    assert base_numel > adapter_numel  # what was left out is most of the model
+    with _engine(path, str(tmp_path / "s2")) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        rest = _train_engine(eng, 2, start=2)
+    torch.testing.assert_close(first + rest, straight, rtol=1e-6, atol=0)
+
+
+def test_a_lora_checkpoint_refuses_another_base(model_dirs, tmp_path):
+    from pyinfinity.checkpoint import CheckpointError
+
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        _train_engine(eng, 1)
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    other = make_model_dir(str(tmp_path / "other"), "llama", seed=1)  # same config and file sizes, other values
+    with _engine(other, str(tmp_path / "s1")) as eng:
+        with pytest.raises(CheckpointError, match="other base weights.*safetensors files"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+    with open(os.path.join(other, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["rms_norm_eps"] = 1e-5
+    with open(os.path.join(other, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with _engine(other, str(tmp_path / "s2")) as eng:
+        with pytest.raises(CheckpointError, match="other base weights.*config.json"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_a_version_2_lora_checkpoint_with_the_base_still_loads(model_dirs, tmp_path):
+    from pyinfinity import checkpoint
+
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        _train_engine(eng, 2)
+        want = _eval_logits(eng)
+        saved = checkpoint.save(eng.state, str(tmp_path / "ckpt"))  # as version 2 wrote it: every shard
+    with open(os.path.join(saved, "meta.json")) as f:
+        meta = json.load(f)
+    assert "base" not in meta and "param" in {e["kind"] for e in meta["entries"]}
+    meta["version"] = 2
+    data = json.dumps(meta).encode()
+    with open(os.path.join(saved, "meta.json"), "wb") as f:
+        f.write(data)
+    with open(os.path.join(saved, checkpoint.CHECKSUMS_NAME)) as f:
+        sums = json.load(f)
+    sums["version"] = 2
+    sums["files"]["meta.json"] = {"nbytes": len(data), "crc32c": checkpoint._crc32c_bytes(data)}
+    with open(os.path.join(saved, checkpoint.CHECKSUMS_NAME), "w") as f:
+        json.dump(sums, f)
+    with _engine(path, str(tmp_path / "s1")) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        torch.testing.assert_close(_eval_logits(eng), want, rtol=0, atol=0)
