@@ -337,3 +337,47 @@ def test_a_version_2_lora_checkpoint_with_the_base_still_loads(model_dirs, tmp_p
     with _engine(path, str(tmp_path / "s1")) as eng:
         eng.load_checkpoint(str(tmp_path / "ckpt"))
         torch.testing.assert_close(_eval_logits(eng), want, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- the planner
+PLAN_MODEL = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _plan(tmp_path, *extra: str) -> dict:
+    cfg, out = tmp_path / "model.json", tmp_path / f"plan{len(extra)}.json"
+    cfg.write_text(json.dumps(PLAN_MODEL))
+    p = _cli("plan", "--model", str(cfg), "--device", "cpu", "--calibrate", "off", "--cpu-memory", "8GiB",
+             "--json", str(out), "-o", str(tmp_path / "cfg.json"), *extra)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text())["placement"]
+
+
+def test_plan_lora_charges_gradients_and_optimizer_for_the_adapters_only(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PLAN_MODEL))
+        n_base = sum(p.numel() for p in base.parameters())
+        wrapped = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    n_lora = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    full = _plan(tmp_path)
+    lora = _plan(tmp_path, "--lora", "8", "--lora-targets", "q_proj,v_proj")
+    total = lambda share: sum(share.values())  # noqa: E731
+    assert total(full["optimizer"]) == 12 * n_base  # fp32 master + two moments per parameter
+    assert total(lora["optimizer"]) == 12 * n_lora
+    assert total(lora["grads"]) <= 4 * n_lora  # a gradient buffer, if any, for the adapters alone
+    assert total(lora["params"]) == 2 * (n_base + n_lora)  # every parameter's stored (bf16) copy
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--lora-targets", "q_proj"], "--lora-targets: needs --lora"),
+    (["--lora", "8", "--measure", "3"], "--measure"),
+    (["--lora", "0"], "--lora: 0 must be >= 1"),
+])
+def test_plan_bad_lora_flags_are_one_line(tmp_path, flags, needle):
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps(PLAN_MODEL))
+    p = _cli("plan", "--model", str(cfg), "--device", "cpu", *flags)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr and needle in lines[-1], p.stderr
