@@ -47,20 +47,27 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
 
 
+def check_lora_config(cfg: Any, what: str) -> None:
+    """Refuses a PEFT config pyinfinity does not handle: non-LoRA methods, DoRA, LoRA biases and
+    PEFT's extra trainable copies (``modules_to_save``, ``trainable_token_indices``)."""
+    peft = require_peft()
+    if cfg.peft_type != peft.PeftType.LORA:
+        raise AdapterError(f"{what}: {cfg.peft_type.value}; pyinfinity handles LoRA adapters only")
+    if getattr(cfg, "use_dora", False):
+        raise AdapterError(f"{what}: DoRA (use_dora=True) is not handled by pyinfinity")
+    if getattr(cfg, "lora_bias", False):
+        raise AdapterError(f"{what}: lora_bias=True is not handled by pyinfinity")
+    if getattr(cfg, "modules_to_save", None) or getattr(cfg, "trainable_token_indices", None):
+        raise AdapterError(f"{what}: trains whole modules too (modules_to_save / trainable_token_indices), which "
+                           "pyinfinity does not handle")
+
+
 def check_lora(model: nn.Module, what: str) -> None:
-    """Refuses what pyinfinity does not handle: non-LoRA PEFT methods, DoRA, LoRA biases, LoRA on
-    layers other than Linear/Conv1D, and PEFT's extra trainable copies (``modules_to_save``)."""
+    """Refuses a PEFT model pyinfinity does not handle: each adapter's config (``check_lora_config``)
+    and LoRA on layers other than Linear/Conv1D."""
     peft = require_peft()
     for name, cfg in model.peft_config.items():
-        if cfg.peft_type != peft.PeftType.LORA:
-            raise AdapterError(f"{what}: adapter {name!r} is {cfg.peft_type.value}; pyinfinity handles LoRA adapters only")
-        if getattr(cfg, "use_dora", False):
-            raise AdapterError(f"{what}: adapter {name!r} uses DoRA (use_dora=True), which pyinfinity does not handle")
-        if getattr(cfg, "lora_bias", False):
-            raise AdapterError(f"{what}: adapter {name!r} has lora_bias=True, which pyinfinity does not handle")
-        if getattr(cfg, "modules_to_save", None) or getattr(cfg, "trainable_token_indices", None):
-            raise AdapterError(f"{what}: adapter {name!r} trains whole modules too (modules_to_save / "
-                               "trainable_token_indices), which pyinfinity does not handle")
+        check_lora_config(cfg, f"{what}: adapter {name!r}")
     for lname, layer in lora_layers(model).items():
         if type(layer) is not peft.tuners.lora.Linear:
             raise AdapterError(f"{what}: {lname} is a LoRA {type(layer).__name__}; pyinfinity handles LoRA on "
@@ -89,8 +96,7 @@ def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional
         peft_config.inference_mode = False
     elif not isinstance(peft_config, peft.PeftConfig):
         raise TypeError(f"peft_config: a peft.LoraConfig, got {type(peft_config).__name__}")
-    if peft_config.peft_type != peft.PeftType.LORA:
-        raise AdapterError(f"peft_config: {peft_config.peft_type.value}; pyinfinity handles LoRA adapters only")
+    check_lora_config(peft_config, "peft_config" if adapter is None else f"adapter {adapter}")
     if peft_config.init_lora_weights not in LORA_INITS:
         raise AdapterError(f"peft_config: init_lora_weights={peft_config.init_lora_weights!r} reads the base weights, "
                            f"which are not in memory here; use one of {list(LORA_INITS)}")
@@ -186,5 +192,6 @@ def base_config(model: nn.Module) -> Any:
     return getattr(model.get_base_model(), "config", None)
 
 
-__all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora", "build_peft_model",
+__all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
+           "build_peft_model",
            "merged_key", "lora_owner", "merge_weight", "base_config", "PEFT_PREFIX", "ADAPTER_CONFIG"]
