@@ -47,7 +47,9 @@ def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.
     if peft_model and not merge_adapters:
         files = _write_adapters(state, out_dir, names)
     elif peft_model:
-        lora = _adapter_values(state, names)
+        # the adapters (small) first, by their names in the base model; each base weight merged as it is read
+        lora = {k[len(adapters.PEFT_PREFIX):]: v for k, v in _adapter_values(state, names).items()}
+        base_model = state.model.get_base_model()
 
         def rename(key: str, t: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
             base_key = adapters.merged_key(key)
@@ -55,8 +57,7 @@ def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.
                 return None
             owner = adapters.lora_owner(key[len(adapters.PEFT_PREFIX):])
             if owner is not None:
-                t = adapters.merge_weight(state.model.get_base_model(), owner, t,
-                                          {k[len(adapters.PEFT_PREFIX):]: v for k, v in lora.items()})
+                t = adapters.merge_weight(base_model, owner, t, lora)
             return base_key, t
 
         buffers = {adapters.merged_key(k): v for k, v in buffers.items() if adapters.merged_key(k) is not None}

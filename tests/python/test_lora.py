@@ -381,3 +381,19 @@ def test_plan_bad_lora_flags_are_one_line(tmp_path, flags, needle):
     p = _cli("plan", "--model", str(cfg), "--device", "cpu", *flags)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and "Traceback" not in p.stderr and needle in lines[-1], p.stderr
+
+
+def test_cli_lora_run_saves_and_resumes(model_dirs, data_file, tmp_path):
+    path, ckpt = model_dirs["llama"], str(tmp_path / "ckpt")
+    run = ["train", "--model", path, "--data", data_file, "--lora", "4", "--steps", "2", "--seq", "32", "--batch",
+           "2", "--device", "cpu", "--offload", "nvme", "--nvme", str(tmp_path / "swap"), "--no-progress",
+           "--save", ckpt]
+    p = _cli(*run, "--stop-after", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(ckpt, "global_step1", "meta.json")) as f:
+        assert "base" in json.load(f)
+    p = _cli(*run, "--resume", ckpt, "--json", str(tmp_path / "run.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(tmp_path / "run.json") as f:
+        summary = json.load(f)["summary"]
+    assert (summary["steps"], summary["global_steps"]) == (1, 2)
