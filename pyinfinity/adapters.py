@@ -74,6 +74,17 @@ def check_lora(model: nn.Module, what: str) -> None:
                                "Linear (and GPT-2's Conv1D) layers only")
 
 
+def check_adapters_materialized(model: nn.Module) -> None:
+    """Refuses a PEFT model whose adapters are on the meta device (``get_peft_model`` over a base
+    built under ``init_empty`` leaves them there): initialised by their layers' own initialiser
+    they would not be PEFT's (B must start at zero)."""
+    for name, p in model.named_parameters():
+        if p.is_meta and any(part.startswith("lora_") for part in name.split(".")):
+            raise AdapterError(f"model: adapter weight {name} is on the meta device (PEFT puts new adapters on "
+                               "their base layer's device): build the model with pyinfinity.from_pretrained(DIR, "
+                               "config, peft_config=...), which makes them as PEFT does")
+
+
 # ------------------------------------------------------------------------------ building
 def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional[torch.dtype], *,
                      peft_config: Any = None, adapter: Union[str, os.PathLike, None] = None) -> tuple[nn.Module, Any]:
@@ -193,5 +204,6 @@ def base_config(model: nn.Module) -> Any:
 
 
 __all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
+           "check_adapters_materialized",
            "build_peft_model",
            "merged_key", "lora_owner", "merge_weight", "base_config", "PEFT_PREFIX", "ADAPTER_CONFIG"]

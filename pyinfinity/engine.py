@@ -149,10 +149,16 @@ class Engine:
         guards.check_not_wrapped(model)
         cfg = load_config(config)
         self.weights: Any = None  # pretrained.WeightLoader: names, shapes checked before anything is written
+        from pyinfinity import adapters
+
+        if adapters.is_peft_model(model):
+            adapters.check_adapters_materialized(model)
         if weights is not None:
             from pyinfinity.pretrained import WeightLoader
 
-            self.weights = weights if isinstance(weights, WeightLoader) else WeightLoader(weights, model)
+            if not isinstance(weights, WeightLoader):  # a PEFT model's checkpoint is its base model's
+                weights = WeightLoader(weights, model.get_base_model() if adapters.is_peft_model(model) else model)
+            self.weights = weights
         self.device = _resolve_device(cfg.pyinfinity.device)
         if self.device.type == "cuda":  # streams, pinned memory and the user's .cuda() follow it
             torch.cuda.set_device(self.device)

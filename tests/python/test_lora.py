@@ -397,3 +397,19 @@ def test_cli_lora_run_saves_and_resumes(model_dirs, data_file, tmp_path):
     with open(tmp_path / "run.json") as f:
         summary = json.load(f)["summary"]
     assert (summary["steps"], summary["global_steps"]) == (1, 2)
+
+
+def test_initialize_of_a_peft_model_with_weights_loads_the_base_and_refuses_meta_adapters(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    torch.manual_seed(5)
+    ref = peft.get_peft_model(_base(path), _lora())
+    torch.manual_seed(5)
+    model = peft.get_peft_model(_base(path), _lora())  # real weights; the engine reloads the base from the file
+    with pyinfinity.initialize(model, _config(str(tmp_path / "s0")), weights=path) as eng:
+        losses = _train_engine(eng, 2)
+    torch.testing.assert_close(losses, _train_reference(ref, 2), rtol=1e-5, atol=0)
+    from pyinfinity.pretrained import build_empty_model
+
+    empty = peft.get_peft_model(build_empty_model(path), _lora())
+    with pytest.raises(AdapterError, match="meta device.*peft_config"):
+        pyinfinity.initialize(empty, _config(str(tmp_path / "s1")), weights=path)
