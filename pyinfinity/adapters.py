@@ -128,6 +128,7 @@ def _init_adapters(model: nn.Module, rng: torch.Tensor) -> None:
     layer in module order; cast through the base layer's dtype to the dtype PEFT left them in."""
     after = torch.random.get_rng_state()
     torch.random.set_rng_state(rng)
+    replayed = None
     try:
         for layer in lora_layers(model).values():
             for name in list(layer.lora_A.keys()):
@@ -140,12 +141,12 @@ def _init_adapters(model: nn.Module, rng: torch.Tensor) -> None:
                 for mod, key in ((a, "A"), (b, "B")):
                     w = mod.weight.detach().to(base_dtype).to(old[key].dtype)
                     mod.weight = nn.Parameter(w, requires_grad=old[key].requires_grad)
+        replayed = torch.random.get_rng_state()
     finally:
-        now = torch.random.get_rng_state()
         torch.random.set_rng_state(after)
-        if not torch.equal(now, after):  # PEFT drew more or less than replayed: the values would differ
-            raise AdapterError("peft_config: PEFT initialised the adapters differently than pyinfinity replays it "
-                               f"(peft {require_peft().__version__}); this version is not supported")
+    if not torch.equal(replayed, after):  # PEFT drew more or less than replayed: the values would differ
+        raise AdapterError("peft_config: PEFT initialised the adapters differently than pyinfinity replays it "
+                           f"(peft {require_peft().__version__}); this version is not supported")
 
 
 def _load_adapter(model: nn.Module, adapter: str) -> None:
@@ -154,7 +155,12 @@ def _load_adapter(model: nn.Module, adapter: str) -> None:
     from peft.utils import load_peft_weights
 
     weights = load_peft_weights(adapter, device="cpu")
-    result = peft.set_peft_model_state_dict(model, weights, adapter_name="default")
+    try:
+        result = peft.set_peft_model_state_dict(model, weights, adapter_name="default")
+    except RuntimeError as exc:  # load_state_dict's shape mismatches, one per line
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise AdapterError(f"adapter {adapter}: its weights do not fit this model ({first}): it was trained on "
+                           "another architecture or size") from exc
     unexpected = [k for k in result.unexpected_keys if "lora_" in k]
     missing = [k for k in result.missing_keys if "lora_" in k]
     if unexpected or missing:

@@ -413,3 +413,11 @@ def test_initialize_of_a_peft_model_with_weights_loads_the_base_and_refuses_meta
     empty = peft.get_peft_model(build_empty_model(path), _lora())
     with pytest.raises(AdapterError, match="meta device.*peft_config"):
         pyinfinity.initialize(empty, _config(str(tmp_path / "s1")), weights=path)
+
+
+def test_an_adapter_of_another_model_size_is_a_clear_error(model_dirs, tmp_path):
+    bigger = make_model_dir(str(tmp_path / "bigger"), "llama", hidden=64)
+    with pyinfinity.from_pretrained(bigger, _config(str(tmp_path / "s0")), peft_config=_lora()) as eng:
+        eng.export(str(tmp_path / "adapter"))
+    with pytest.raises(AdapterError, match="do not fit this model"):
+        pyinfinity.from_pretrained(model_dirs["llama"], _config(str(tmp_path / "s1")), adapter=str(tmp_path / "adapter"))
