@@ -62,13 +62,10 @@ def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.
 
         buffers = {adapters.merged_key(k): v for k, v in buffers.items() if adapters.merged_key(k) is not None}
         files = _write_model(state, out_dir, names, buffers, rename)
-        cfg = adapters.base_config(state.model)
-        if cfg is not None and hasattr(cfg, "save_pretrained"):
-            cfg.save_pretrained(out_dir)
-            files.append(os.path.join(out_dir, "config.json"))
     else:
         files = _write_model(state, out_dir, names, buffers)
-        cfg = getattr(state.model, "config", None)
+    if merge_adapters or not peft_model:  # a model: its (base model's) transformers config goes along
+        cfg = adapters.base_config(state.model) if peft_model else getattr(state.model, "config", None)
         if cfg is not None and hasattr(cfg, "save_pretrained"):
             cfg.save_pretrained(out_dir)
             files.append(os.path.join(out_dir, "config.json"))
