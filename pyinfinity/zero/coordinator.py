@@ -121,6 +121,7 @@ class ParameterCoordinator:
         self.d2h_stream = torch.cuda.Stream(self.device) if self._cuda else None  # gradients off the device
         self.update_stream = torch.cuda.Stream(self.device) if self._cuda else None  # new values of resident units
         self._pending_grads: list[tuple[Any, torch.Tensor]] = []  # (D2H done event, device gradient kept alive)
+        self._held_no_grad: list[FlatShard] = []  # held by backward with no gradient to wait for (_unpack)
         self._stall_events: list[tuple[Any, Any]] = []
         self._transfer_events: list[tuple[Any, Any]] = []
         self._kept: list[tuple[Any, torch.Tensor]] = []  # pinned staging until its H2D copy ran
@@ -270,6 +271,7 @@ class ParameterCoordinator:
         for sh in self.partition.shards:
             if sh.grad_dev is not None and not sh.grad_done:
                 self._grad_complete(sh)
+        self._held_no_grad.clear()
         for sh in self.partition.shards:
             sh.grads_seen = 0
             sh.grad_done = False
@@ -291,6 +293,7 @@ class ParameterCoordinator:
 
     def release_all(self) -> None:
         """Releases every non-persistent shard (after the optimizer changed the homes)."""
+        self._held_no_grad.clear()
         for sh in self.partition.shards:
             sh.users = 0
             sh.backward_held = False
@@ -578,14 +581,32 @@ class ParameterCoordinator:
         if not isinstance(x, _ShardRef):
             return x
         sh = x.shard
+        self._release_passed(sh)
         self._use(sh)
         if sh.n_trainable and sh.grads_seen < sh.n_trainable:
             sh.backward_held = True
         self._complete(sh)
         if not sh.backward_held and sh.users == 0:
-            # frozen shard: keep it until end_backward (no grad will release it)
+            # no gradient of this backward releases it (a frozen shard, or its gradients are in): held
+            # while backward stays in its unit, released when it moves on (_release_passed)
             sh.backward_held = True
+            self._held_no_grad.append(sh)
         return sh.buffer.as_strided(x.size, x.stride, sh.buffer.storage_offset() + x.offset)
+
+    def _release_passed(self, cur: FlatShard) -> None:
+        """Backward reached ``cur``'s unit: the shards held without a gradient to wait for (frozen
+        weights) of the units it has left are released, so a frozen base streams through backward
+        as through forward instead of piling up on the device. One needed again is fetched again."""
+        if not self._held_no_grad:
+            return
+        keep = []
+        for sh in self._held_no_grad:
+            if sh is cur or sh.owner is cur.owner:
+                keep.append(sh)
+            elif sh.backward_held:
+                sh.backward_held = False
+                self._maybe_evict(sh)
+        self._held_no_grad = keep
 
     # gradients ---------------------------------------------------------------------------
     def _collect(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:

@@ -331,6 +331,37 @@ def test_frozen_parameters_stay_and_the_rest_matches_torch(tiny_lm, lm_batches, 
         torch.testing.assert_close(sd[name], p.detach(), rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_frozen_units_stream_through_backward_within_the_device_budget(engine_config):
+    """Backward needs a frozen unit's weights (for the gradient of its input) but gives it no
+    gradient: it is released when backward moves on to another unit, so frozen weights stream
+    through backward as through forward. Seven frozen layers after a trainable one, under a
+    device budget of three layers: held until the end of backward they would not fit."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(8)]
+    model = torch.nn.Sequential(*[m for lin in layers for m in (lin, torch.nn.Tanh())])
+    for lin in layers[1:]:
+        lin.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref[0].parameters(), lr=1e-2, weight_decay=0.01)
+    layer_bytes = (64 * 64 + 64) * 4
+    cfg = engine_config("nvme", zero_optimization={"stage3_prefetch_bucket_size": 0},
+                        pyinfinity={"device": "cpu", "device_memory": 3 * layer_bytes})
+    g = torch.Generator().manual_seed(1)
+    with pyinfinity.initialize(model, cfg) as eng:
+        for _ in range(3):
+            x = torch.randn(4, 64, generator=g)
+            loss = eng(x).square().mean()
+            eng.backward(loss)
+            eng.step()
+            rl = ref(x).square().mean()
+            rl.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, rl, rtol=1e-5, atol=0)
+        assert max(r.peak_device_bytes for r in eng.history) <= 3 * layer_bytes
+        assert eng.history[-1].bytes_moved["device.d2h"] == layer_bytes  # the trainable layer's gradient only
+
+
 def test_ctrl_c_removes_swap_files(tmp_path):
     import signal
     import subprocess

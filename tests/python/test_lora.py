@@ -185,6 +185,25 @@ def test_a_bf16_base_stays_bf16_and_the_adapters_are_fp32(tmp_path):
         _train_engine(eng, 1)
 
 
+def test_a_frozen_base_streams_through_backward_under_a_budget_a_quarter_its_size(tmp_path):
+    """Parameters on NVMe, one unit per module, a device budget of a quarter of the bf16 base:
+    backward releases each frozen unit as it moves on (held to the end of backward, most of the
+    base would be on the device at once), and the step holds no more than the budget."""
+    src = make_model_dir(str(tmp_path / "fp32"), "llama", hidden=64, layers=6)
+    path = str(tmp_path / "bf16")
+    _base(src, dtype=torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    cap = 128 << 10
+    cfg = _config(str(tmp_path / "swap"))
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    cfg["pyinfinity"].update(device_memory=cap, unit_bytes=0)
+    with pyinfinity.from_pretrained(path, cfg, peft_config=_lora(r=4)) as eng:
+        base = sum(sh.nbytes for sh in eng.partition.shards if not sh.trainable)
+        assert base > 4 * cap
+        losses = _train_engine(eng, 3)
+        assert max(r.peak_device_bytes for r in eng.history) <= cap
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
 def test_bad_adapter_setups_are_clear_errors(model_dirs, tmp_path, monkeypatch):
     path = model_dirs["llama"]
     cfg = _config(str(tmp_path / "swap"))
