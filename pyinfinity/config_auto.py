@@ -47,6 +47,11 @@ class ModelSizes:
     largest_module_bytes: int  # the most parameter bytes one module call needs at once
     persistent_bytes: int = 0  # shards kept resident by stage3_param_persistence_threshold
     small_shard_bytes: int = 0  # bytes of shards of at most 1e5 elements (DeepSpeed's default threshold)
+    trainable: Optional[int] = None  # elements with requires_grad (they alone get optimizer state); None: all
+
+    @property
+    def trainable_numel(self) -> int:
+        return self.numel if self.trainable is None else self.trainable
 
 
 @dataclass
@@ -216,7 +221,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
         out.append(AutoDecision("pyinfinity.unit_bytes", e.unit_bytes, "a quarter of the model, an eighth of the device"))
     if z.offload_param.device == "nvme" or z.offload_optimizer.device == "nvme":
         need = (sizes.param_bytes if z.offload_param.device == "nvme" else 0) + \
-               (int(sizes.numel * 12 * z.offload_optimizer.ratio) if z.offload_optimizer.device == "nvme" else 0)
+               (int(sizes.trainable_numel * 12 * z.offload_optimizer.ratio) if z.offload_optimizer.device == "nvme"
+                else 0)
         if budgets.nvme_free and need > budgets.nvme_free:
             raise ConfigError(f"nvme_path: needs {format_size(need)} of swap, {format_size(budgets.nvme_free)} "
                               f"free at {', '.join(c.nvme_paths)}; add {format_size(need - budgets.nvme_free)} "

@@ -501,14 +501,17 @@ def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
         op.device]
     param_nvme = sizes.param_bytes - param_ram if op.device == "nvme" else 0
     ratio = oo.ratio if oo.device == "nvme" else 0.0
-    optim_nvme = min(sizes.numel * 12, int(sizes.numel * 12 * ratio) + 6 * sizes.largest_shard_bytes) if ratio else 0
-    optim_ram = sizes.numel * 12 - int(sizes.numel * 12 * ratio)
+    # optimizer state and gradients for the trainable parameters only: a frozen one costs its home
+    train = getattr(sizes, "trainable_numel", sizes.numel)
+    optim_nvme = min(train * 12, int(train * 12 * ratio) + 6 * sizes.largest_shard_bytes) if ratio else 0
+    optim_ram = train * 12 - int(train * 12 * ratio)
     # gradients on the host: they land in the parameter homes in RAM (the step rewrites those); homes
-    # on NVMe or on the device need a buffer of their own; accumulation keeps an fp32 sum
+    # on NVMe or on the device need a buffer of their own (at most the trainable parameters' bytes);
+    # accumulation keeps an fp32 sum
     if int(cfg.gradient_accumulation_steps) > 1:
-        grads = sizes.numel * 4
+        grads = train * 4
     else:
-        grads = param_nvme + (sizes.param_bytes if op.device == "none" else 0)
+        grads = min(param_nvme + (sizes.param_bytes if op.device == "none" else 0), train * itemsize)
     missing = []
     host = cfg.pyinfinity.host_memory
     ram_need = param_ram + optim_ram + grads

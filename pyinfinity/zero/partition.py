@@ -203,7 +203,7 @@ def parameter_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) ->
     """The model's parameter counts and bytes in the compute dtype, per module, before it is
     partitioned: what the config's "auto" values and the swap-space checks need
     (``config.ModelSizes``). ``threshold``: ``stage3_param_persistence_threshold``."""
-    numel = pbytes = largest = largest_mod = persistent = small = 0
+    numel = pbytes = largest = largest_mod = persistent = small = trainable = 0
     seen: set[int] = set()
     thr = threshold if isinstance(threshold, int) else 0
     for module in model.modules():
@@ -217,6 +217,7 @@ def parameter_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) ->
                 continue
             seen.add(id(p))
             numel += p.numel()
+            trainable += p.numel() if p.requires_grad else 0
             pbytes += nb
             by_dtype[dt] = by_dtype.get(dt, 0) + p.numel()
         for dt, n in by_dtype.items():
@@ -229,7 +230,7 @@ def parameter_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) ->
         largest_mod = max(largest_mod, mod_bytes)
     return ModelSizes(numel=numel, param_bytes=pbytes, largest_shard_bytes=largest,
                       largest_module_bytes=largest_mod, persistent_bytes=persistent,
-                      small_shard_bytes=small)
+                      small_shard_bytes=small, trainable=trainable)
 
 
 def partition_model(
@@ -238,7 +239,7 @@ def partition_model(
     fp16: bool = False,
     bf16: bool = False,
     persistence_threshold: int = 0,
-    on_shard: Callable[[FlatShard, torch.Tensor, torch.Tensor], None],
+    on_shard: Callable[[FlatShard, torch.Tensor, Optional[torch.Tensor]], None],
     device: torch.device = torch.device("cpu"),
     unit_bytes: int = 0,
     materialize: Callable[[nn.Module, Optional[nn.Module], dict[int, nn.Parameter]], None] = materialize_module,
@@ -249,8 +250,8 @@ def partition_model(
     (in the compute dtype) is one unit with all of its subtree's parameters; other modules with
     parameters of their own are a unit of those alone (``unit_bytes`` 0: one unit per module).
     For each shard, ``on_shard(shard, flat_compute, flat_fp32)`` is called once with the shard's
-    data in the compute dtype and in fp32 (the master copy, taken before any cast); the callback
-    places them in their tiers. Afterwards every parameter's ``.data`` is a placeholder, so the
+    data in the compute dtype and in fp32 (the master copy, taken before any cast; None for a
+    frozen shard in another dtype, which gets no master); the callback places them in their tiers. Afterwards every parameter's ``.data`` is a placeholder, so the
     model's own copy is freed unit by unit. Meta parameters (``init_empty``) are given storage one
     module at a time, just before their unit is partitioned, by ``materialize(module, model,
     replaced)`` (default: initialised; ``pretrained.WeightLoader``: read from a checkpoint).
@@ -297,12 +298,15 @@ def partition_model(
                     part.param_slice[id(s.param)] = (shard, s)
                     s.param.data = placeholder(dtype, device)
                 continue
-            flat32 = torch.empty(offset, dtype=torch.float32)
-            flat = torch.empty(offset, dtype=dtype) if dtype != torch.float32 else flat32
+            # a frozen shard has no fp32 master: its copy in the compute dtype is all it costs
+            trainable = any(s.requires_grad for s in slices)
+            flat32 = torch.empty(offset, dtype=torch.float32) if trainable or dtype == torch.float32 else None
+            flat = flat32 if flat32 is not None and dtype == torch.float32 else torch.empty(offset, dtype=dtype)
             with torch.no_grad():
                 for s in slices:
                     src = s.param.data.reshape(-1)
-                    flat32[s.offset:s.offset + s.numel].copy_(src)
+                    if flat32 is not None:
+                        flat32[s.offset:s.offset + s.numel].copy_(src)
                     if flat is not flat32:
                         flat[s.offset:s.offset + s.numel].copy_(src)
             for s in slices:

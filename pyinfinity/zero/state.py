@@ -90,7 +90,7 @@ class TrainingState:
         self._swap_engines: dict[str, Any] = {}
         op, oo = z.offload_param, z.offload_optimizer
         param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * max(1, sizes.param_bytes // max(1, sizes.numel)))
-        optim_ram = sizes.numel * 12 * (1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
+        optim_ram = sizes.trainable_numel * 12 * (1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
         self.ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
         try:
@@ -192,7 +192,7 @@ class TrainingState:
                                                   queue_depth=a.queue_depth, threads=a.thread_count)
         return self._swap_engines[name]
 
-    def _place_shard(self, shard: FlatShard, flat: torch.Tensor, flat32: torch.Tensor) -> None:
+    def _place_shard(self, shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> None:
         tier = self._param_tier
         if tier == Tier.NVME and self._cpu_params_left >= shard.numel:
             self._cpu_params_left -= shard.numel

@@ -204,6 +204,23 @@ def test_a_frozen_base_streams_through_backward_under_a_budget_a_quarter_its_siz
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
+def test_the_frozen_base_needs_no_optimizer_ram(model_dirs, tmp_path):
+    """The host RAM the engine checks at start counts optimizer state (12 bytes a parameter) for
+    the adapters only: a budget that holds the base and the adapters' state is enough, where
+    state for every parameter would need four times the base."""
+    path = model_dirs["llama"]
+    cfg = _config(str(tmp_path / "swap"))
+    cfg["zero_optimization"]["offload_param"]["device"] = "cpu"
+    cfg["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
+    with pyinfinity.from_pretrained(path, cfg, peft_config=_lora()) as eng:
+        base = sum(sh.nbytes for sh in eng.partition.shards if not sh.trainable)
+        adapters = sum(sh.numel for sh in eng.partition.shards if sh.trainable)
+    cfg["pyinfinity"]["host_memory"] = base + 12 * adapters + (64 << 10)
+    assert cfg["pyinfinity"]["host_memory"] < 2 * base
+    with pyinfinity.from_pretrained(path, cfg, peft_config=_lora()) as eng:
+        assert _train_engine(eng, 1)
+
+
 def test_bad_adapter_setups_are_clear_errors(model_dirs, tmp_path, monkeypatch):
     path = model_dirs["llama"]
     cfg = _config(str(tmp_path / "swap"))

@@ -13,7 +13,7 @@ def _partition(model, **kw):
     got = {}
 
     def on_shard(shard, flat, flat32):
-        got[shard.index] = (flat.clone(), flat32.clone())
+        got[shard.index] = (flat.clone(), None if flat32 is None else flat32.clone())
 
     part = partition_model(model, on_shard=on_shard, **kw)
     return part, got
@@ -53,6 +53,21 @@ def test_half_compute_keeps_fp32_master_exact(tiny_lm, flag, dtype):
             assert sl.orig_dtype == torch.float32
             torch.testing.assert_close(flat32[sl.offset:sl.offset + sl.numel].view(sl.shape), before[sl.name],
                                        rtol=0, atol=0)
+
+
+def test_a_frozen_shard_gets_no_fp32_master():
+    """A frozen bf16 base costs its stored copy: no fp32 copy is made of it; a trainable one's
+    master is exact, and a frozen fp32 shard's values are their own master."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 4).to(torch.bfloat16),
+                                torch.nn.Linear(4, 4))
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    part, got = _partition(model)
+    (f0, m0), (f1, m1), (f2, m2) = (got[sh.index] for sh in part.shards)
+    assert m0 is None and f0.dtype == torch.bfloat16
+    assert m1.dtype == torch.float32 and torch.equal(m1[:16].view(4, 4), before["1.weight"].float())
+    assert m2 is not None and torch.equal(f2, m2) and torch.equal(f2[:16].view(4, 4), before["2.weight"])
 
 
 def test_tied_parameter_has_one_shard_needed_by_both_modules(tiny_lm):
