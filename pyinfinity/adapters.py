@@ -204,6 +204,24 @@ def merge_weight(model: nn.Module, layer_name: str, weight: torch.Tensor,
     return out.to(weight.dtype)
 
 
+# the fields of a LoRA config that change what trains: a checkpoint records them, a resume under
+# others is refused (r and the targets change the shards too; alpha, dropout and rslora only the result)
+TRAINING_FIELDS = ("r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "exclude_modules",
+                   "rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern", "fan_in_fan_out", "bias")
+
+
+def training_identity(model: nn.Module) -> dict[str, dict]:
+    """Each adapter's ``TRAINING_FIELDS``, JSON-ready (sets sorted), by adapter name."""
+    out = {}
+    for name, cfg in model.peft_config.items():
+        d = {}
+        for key in TRAINING_FIELDS:
+            v = getattr(cfg, key, None)
+            d[key] = sorted(v) if isinstance(v, (set, frozenset)) else list(v) if isinstance(v, tuple) else v
+        out[name] = d
+    return out
+
+
 def base_config(model: nn.Module) -> Any:
     """The transformers config of a PEFT model's base model (or None)."""
     return getattr(model.get_base_model(), "config", None)
@@ -212,4 +230,5 @@ def base_config(model: nn.Module) -> Any:
 __all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
            "check_adapters_materialized",
            "build_peft_model",
-           "merged_key", "lora_owner", "merge_weight", "base_config", "PEFT_PREFIX", "ADAPTER_CONFIG"]
+           "merged_key", "lora_owner", "merge_weight", "base_config", "training_identity", "PEFT_PREFIX",
+           "ADAPTER_CONFIG", "TRAINING_FIELDS"]

@@ -332,6 +332,16 @@ def _check_base(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
         raise CheckpointError(f"checkpoint {path!r} holds the trained parameters only (its frozen base is the pretrained "
                               f"weights {sorted(saved.get('files', {}))}): load it into an engine built from those "
                               "weights (from_pretrained of the same model directory)")
+    if "adapters" not in saved:  # recorded since version 3 checkpoints check them
+        mine = {k: v for k, v in mine.items() if k != "adapters"}
+    if saved.get("adapters") != mine.get("adapters"):
+        theirs, here = saved.get("adapters") or {}, mine.get("adapters") or {}
+        diff = [f"adapter {n!r} {k} {(here.get(n) or {}).get(k)!r} here, {(theirs.get(n) or {}).get(k)!r} then"
+                for n in sorted(set(theirs) | set(here))
+                for k in sorted(set(theirs.get(n) or {}) | set(here.get(n) or {}))
+                if (theirs.get(n) or {}).get(k) != (here.get(n) or {}).get(k)]
+        raise CheckpointError(f"checkpoint {path!r} trained its adapters with another config: {'; '.join(diff[:4])}; "
+                              "resume with the adapter config it was saved with")
     if saved != mine:
         what = ("config.json" if saved.get("config") != mine.get("config")
                 else "safetensors files (names, sizes, first bytes)")

@@ -533,7 +533,12 @@ class Engine:
         w = self.weights
         if w is None or not w.complete or all(self.optimizer.state_of(sh) is not None for sh in self.partition.shards):
             return None
-        return w.identity()
+        identity = w.identity()
+        from pyinfinity import adapters
+
+        if adapters.is_peft_model(self.module):  # what trains over that base: a resume must train the same
+            identity["adapters"] = adapters.training_identity(self.module)
+        return identity
 
     def export(self, out_dir: str, *, merge_adapters: bool = False) -> list[str]:
         """Writes the trained weights as a consolidated safetensors state dict loadable by the

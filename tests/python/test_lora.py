@@ -318,7 +318,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_dir
         base_numel = sum(sh.numel for sh in eng.partition.shards if not sh.trainable)
     with open(os.path.join(saved, "meta.json")) as f:
         meta = json.load(f)
-    assert meta["version"] == 3 and set(meta["base"]) == {"config", "files"}
+    assert meta["version"] == 3 and set(meta["base"]) == {"config", "files", "adapters"}
     assert {e["kind"] for e in meta["entries"]} == {"optim"}
     assert os.path.getsize(os.path.join(saved, "state.bin")) < 3 * 4 * adapter_numel + 4096 * len(meta["entries"])
     assert base_numel > adapter_numel  # what was left out is most of the model
@@ -347,6 +347,45 @@ def test_a_lora_checkpoint_refuses_another_base(model_dirs, tmp_path):
     with _engine(other, str(tmp_path / "s2")) as eng:
         with pytest.raises(CheckpointError, match="other base weights.*config.json"):
             eng.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def _rewrite_meta(saved: str, change) -> None:
+    """meta.json edited by ``change`` and checksums.json made to match it (as an older writer made it)."""
+    from pyinfinity import checkpoint
+
+    with open(os.path.join(saved, "meta.json")) as f:
+        meta = json.load(f)
+    change(meta)
+    data = json.dumps(meta).encode()
+    with open(os.path.join(saved, "meta.json"), "wb") as f:
+        f.write(data)
+    with open(os.path.join(saved, checkpoint.CHECKSUMS_NAME)) as f:
+        sums = json.load(f)
+    sums["files"]["meta.json"] = {"nbytes": len(data), "crc32c": checkpoint._crc32c_bytes(data)}
+    with open(os.path.join(saved, checkpoint.CHECKSUMS_NAME), "w") as f:
+        json.dump(sums, f)
+
+
+def test_a_lora_checkpoint_refuses_another_adapter_config(model_dirs, tmp_path):
+    """lora_alpha (or dropout, rslora) changes no shard, only what trains: a resume under another
+    value is refused in one line naming it. A checkpoint written before the adapters' config was
+    recorded loads as before."""
+    from pyinfinity.checkpoint import CheckpointError
+
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        _train_engine(eng, 1)
+        saved = eng.save_checkpoint(str(tmp_path / "ckpt"))
+    with open(os.path.join(saved, "meta.json")) as f:
+        assert json.load(f)["base"]["adapters"]["default"]["lora_alpha"] == 8
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "s1")), peft_config=_lora(lora_alpha=32)) as eng:
+        with pytest.raises(CheckpointError) as info:
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert "\n" not in str(info.value) and "adapter 'default' lora_alpha 32 here, 8 then" in str(info.value)
+        assert _train_engine(eng, 1)  # nothing was loaded
+    _rewrite_meta(saved, lambda meta: meta["base"].pop("adapters"))
+    with _engine(path, str(tmp_path / "s2")) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
 
 
 def test_a_version_2_lora_checkpoint_with_the_base_still_loads(model_dirs, tmp_path):
