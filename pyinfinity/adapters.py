@@ -74,6 +74,34 @@ def check_lora(model: nn.Module, what: str) -> None:
                                "Linear (and GPT-2's Conv1D) layers only")
 
 
+def checkpoint_keys(base_model: nn.Module) -> dict[str, Optional[str]]:
+    """The ``WeightLoader`` key map of a base model PEFT has wrapped (``PeftModel.get_base_model()``):
+    each state-dict key -> the name the base checkpoint gives that tensor, or None for one it does
+    not hold (a LoRA weight: it keeps its values). A LoRA layer's wrapped layer drops its
+    ``base_layer`` from the name (``q_proj.base_layer.weight`` -> ``q_proj.weight``)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: dict[str, Optional[str]] = {}
+
+    def join(a: str, b: str) -> str:
+        return f"{a}.{b}" if a else b
+
+    def walk(module: nn.Module, key: str, base: Optional[str]) -> None:
+        tuner = isinstance(module, BaseTunerLayer)
+        tensors = list(module._parameters.items()) + [(n, b) for n, b in module._buffers.items()
+                                                      if n not in module._non_persistent_buffers_set]
+        for name, t in tensors:
+            if t is not None:
+                out[join(key, name)] = None if tuner or base is None else join(base, name)
+        for name, child in module._modules.items():
+            if child is not None:
+                keep = base is not None and (not tuner or name == "base_layer")
+                walk(child, join(key, name), (base if tuner else join(base, name)) if keep else None)
+
+    walk(base_model, "", "")
+    return {k: v for k, v in out.items() if k != v}
+
+
 def check_adapters_materialized(model: nn.Module) -> None:
     """Refuses a PEFT model whose adapters are on the meta device (``get_peft_model`` over a base
     built under ``init_empty`` leaves them there): initialised by their layers' own initialiser
@@ -228,7 +256,7 @@ def base_config(model: nn.Module) -> Any:
 
 
 __all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
-           "check_adapters_materialized",
+           "check_adapters_materialized", "checkpoint_keys",
            "build_peft_model",
            "merged_key", "lora_owner", "merge_weight", "base_config", "training_identity", "PEFT_PREFIX",
            "ADAPTER_CONFIG", "TRAINING_FIELDS"]

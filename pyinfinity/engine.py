@@ -157,7 +157,11 @@ class Engine:
             from pyinfinity.pretrained import WeightLoader
 
             if not isinstance(weights, WeightLoader):  # a PEFT model's checkpoint is its base model's
-                weights = WeightLoader(weights, model.get_base_model() if adapters.is_peft_model(model) else model)
+                if adapters.is_peft_model(model):
+                    base = model.get_base_model()
+                    weights = WeightLoader(weights, base, key_map=adapters.checkpoint_keys(base))
+                else:
+                    weights = WeightLoader(weights, model)
             self.weights = weights
         self.device = _resolve_device(cfg.pyinfinity.device)
         if self.device.type == "cuda":  # streams, pinned memory and the user's .cuda() follow it

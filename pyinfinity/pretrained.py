@@ -231,8 +231,13 @@ class WeightLoader:
     """Materialiser for ``partition_model`` that fills each module's parameters (and persistent
     buffers) from a safetensors checkpoint; see the module docstring."""
 
-    def __init__(self, path: Union[str, os.PathLike], model: nn.Module) -> None:
+    def __init__(self, path: Union[str, os.PathLike], model: nn.Module,
+                 key_map: Optional[dict[str, Optional[str]]] = None) -> None:
+        """``key_map``: state-dict keys of ``model`` that the checkpoint names otherwise -> its
+        name, or None for a tensor the checkpoint does not hold and that keeps its values (the
+        LoRA weights and wrapper names of a base model PEFT has wrapped, ``adapters.checkpoint_keys``)."""
         self.path = os.path.abspath(os.fspath(path))
+        self.key_map = dict(key_map or {})
         self.tensors = checkpoint_tensors(self.path)
         self.report = LoadReport()
         self._source: dict[int, TensorInfo] = {}  # id(param) -> where its values are
@@ -271,6 +276,7 @@ class WeightLoader:
 
     # -- names and shapes, checked before anything is written ----------------------------------
     def _file_key(self, key: str, prefix: str) -> Optional[str]:
+        key = self.key_map.get(key) or key
         if key in self.tensors:
             return key
         if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in self.tensors:
@@ -283,6 +289,8 @@ class WeightLoader:
         params: dict[int, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
         for key, val in model.state_dict(keep_vars=True).items():
+            if key in self.key_map and self.key_map[key] is None:
+                continue  # not the checkpoint's (an adapter): keeps its values
             if isinstance(val, nn.Parameter):
                 keys_by_param.setdefault(id(val), []).append(key)
                 params[id(val)] = val

@@ -490,6 +490,32 @@ def test_initialize_of_a_peft_model_with_weights_loads_the_base_and_refuses_meta
         pyinfinity.initialize(empty, _config(str(tmp_path / "s1")), weights=path)
 
 
+def test_initialize_reads_the_layers_peft_wrapped_from_the_checkpoint(model_dirs, tmp_path):
+    """``initialize(peft_model, config, weights=DIR)`` reads every base weight from DIR, those of
+    the layers PEFT wrapped too (``q_proj.base_layer.weight`` is the file's ``q_proj.weight``),
+    whatever the user's model held: here zeros. Nothing is missing or unexpected, and a
+    checkpoint of the run leaves the base out."""
+    path = model_dirs["llama"]
+    base = _base(path)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.zero_()
+    model = peft.get_peft_model(base, _lora())
+    x = _ids(4)
+    with torch.no_grad():
+        want = _base(path).eval()(input_ids=x).logits
+    with pyinfinity.initialize(model, _config(str(tmp_path / "s0")), weights=path) as eng:
+        assert eng.weights.report.missing == [] and eng.weights.report.unexpected == []
+        eng.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(eng(input_ids=x).logits, want, rtol=0, atol=0)  # B = 0: the base's
+        eng.train()
+        _train_engine(eng, 1)
+        saved = eng.save_checkpoint(str(tmp_path / "ckpt"))
+    with open(os.path.join(saved, "meta.json")) as f:
+        assert {e["kind"] for e in json.load(f)["entries"]} == {"optim"}
+
+
 def test_an_adapter_of_another_model_size_is_a_clear_error(model_dirs, tmp_path):
     bigger = make_model_dir(str(tmp_path / "bigger"), "llama", hidden=64)
     with pyinfinity.from_pretrained(bigger, _config(str(tmp_path / "s0")), peft_config=_lora()) as eng:
