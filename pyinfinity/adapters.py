@@ -13,7 +13,7 @@ the engine's ``WeightLoader``, built on the unwrapped base (whose parameters PEF
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
+from typing import Any, Container, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -49,7 +49,8 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def check_lora_config(cfg: Any, what: str) -> None:
     """Refuses a PEFT config pyinfinity does not handle: non-LoRA methods, DoRA, LoRA biases and
-    PEFT's extra trainable copies (``modules_to_save``, ``trainable_token_indices``)."""
+    PEFT's trainable token rows (``trainable_token_indices``). ``modules_to_save`` (whole modules
+    trained as copies of the base's) is handled."""
     peft = require_peft()
     if cfg.peft_type != peft.PeftType.LORA:
         raise AdapterError(f"{what}: {cfg.peft_type.value}; pyinfinity handles LoRA adapters only")
@@ -57,9 +58,9 @@ def check_lora_config(cfg: Any, what: str) -> None:
         raise AdapterError(f"{what}: DoRA (use_dora=True) is not handled by pyinfinity")
     if getattr(cfg, "lora_bias", False):
         raise AdapterError(f"{what}: lora_bias=True is not handled by pyinfinity")
-    if getattr(cfg, "modules_to_save", None) or getattr(cfg, "trainable_token_indices", None):
-        raise AdapterError(f"{what}: trains whole modules too (modules_to_save / trainable_token_indices), which "
-                           "pyinfinity does not handle")
+    if getattr(cfg, "trainable_token_indices", None):
+        raise AdapterError(f"{what}: trains rows of the embedding (trainable_token_indices), which pyinfinity does "
+                           "not handle")
 
 
 def check_lora(model: nn.Module, what: str) -> None:
@@ -74,29 +75,55 @@ def check_lora(model: nn.Module, what: str) -> None:
                                "Linear (and GPT-2's Conv1D) layers only")
 
 
+def saved_copies(model: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+    """``modules_to_save``: every parameter of the trained copies PEFT made of whole modules, as
+    (adapter name, the copy's parameter, the original's parameter it copies)."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, ModulesToSaveWrapper):
+            orig = dict(m.original_module.named_parameters())
+            for name, copy in m.modules_to_save.items():
+                out += [(name, p, orig[k]) for k, p in copy.named_parameters()]
+    return out
+
+
 def checkpoint_keys(base_model: nn.Module) -> dict[str, Optional[str]]:
     """The ``WeightLoader`` key map of a base model PEFT has wrapped (``PeftModel.get_base_model()``):
     each state-dict key -> the name the base checkpoint gives that tensor, or None for one it does
     not hold (a LoRA weight: it keeps its values). A LoRA layer's wrapped layer drops its
-    ``base_layer`` from the name (``q_proj.base_layer.weight`` -> ``q_proj.weight``)."""
+    ``base_layer`` from the name (``q_proj.base_layer.weight`` -> ``q_proj.weight``), a module
+    PEFT trains a copy of (``modules_to_save``) its ``original_module``; a copy that has no values
+    yet (meta) starts from the original's tensor, one that has keeps them."""
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
 
     out: dict[str, Optional[str]] = {}
 
     def join(a: str, b: str) -> str:
         return f"{a}.{b}" if a else b
 
-    def walk(module: nn.Module, key: str, base: Optional[str]) -> None:
+    def walk(module: nn.Module, key: str, base: Optional[str], copy: bool = False) -> None:
         tuner = isinstance(module, BaseTunerLayer)
         tensors = list(module._parameters.items()) + [(n, b) for n, b in module._buffers.items()
                                                       if n not in module._non_persistent_buffers_set]
         for name, t in tensors:
             if t is not None:
-                out[join(key, name)] = None if tuner or base is None else join(base, name)
+                has_values = copy and not t.is_meta
+                out[join(key, name)] = None if tuner or base is None or has_values else join(base, name)
         for name, child in module._modules.items():
-            if child is not None:
-                keep = base is not None and (not tuner or name == "base_layer")
-                walk(child, join(key, name), (base if tuner else join(base, name)) if keep else None)
+            if child is None:
+                continue
+            if isinstance(module, ModulesToSaveWrapper):
+                if name == "original_module":
+                    walk(child, join(key, name), base)
+                elif name == "modules_to_save":
+                    for aname, c in child._modules.items():
+                        walk(c, join(join(key, name), aname), base, copy=True)
+                continue
+            keep = base is not None and (not tuner or name == "base_layer")
+            walk(child, join(key, name), (base if tuner else join(base, name)) if keep else None, copy)
 
     walk(base_model, "", "")
     return {k: v for k, v in out.items() if k != v}
@@ -146,8 +173,25 @@ def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional
     check_lora(model, "peft_config")
     _init_adapters(model, rng)
     if adapter is not None:
+        _give_copies_storage(model)  # PEFT copied meta tensors: the adapter's values go here
         _load_adapter(model, adapter)
+    else:
+        for _, p, orig in saved_copies(model):  # a new copy starts from the tensor it copies, as PEFT's does
+            loader.alias(p, orig)
     return model, loader
+
+
+def _give_copies_storage(model: nn.Module) -> None:
+    """CPU storage for the trained copies (``modules_to_save``) still on the meta device."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for m in model.modules():
+        if isinstance(m, ModulesToSaveWrapper):
+            for sub in m.modules_to_save.modules():
+                for name, p in list(sub._parameters.items()):
+                    if p is not None and p.is_meta:
+                        sub._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                             requires_grad=p.requires_grad)
 
 
 def _init_adapters(model: nn.Module, rng: torch.Tensor) -> None:
@@ -189,8 +233,8 @@ def _load_adapter(model: nn.Module, adapter: str) -> None:
         first = str(exc).strip().splitlines()[-1].strip()
         raise AdapterError(f"adapter {adapter}: its weights do not fit this model ({first}): it was trained on "
                            "another architecture or size") from exc
-    unexpected = [k for k in result.unexpected_keys if "lora_" in k]
-    missing = [k for k in result.missing_keys if "lora_" in k]
+    unexpected = [k for k in result.unexpected_keys if "lora_" in k or ".modules_to_save." in k]
+    missing = [k for k in result.missing_keys if "lora_" in k or ".modules_to_save." in k]
     if unexpected or missing:
         raise AdapterError(f"adapter {adapter}: its weights do not fit this model "
                            f"({len(missing)} missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, e.g. "
@@ -198,15 +242,38 @@ def _load_adapter(model: nn.Module, adapter: str) -> None:
 
 
 # ------------------------------------------------------------------------------ export
-def merged_key(key: str) -> Optional[str]:
-    """The base model's name for a PEFT state-dict key, or None for an adapter weight (merged
-    into its base layer's weight instead)."""
+def merged_key(key: str, active: Sequence[str] = ("default",), replaced: Container[str] = ()) -> Optional[str]:
+    """The base model's name for a PEFT state-dict key, or None for what the merged model does
+    not hold: an adapter weight (merged into its base layer's weight instead), a trained copy
+    (``modules_to_save``) of an adapter not in ``active``, and an original module's tensor whose
+    active copy replaces it (``replaced``: those keys, ``replaced_originals``)."""
     if not key.startswith(PEFT_PREFIX):
         raise AdapterError(f"export: {key!r} is not a PEFT model's key (no {PEFT_PREFIX!r} prefix)")
-    key = key[len(PEFT_PREFIX):]
-    if any(part.startswith("lora_") for part in key.split(".")):
+    if key in replaced:
         return None
-    return key.replace(".base_layer.", ".")
+    key = key[len(PEFT_PREFIX):]
+    parts = key.split(".")
+    if any(part.startswith("lora_") for part in parts):
+        return None
+    if "modules_to_save" in parts:
+        i = parts.index("modules_to_save")
+        if i + 1 >= len(parts) or parts[i + 1] not in active:
+            return None
+        parts = parts[:i] + parts[i + 2:]
+    return ".".join(p for p in parts if p not in ("base_layer", "original_module"))
+
+
+def replaced_originals(model: nn.Module) -> set[str]:
+    """The PEFT state-dict keys of the original modules whose trained copy (``modules_to_save``)
+    of an active adapter replaces them in a merged model, as ``merge_and_unload`` replaces them."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    out = set()
+    for name, m in model.named_modules():
+        if isinstance(m, ModulesToSaveWrapper) and any(a in m.modules_to_save for a in m.active_adapters):
+            keys = [k for k, _ in m.original_module.named_parameters()] + [k for k, _ in m.original_module.named_buffers()]
+            out |= {f"{name}.original_module.{k}" for k in keys}
+    return out
 
 
 def lora_owner(key: str) -> Optional[str]:
@@ -256,7 +323,7 @@ def base_config(model: nn.Module) -> Any:
 
 
 __all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
-           "check_adapters_materialized", "checkpoint_keys",
+           "check_adapters_materialized", "checkpoint_keys", "saved_copies", "replaced_originals",
            "build_peft_model",
            "merged_key", "lora_owner", "merge_weight", "base_config", "training_identity", "PEFT_PREFIX",
            "ADAPTER_CONFIG", "TRAINING_FIELDS"]

@@ -50,9 +50,11 @@ def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.
         # the adapters (small) first, by their names in the base model; each base weight merged as it is read
         lora = {k[len(adapters.PEFT_PREFIX):]: v for k, v in _adapter_values(state, names).items()}
         base_model = state.model.get_base_model()
+        # trained copies of whole modules (modules_to_save) of the active adapters replace their originals
+        active, replaced = list(state.model.active_adapters), adapters.replaced_originals(state.model)
 
         def rename(key: str, t: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
-            base_key = adapters.merged_key(key)
+            base_key = adapters.merged_key(key, active, replaced)
             if base_key is None:
                 return None
             owner = adapters.lora_owner(key[len(adapters.PEFT_PREFIX):])
@@ -60,7 +62,8 @@ def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.
                 t = adapters.merge_weight(base_model, owner, t, lora)
             return base_key, t
 
-        buffers = {adapters.merged_key(k): v for k, v in buffers.items() if adapters.merged_key(k) is not None}
+        buffers = {adapters.merged_key(k, active, replaced): v for k, v in buffers.items()
+                   if adapters.merged_key(k, active, replaced) is not None}
         files = _write_model(state, out_dir, names, buffers, rename)
     else:
         files = _write_model(state, out_dir, names, buffers)

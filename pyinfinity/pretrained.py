@@ -250,6 +250,15 @@ class WeightLoader:
         self._names = {id(m): n for n, m in model.named_modules()}
         self._check(model)
 
+    def alias(self, param: nn.Parameter, like: nn.Parameter) -> None:
+        """``param`` (one the checkpoint was not checked against, e.g. PEFT's trained copy of a
+        module) is read from the tensor ``like`` is read from."""
+        info = self._source.get(id(like))
+        if info is None:
+            raise WeightsError(f"{self.path}: no tensor in the checkpoint for the parameter a {tuple(param.shape)} "
+                               "copy was made of")
+        self._source[id(param)] = info
+
     @property
     def complete(self) -> bool:
         """Whether every parameter of the model starts from the checkpoint (none newly initialised):

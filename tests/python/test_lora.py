@@ -150,6 +150,39 @@ def test_exports_load_in_peft_and_merged_in_transformers_with_the_engine_s_logit
     assert os.path.isfile(os.path.join(merged, "tokenizer.json"))
 
 
+def test_modules_to_save_train_export_and_continue_as_peft_s(model_dirs, tmp_path):
+    """``modules_to_save``: PEFT trains a copy of a whole module (here the head), which starts from
+    the base's tensor. The losses of PEFT + AdamW; the adapter export holds the copy and loads in
+    PEFT, the merged export has the copy in the original's place under the base model's names;
+    continuing the exported adapter starts from the trained copy."""
+    from safetensors import safe_open
+
+    path = model_dirs["llama"]
+    lc = {"modules_to_save": ["lm_head"]}
+    torch.manual_seed(7)
+    ref = peft.get_peft_model(_base(path), _lora(**lc))
+    torch.manual_seed(7)
+    adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "s0")), peft_config=_lora(**lc)) as eng:
+        assert any(sh.trainable and sh.module_name.endswith("lm_head.modules_to_save") for sh in eng.partition.shards)
+        assert eng.weights.complete  # the copy is read from the base's head
+        losses = _train_engine(eng)
+        want = _eval_logits(eng)
+        eng.export(adapter)
+        eng.export(merged, merge_adapters=True)
+    torch.testing.assert_close(losses, _train_reference(ref), rtol=1e-5, atol=0)
+    with safe_open(os.path.join(adapter, "adapter_model.safetensors"), "pt") as f:
+        assert "base_model.model.lm_head.weight" in set(f.keys())
+    with torch.no_grad():
+        loaded = peft.PeftModel.from_pretrained(_base(path), adapter).eval()
+        torch.testing.assert_close(loaded(input_ids=_ids(99)).logits, want, atol=1e-5, rtol=0)
+        with safe_open(os.path.join(merged, "model.safetensors"), "pt") as f:
+            assert set(f.keys()) == set(_base(path).state_dict())
+        torch.testing.assert_close(_base(merged).eval()(input_ids=_ids(99)).logits, want, atol=1e-4, rtol=0)
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "s1")), adapter=adapter) as eng:
+        torch.testing.assert_close(_eval_logits(eng), want, atol=1e-6, rtol=0)
+
+
 def test_merged_export_of_gpt2_s_conv1d_layers(model_dirs, tmp_path):
     """GPT-2's Conv1D keeps its weight transposed (PEFT's fan_in_fan_out): the merge follows it."""
     path = model_dirs["gpt2"]
@@ -232,6 +265,8 @@ def test_bad_adapter_setups_are_clear_errors(model_dirs, tmp_path, monkeypatch):
         pyinfinity.from_pretrained(path, cfg, peft_config=_lora(use_dora=True))
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         pyinfinity.from_pretrained(path, cfg, adapter=str(tmp_path))
+    with pytest.raises(AdapterError, match="trainable_token_indices"):
+        pyinfinity.from_pretrained(path, cfg, peft_config=_lora(trainable_token_indices=[3, 4]))
     assert not os.path.exists(tmp_path / "swap") or not os.listdir(tmp_path / "swap")
     monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install peft"):
