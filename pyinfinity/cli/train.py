@@ -80,7 +80,8 @@ class ByteBatches:
 def llama_config(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig
 
-    hidden, layers, heads, inter = PRESETS[args.model_size]
+    hidden, layers, heads, inter, *kv = PRESETS[args.model_size]
+    kv_heads = kv[0] if kv and not (args.hidden or args.heads) else None
     hidden = args.hidden or hidden
     layers = args.layers or layers
     heads = args.heads or (heads if hidden % heads == 0 else max(1, hidden // 64))
@@ -88,7 +89,8 @@ def llama_config(args: argparse.Namespace) -> Any:
     if hidden % heads:
         raise SystemExit(f"--heads: hidden {hidden} is not divisible by {heads} heads")
     return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(2048, args.seq),
+                       num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+                       max_position_embeddings=max(2048, args.seq),
                        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None, tie_word_embeddings=False,
                        use_cache=False)
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from pyinfinity.cli.errors import UsageError
 
-# name -> (hidden, layers, heads, intermediate)
+# name -> (hidden, layers, heads, intermediate[, KV heads: grouped-query attention; default = heads])
 PRESETS = {
     "tiny": (128, 4, 4, 344),
     "small": (256, 8, 8, 688),
@@ -28,6 +28,8 @@ PRESETS = {
     "5b": (4096, 24, 32, 11008),  # bf16 weights ~9.8 GB: more than an 8 GiB device budget
     "7b": (4096, 32, 32, 11008),
     "13b": (5120, 40, 40, 13824),
+    "30b": (6656, 60, 52, 17920),  # LLaMA-30B's shape (32.5B parameters at its 32000-token vocabulary)
+    "70b": (8192, 80, 64, 28672, 8),  # Llama-2-70B's shape (69.0B at its vocabulary): 8 KV heads
 }
 
 # flags whose default is applied after parsing, so that a flag given on the command line can be

@@ -359,3 +359,23 @@ def test_readme_says_how_to_reach_the_command_and_its_example_runs_without_a_gue
     prose = example[:example.index("### Fine-tuning")]
     assert "runs the same\ncode on the CPU" in prose or "on the CPU" in prose.split("```")[-1]
     assert "bytes moved per tier in a step" in " ".join(readme.split())  # the train summary prints them
+
+
+@pytest.mark.parametrize("size, billions", [("30b", 32.5), ("70b", 69.0)])
+def test_the_30b_and_70b_presets_are_llama_30b_and_llama_2_70b(size, billions):
+    """`train --model-size` and `bench train --sizes` (and so `plan --model-size`) have the same
+    shapes: LLaMA-30B's and Llama-2-70B's (8 KV heads), 32.5B and 69.0B parameters at their
+    32000-token vocabulary."""
+    import argparse
+
+    from pyinfinity.bench.train import SIZES
+    from pyinfinity.cli.train import llama_config
+    from pyinfinity.cli.train_args import add_arguments
+    from pyinfinity.plan.sizes import llama_sizes
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = llama_config(p.parse_args(["--model-size", size]))
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    assert {k: getattr(cfg, k) for k in keys} == {k: SIZES[size][k] for k in keys}
+    assert round(llama_sizes(dict(SIZES[size], model_type="llama")).numel / 1e9, 1) == billions
