@@ -163,15 +163,9 @@ def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional
     elif not isinstance(peft_config, peft.PeftConfig):
         raise TypeError(f"peft_config: a peft.LoraConfig, got {type(peft_config).__name__}")
     check_lora_config(peft_config, "peft_config" if adapter is None else f"adapter {adapter}")
-    if peft_config.init_lora_weights not in LORA_INITS:
-        raise AdapterError(f"peft_config: init_lora_weights={peft_config.init_lora_weights!r} reads the base weights, "
-                           f"which are not in memory here; use one of {list(LORA_INITS)}")
     base = build_empty_model(path, config, dtype if dtype is not None else checkpoint_dtype(path))
     loader = WeightLoader(path, base)  # checked against the base's own names, before anything is written
-    rng = torch.random.get_rng_state()
-    model = peft.get_peft_model(base, peft_config)
-    check_lora(model, "peft_config")
-    _init_adapters(model, rng)
+    model = get_peft_model(base, peft_config)
     if adapter is not None:
         _give_copies_storage(model)  # PEFT copied meta tensors: the adapter's values go here
         _load_adapter(model, adapter)
@@ -179,6 +173,23 @@ def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional
         for _, p, orig in saved_copies(model):  # a new copy starts from the tensor it copies, as PEFT's does
             loader.alias(p, orig)
     return model, loader
+
+
+def get_peft_model(base: nn.Module, peft_config: Any) -> nn.Module:
+    """``peft.get_peft_model(base, peft_config)`` for a base on the meta device (``init_empty``):
+    PEFT leaves the new adapters on their base layers' device, meta; they are made again on the
+    CPU as PEFT made them (``_init_adapters``). ``from_pretrained`` uses it before streaming the
+    base from a checkpoint; a base without one (a benchmark's) is initialised by the engine."""
+    peft = require_peft()
+    check_lora_config(peft_config, "peft_config")
+    if peft_config.init_lora_weights not in LORA_INITS:
+        raise AdapterError(f"peft_config: init_lora_weights={peft_config.init_lora_weights!r} reads the base weights, "
+                           f"which are not in memory here; use one of {list(LORA_INITS)}")
+    rng = torch.random.get_rng_state()
+    model = peft.get_peft_model(base, peft_config)
+    check_lora(model, "peft_config")
+    _init_adapters(model, rng)
+    return model
 
 
 def _give_copies_storage(model: nn.Module) -> None:
@@ -324,6 +335,6 @@ def base_config(model: nn.Module) -> Any:
 
 __all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
            "check_adapters_materialized", "checkpoint_keys", "saved_copies", "replaced_originals",
-           "build_peft_model",
+           "build_peft_model", "get_peft_model",
            "merged_key", "lora_owner", "merge_weight", "base_config", "training_identity", "PEFT_PREFIX",
            "ADAPTER_CONFIG", "TRAINING_FIELDS"]

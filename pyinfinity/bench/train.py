@@ -35,8 +35,9 @@ from typing import Any, Optional
 from pyinfinity.bench.train_bound import (best_disk_rates, bound, measure_bound_rates, measure_matmul_rate, probe_disk,
                                           tier_fractions, uses_disk)
 from pyinfinity.bench.train_matrix import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
-                                           PEERS, SCHEMA, SIZES, BenchTrainError, SystemSpec, base_system, model_fields,
-                                           parse_system, parse_systems, size_facts)
+                                           DEFAULT_SYSTEMS_LORA, PEERS, SCHEMA, SIZES, BenchTrainError, SystemSpec,
+                                           base_system, lora_spec, model_fields, parse_system, parse_systems,
+                                           size_facts)
 from pyinfinity.bench.train_report import (HEADER, below_bound, compare_to_best_deepspeed, gib, latest_runs,
                                            load_results, one_line, plot, ratio_lines, report, rss_over_plan,
                                            save_results, table_rows, usable)
@@ -69,6 +70,7 @@ class Settings:
     pyinfinity: dict[str, Any] = field(default_factory=dict)  # extra pyinfinity.* config keys
     log_dir: Optional[str] = None
     progress: bool = True
+    lora: Optional[dict[str, Any]] = None  # train_matrix.lora_spec: every system trains these adapters on a frozen base
 
 
 # ----------------------------------------------------------------------------------- running
@@ -107,7 +109,7 @@ def _summarise(res: dict[str, Any], warmup: int, tokens: int, facts: dict[str, A
 
 def _disk_need(system: str, facts: dict[str, Any]) -> int:
     f_par, f_opt = tier_fractions(system, None) if TIERS[base_system(system)][0] != "auto" else (0.0, 0.0)
-    return int(12 * facts["params"] * f_opt + facts["param_bytes"] * f_par)
+    return int(12 * facts.get("trainable", facts["params"]) * f_opt + facts["param_bytes"] * f_par)
 
 
 def run_one(spec: dict[str, Any], timeout: float, log_path: str, on_line: Any = None) -> dict[str, Any]:
@@ -218,7 +220,7 @@ def _spec(settings: Settings, size: str, label: str, fields: dict[str, Any], dev
             "checkpointing": settings.checkpointing, "lr": settings.lr, "clip": settings.clip,
             "seed": settings.seed, "trace": settings.trace, "cap_bytes": settings.cap_bytes if cuda else None,
             "nvme_dir": os.path.join(settings.nvme_dir, f"{_file_name(label)}-{size}"),
-            "deepspeed": settings.deepspeed, "pyinfinity_overrides": settings.pyinfinity,
+            "deepspeed": settings.deepspeed, "pyinfinity_overrides": settings.pyinfinity, "lora": settings.lora,
             "master_port": 29500 + (os.getpid() + k) % 2000}
 
 
@@ -269,6 +271,8 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
     tokens = micro_tokens * settings.grad_accum  # per optimizer step
     print(f"bench train: device {device}, {dtype}, batch {settings.batch} x {settings.seq} tokens"
           + (f" x {settings.grad_accum} micro-batches a step" if settings.grad_accum > 1 else "")
+          + (f", LoRA r={settings.lora['r']} on {','.join(settings.lora['targets'])} (frozen base)"
+             if settings.lora else "")
           + f", {settings.steps} steps ({settings.warmup} warm-up), cap "
           f"{gib(settings.cap_bytes) if settings.cap_bytes and cuda else 'none'}, swap {settings.nvme_dir}, "
           f"logs {log_dir}", flush=True)
@@ -297,7 +301,7 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
     try:
         for k, (size, system) in enumerate(pairs):
             facts = size_facts(fields[size], dtype, settings.batch * settings.grad_accum, settings.seq,
-                               settings.checkpointing)
+                               settings.checkpointing, settings.lora)
             bar.set_description(f"{size} {system}")
             spec = _spec(settings, size, system, fields[size], device, dtype, cuda, k)
             need = _disk_need(system, facts)
@@ -329,6 +333,8 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
             res["batch"], res["seq"], res["dtype"], res["device"] = settings.batch, settings.seq, dtype, device
             res["grad_accum"], res["tokens_per_step"] = settings.grad_accum, tokens
             res["checkpointing"] = settings.checkpointing
+            if settings.lora:
+                res["lora"], res["trainable_params"] = settings.lora, facts["trainable"]
             # the analytic count, the same for every system of a size; the worker's own count beside it
             res["params_counted"] = res.get("params")
             res["params"] = facts["params"]
@@ -357,7 +363,8 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
 
 __all__ = ["Settings", "run_bench", "run_one", "plan_runs", "check_configs",
            # from train_matrix, train_bound and train_report, importable from here as before
-           "SCHEMA", "SIZES", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "PEERS", "DEEPSPEED_DEFAULTS",
+           "SCHEMA", "SIZES", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "DEFAULT_SYSTEMS_LORA", "PEERS",
+           "DEEPSPEED_DEFAULTS", "lora_spec",
            "BenchTrainError", "SystemSpec", "parse_system", "parse_systems", "base_system", "model_fields", "size_facts",
            "tier_fractions", "bound", "measure_bound_rates", "probe_disk", "best_disk_rates", "uses_disk",
            "measure_matmul_rate", "load_results", "save_results", "latest_runs", "below_bound", "usable",

@@ -14,6 +14,10 @@ in the same invocation:
                  right after the run (a shared disk's rate moves)
       CPU Adam = parameters / the CPU Adam rate measured on the engine's kernel (offloaded optimizer only)
 
+With LoRA (``--lora``) the base is frozen: it crosses PCIe twice a step (forward, and backward or
+its recompute) less what a run keeps resident, and is never written; gradients, optimizer state
+and CPU Adam are the adapters' alone, and the compute term has no weight gradients of the base.
+
 per optimizer step (with --grad-accum N, N micro-batches' compute), and the run's measured step
 time over it is printed (1.0 = at the bound). A run faster than its bound shows the bound wrong:
 it is flagged, and its figure is left out of every ratio.
@@ -52,19 +56,24 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
     ``facts["flops_per_step"]`` is the whole optimizer step's (every micro-batch)."""
     system = base_system(system)
     n, pb = facts["params"], facts["param_bytes"]
+    frozen = facts.get("frozen_bytes", 0)  # LoRA: the base's bytes (no gradient, never written)
+    n_train = facts.get("trainable", n)
     terms: dict[str, float] = {"compute": facts["flops_per_step"] / rates["matmul"]}
     offloaded = not system.startswith("torch")
     if offloaded and cuda:
         if TIERS[system][0] == "device":  # parameters live on the GPU: gradients out, new values in
-            terms["pcie"] = max(pb / rates["h2d"], pb / rates["d2h"])
+            terms["pcie"] = max((pb - frozen) / rates["h2d"], (pb - frozen) / rates["d2h"])
         else:
-            terms["pcie"] = max(2 * pb / rates["h2d"], pb / rates["d2h"])
+            streamed = pb
+            if frozen:  # what a run keeps resident is not fetched again
+                streamed = max(0, pb - int(((placement or {}).get("params") or {}).get("device(resident)", 0)))
+            terms["pcie"] = max(2 * streamed / rates["h2d"], (pb - frozen) / rates["d2h"])
     f_par, f_opt = tier_fractions(system, placement) if offloaded else (0.0, 0.0)
-    opt_disk = 12 * n * f_opt
+    opt_disk = 12 * n_train * f_opt
     if placement and placement.get("optimizer_disk_per_step") is not None:
         opt_disk = placement["optimizer_disk_per_step"]  # the run's own: state stepped on the GPU stays off the disk
     read = 2 * pb * f_par + opt_disk
-    write = pb * f_par + opt_disk
+    write = (pb - frozen) * f_par + opt_disk
     serial = None
     if read or write:
         if rates.get("disk_read", 0) <= 0 or rates.get("disk_write", 0) <= 0:
@@ -75,7 +84,7 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
             terms["disk"] = max(read / rates["disk_read"], write / rates["disk_write"])
             serial = round(read / rates["disk_read"] + write / rates["disk_write"], 5)
     if offloaded:
-        terms["cpu_adam"] = n / rates["adam"]
+        terms["cpu_adam"] = n_train / rates["adam"]
     finite = {k: v for k, v in terms.items() if v == v}
     name = max(finite, key=lambda k: finite[k])
     out = {"seconds": finite[name], "bound_by": name, "terms": {k: round(v, 5) for k, v in terms.items()},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from pyinfinity.bench.train_worker import SYSTEMS
 
@@ -42,6 +42,18 @@ DEFAULT_SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-auto", "deep
                    "deepspeed-z3-gpu-params", "deepspeed-nvme", "torch")
 PEERS = {"pyinfinity-cpu": "deepspeed-cpu", "pyinfinity-nvme": "deepspeed-nvme",
          "pyinfinity-nvme-params": "deepspeed-nvme-params", "pyinfinity-nvme-all": "deepspeed-nvme-all"}
+
+# with --lora: the engines that stream a frozen base through the GPU, and plain PEFT where it fits.
+# DeepSpeed ZeRO-3 with offload_param cpu twice, the better counting ("vs best DS"): with the
+# settings below, and tuned for streaming (10x the prefetch bucket; DeepSpeed's own default of 1e9
+# live parameters instead of 1e8)
+DEEPSPEED_LORA_TUNED = ("deepspeed-cpu[zero_optimization.stage3_prefetch_bucket_size=5e8,"
+                        "zero_optimization.stage3_max_live_parameters=1e9]")
+DEFAULT_SYSTEMS_LORA = ("pyinfinity-auto", "deepspeed-cpu", DEEPSPEED_LORA_TUNED, "torch-nocap")
+# the Llama layers LoRA may target (``all-linear``: every one, as PEFT's shorthand picks them; the
+# head is left out) and PEFT's default targets for Llama
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 # DeepSpeed ZeRO-3 offload settings as commonly used for one GPU (BENCHMARKS.md lists them)
 DEEPSPEED_DEFAULTS: dict[str, Any] = {
@@ -170,9 +182,49 @@ def model_fields(size: str, seq: int) -> dict[str, Any]:
     return d
 
 
-def size_facts(fields: dict[str, Any], dtype: str, batch: int, seq: int, checkpointing: bool) -> dict[str, Any]:
+def lora_spec(rank: int, targets: Optional[str]) -> dict[str, Any]:
+    """--lora R [--lora-targets NAMES|all-linear] as a run's LoRA: rank, alpha (2R) and the Llama
+    layers that get adapters (PEFT's default for Llama without --lora-targets)."""
+    if rank < 1:
+        raise BenchTrainError(f"--lora: {rank} must be >= 1 (the adapters' rank)")
+    if targets is None:
+        names: tuple[str, ...] = LORA_DEFAULT_TARGETS
+    elif targets.strip() == "all-linear":
+        names = LLAMA_LINEARS
+    else:
+        names = tuple(t.strip() for t in targets.split(",") if t.strip())
+        bad = [t for t in names if t not in LLAMA_LINEARS]
+        if bad or not names:
+            raise BenchTrainError(f"--lora-targets: {', '.join(bad) or repr(targets)} is not a layer of the bench's "
+                                  f"Llama models; choose from {','.join(LLAMA_LINEARS)} or all-linear")
+    return {"r": int(rank), "alpha": 2 * int(rank), "targets": list(names)}
+
+
+def lora_numel(fields: dict[str, Any], lora: dict[str, Any]) -> int:
+    """The adapters' parameters: r x (in + out) for each targeted layer of every decoder layer."""
+    h, ff = int(fields["hidden_size"]), int(fields["intermediate_size"])
+    heads = int(fields["num_attention_heads"])
+    kv = int(fields.get("num_key_value_heads") or heads)
+    hd = h // heads
+    shapes = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
+              "gate_proj": (h, ff), "up_proj": (h, ff), "down_proj": (ff, h)}
+    return int(fields["num_hidden_layers"]) * sum(lora["r"] * sum(shapes[t]) for t in lora["targets"])
+
+
+def size_facts(fields: dict[str, Any], dtype: str, batch: int, seq: int, checkpointing: bool,
+               lora: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Parameters, their bytes and the matmul FLOPs of one step. With ``lora`` the base is frozen
+    in ``dtype`` and the adapters (``trainable``) are fp32: backward computes the input gradients
+    through the base but no weight gradient of it, one pass of the base's matmuls fewer."""
     from pyinfinity.plan.sizes import llama_sizes
 
     sz = llama_sizes(dict(fields, model_type="llama"), dtype=dtype)
-    return {"params": sz.numel, "param_bytes": sz.param_bytes, "itemsize": sz.itemsize,
-            "flops_per_step": sz.flops_per_step(batch, seq, checkpointing)}
+    flops = sz.flops_per_step(batch, seq, checkpointing)
+    out = {"params": sz.numel, "param_bytes": sz.param_bytes, "itemsize": sz.itemsize, "flops_per_step": flops}
+    if lora:
+        n = lora_numel(fields, lora)
+        tokens = batch * seq
+        passes = 4 if checkpointing else 3
+        out.update(params=sz.numel + n, param_bytes=sz.param_bytes + 4 * n, frozen_bytes=sz.param_bytes, trainable=n,
+                   flops_per_step=flops - sz.flops_per_token * tokens + passes * 2.0 * n * tokens)
+    return out

@@ -132,7 +132,10 @@ def table_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
             note = "BELOW BOUND: bound wrong, figure not used"
         vs = r.get("vs_best_deepspeed")
         ov = r.get("overlap_fraction")
-        rows.append([r["size"], _count(r.get("params") or 0), r["system"],
+        params = _count(r.get("params") or 0)
+        if r.get("lora"):  # a frozen base: the adapters are what trains
+            params += f" ({_count(r.get('trainable_params') or 0)} LoRA r{r['lora']['r']})"
+        rows.append([r["size"], params, r["system"],
                      _f(r.get("step_seconds"), ".3f"), _f(r.get("tokens_per_s"), ",.0f"),
                      f"{vs['ratio']:.2f}x {vs['peer']}" if vs else "-",
                      _f(r.get("model_tflops"), ".2f"),

@@ -64,6 +64,21 @@ def _dtype(spec: dict) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec["dtype"]]
 
 
+def _lora_config(spec: dict) -> Any:
+    """The run's ``peft.LoraConfig`` (``spec["lora"]``: rank, alpha, target layers), None without."""
+    lora = spec.get("lora")
+    if not lora:
+        return None
+    import peft
+
+    return peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=list(lora["targets"]),
+                           task_type="CAUSAL_LM")
+
+
+def _trainable(model: Any) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _adamw(spec: dict) -> dict:
     return {"type": "AdamW", "params": {"lr": spec["lr"], "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}}
 
@@ -110,7 +125,9 @@ def pyinfinity_config(spec: dict) -> dict:
         cfg["pyinfinity"]["resident_bytes"] = 0  # every unit streamed, none kept on the device
     if spec.get("cap_bytes"):
         cfg["pyinfinity"]["device_memory"] = int(spec["cap_bytes"])
-    if spec["dtype"] == "bf16":
+    if spec.get("lora"):
+        pass  # each parameter keeps its dtype: the frozen base --dtype's, the adapters fp32, as PEFT's
+    elif spec["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif spec["dtype"] == "fp16":
         cfg["fp16"] = {"enabled": True}
@@ -198,10 +215,15 @@ class Run:
         from transformers import LlamaForCausalLM
 
         model = LlamaForCausalLM(_llama(self.spec)).to(dtype=_dtype(self.spec)).to(self.device)
+        lora = _lora_config(self.spec)
+        if lora is not None:  # plain PEFT: the adapters fp32 on the bf16 base
+            import peft
+
+            model = peft.get_peft_model(model, lora)
         self._ckpt(model)
         model.train()
         self.params = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=self.spec["lr"], betas=(0.9, 0.999), eps=1e-8,
+        opt = torch.optim.AdamW(_trainable(model), lr=self.spec["lr"], betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=0.0, fused=True)
 
         clip = float(self.spec.get("clip", 0.0))
@@ -215,7 +237,7 @@ class Run:
                 mark("backward")
                 total += float(loss.detach())
             if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                torch.nn.utils.clip_grad_norm_(_trainable(model), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             mark("step")
@@ -231,11 +253,17 @@ class Run:
         cfg = pyinfinity_config(self.spec)
         with pyinfinity.init_empty(cfg):
             model = LlamaForCausalLM(_llama(self.spec))
+        lora = _lora_config(self.spec)
+        if lora is not None:  # the frozen base in the training dtype, the adapters made as PEFT makes them
+            from pyinfinity.adapters import get_peft_model
+
+            model = get_peft_model(model.to(_dtype(self.spec)), lora)
         self._ckpt(model)
         eng = pyinfinity.initialize(model, cfg)
         eng.train()
         self.engine = eng
         self.params = sum(sh.numel for sh in eng.partition.shards)  # the model's own are placeholders now
+        self.extra["trainable_params_counted"] = sum(sh.numel for sh in eng.partition.shards if sh.trainable)
         self.extra["auto"] = {d.key: d.value for d in eng.auto_decisions}
         self.extra["config"] = cfg
         self.records: list[Any] = []
@@ -286,8 +314,13 @@ class Run:
                     model = LlamaForCausalLM(_llama(self.spec))
             finally:
                 torch.set_default_dtype(prev)
+        lora = _lora_config(self.spec)
+        if lora is not None:  # PEFT wraps the (partitioned) model, as with transformers' Trainer
+            import peft
+
+            model = peft.get_peft_model(model, lora)
         self._ckpt(model)
-        eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        eng, *_ = deepspeed.initialize(model=model, model_parameters=_trainable(model), config=cfg)
         self.params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         self.extra["config"] = cfg
         self.extra["deepspeed"] = deepspeed.__version__

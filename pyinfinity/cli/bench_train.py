@@ -20,8 +20,8 @@ import tempfile
 from typing import Any, Optional
 
 from pyinfinity.bench.train import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
-                                    SIZES, BenchTrainError, Settings, load_results, parse_systems, plot, report,
-                                    run_bench)
+                                    DEFAULT_SYSTEMS_LORA, SIZES, BenchTrainError, Settings, load_results, lora_spec,
+                                    parse_systems, plot, report, run_bench)
 from pyinfinity.bench.train_worker import SYSTEMS, ZERO_OFFLOAD
 
 EPILOG = f"""
@@ -54,8 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", help=f"comma-separated sizes, smallest first (default: {','.join(DEFAULT_SIZES_GPU)} "
                                    f"with a GPU, {','.join(DEFAULT_SIZES_CPU)} without)")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated systems, each optionally SYSTEM[KEY=VALUE,...] (default: %(default)s)")
+    p.add_argument("--systems",
+                   help="comma-separated systems, each optionally SYSTEM[KEY=VALUE,...] (default: "
+                        f"{','.join(DEFAULT_SYSTEMS)}; with --lora: {','.join(DEFAULT_SYSTEMS_LORA)})")
+    p.add_argument("--lora", type=int, metavar="R",
+                   help="every system trains PEFT LoRA adapters of rank R (alpha 2R) on a frozen base in --dtype "
+                        "(the adapters fp32, as PEFT makes them): the step is bound by streaming the frozen weights "
+                        "through the GPU, forward and backward, against compute")
+    p.add_argument("--lora-targets", metavar="NAMES",
+                   help="with --lora: the layers that get adapters, comma-separated (q_proj,v_proj: PEFT's default "
+                        "for Llama) or all-linear")
     p.add_argument("--nvme", metavar="DIR", help="swap directory for the nvme tiers (default: a temp dir under "
                                                  "$PYINFINITY_SWAP_DIR or /tmp; removed per run)")
     p.add_argument("--gpu-memory", default="8GiB", help="device-memory cap (torch's per-process memory "
@@ -147,7 +155,15 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
             raise BenchTrainError(f"{name}: {v} is below {lo}")
     if a.timeout <= 0:
         raise BenchTrainError(f"--timeout: {a.timeout} must be positive")
-    systems = parse_systems(a.systems)
+    if a.lora_targets is not None and a.lora is None:
+        raise BenchTrainError("--lora-targets: needs --lora R (the rank of the adapters)")
+    lora = lora_spec(a.lora, a.lora_targets) if a.lora is not None else None
+    if lora is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise BenchTrainError("--lora: needs the peft package (pip install peft)")
+    systems = parse_systems(a.systems or ",".join(DEFAULT_SYSTEMS_LORA if lora else DEFAULT_SYSTEMS))
     # temporary directories last, once the flags are known good; main() removes them (made_dirs)
     nvme = a.nvme or _temp_dir(a, dir=os.environ.get("PYINFINITY_SWAP_DIR") or None)
     log_dir = a.log_dir or _temp_dir(a)
@@ -156,7 +172,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
                  dtype=a.dtype, checkpointing=not a.no_checkpointing, trace=not a.no_trace, timeout=a.timeout,
                  clip=a.clip,
                  torch_sizes="all" if a.torch_all_sizes else "smallest", log_dir=log_dir,
-                 progress=not a.no_progress)
+                 progress=not a.no_progress, lora=lora)
     _apply(s.deepspeed, a.ds, "--ds", known=DEEPSPEED_DEFAULTS)
     _apply(s.pyinfinity, a.pyinfinity, "--pyinfinity")
     return s

@@ -528,3 +528,93 @@ def test_deepspeed_systems_and_variants_end_to_end_on_the_cpu(tmp_path):
         assert vs["ratio"] == pytest.approx(runs["pyinfinity-cpu"]["tokens_per_s"] / best["tokens_per_s"])
     assert sorted(os.listdir(tmp_path / "logs")) == sorted(
         f"tiny-{bt._file_name(x)}.log" for x in runs)
+
+
+# ----------------------------------------------------------------------------------- LoRA
+
+
+def test_a_lora_bound_streams_the_frozen_base_and_steps_the_adapters():
+    """With --lora the frozen base crosses PCIe twice a step, less what a run keeps resident, and
+    is never written; gradients, optimizer state and CPU Adam are the adapters'."""
+    base, n = FACTS["param_bytes"], 1_000_000
+    lora = dict(FACTS, params=FACTS["params"] + n, param_bytes=base + 4 * n, frozen_bytes=base, trainable=n)
+    b = bt.bound("pyinfinity-nvme-all", lora, RATES, cuda=True)
+    assert b["terms"]["pcie"] == pytest.approx(2 * (base + 4 * n) / RATES["h2d"], abs=1e-5)
+    assert b["terms"]["cpu_adam"] == pytest.approx(n / RATES["adam"], abs=1e-5)
+    assert b["disk_bytes"] == {"read": 2 * (base + 4 * n) + 12 * n, "write": 4 * n + 12 * n}
+    resident = {"params": {"cpu": base + 4 * n - (1 << 30), "device(resident)": 1 << 30}, "optimizer": {"cpu": 12 * n}}
+    b = bt.bound("pyinfinity-auto", lora, RATES, cuda=True, placement=resident)
+    assert b["terms"]["pcie"] == pytest.approx(2 * (base + 4 * n - (1 << 30)) / RATES["h2d"], abs=1e-5)
+    full = bt.bound("pyinfinity-nvme-all", FACTS, RATES, cuda=True)
+    assert full["terms"]["cpu_adam"] == pytest.approx(FACTS["params"] / RATES["adam"], abs=1e-5)
+
+
+def test_lora_facts_count_peft_s_adapters_and_no_weight_gradients_of_the_base():
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = bt.model_fields("tiny", 32)
+    for targets in (None, "all-linear", "q_proj,down_proj"):
+        lora = bt.lora_spec(4, targets)
+        with torch.device("meta"):
+            model = peft.get_peft_model(LlamaForCausalLM(LlamaConfig(**fields)),
+                                        peft.LoraConfig(r=4, target_modules=lora["targets"]))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        facts = bt.size_facts(fields, "bf16", 2, 32, True, lora)
+        full = bt.size_facts(fields, "bf16", 2, 32, True)
+        assert facts["trainable"] == trainable and facts["frozen_bytes"] == full["param_bytes"]
+        assert facts["params"] == full["params"] + trainable
+        assert facts["flops_per_step"] < full["flops_per_step"]  # one pass of the base's matmuls fewer
+    assert bt.lora_spec(4, None)["targets"] == ["q_proj", "v_proj"]  # PEFT's default for Llama
+    with pytest.raises(bt.BenchTrainError, match="--lora-targets: lm_head is not a layer"):
+        bt.lora_spec(4, "q_proj,lm_head")
+    with pytest.raises(bt.BenchTrainError, match="--lora: 0 must be >= 1"):
+        bt.lora_spec(0, None)
+
+
+def test_bench_train_with_lora_on_the_cpu(tmp_path):
+    """Every system trains the same adapters on a frozen base: pyinfinity keeps optimizer state
+    for them alone (12 bytes each), its count of trainable parameters is the bench's, and the table
+    says LoRA."""
+    pytest.importorskip("peft")
+    from pyinfinity.bench.train_matrix import LLAMA_LINEARS
+
+    out = tmp_path / "bt.json"
+    p = _cli(*TINY, "--no-trace", "--lora", "4", "--lora-targets", "all-linear", "--systems",
+             "pyinfinity-nvme,torch", "--nvme", str(tmp_path / "swap"), "--json", str(out),
+             "--log-dir", str(tmp_path / "logs"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = {r["system"]: r for r in json.loads(out.read_text())["runs"]}
+    for r in runs.values():
+        assert r["ok"], r
+        assert r["lora"] == {"r": 4, "alpha": 8, "targets": list(LLAMA_LINEARS)}
+        assert r["trainable_params"] < r["params"] / 10
+    py = runs["pyinfinity-nvme"]
+    assert py["trainable_params_counted"] == py["trainable_params"]
+    assert py["placement"]["optimizer"] == {"nvme": 12 * py["trainable_params"]}
+    assert "LoRA r=4 on q_proj,k_proj" in p.stdout and f"({py['trainable_params'] / 1e3:.1f}K LoRA r4)" in p.stdout
+    p = _cli(*TINY, "--lora-targets", "all-linear", "--systems", "torch", "--nvme", str(tmp_path / "swap"))
+    assert p.returncode == 2 and "--lora-targets: needs --lora R" in p.stderr
+
+
+def test_deepspeed_zero3_trains_the_same_peft_model_on_the_cpu(tmp_path):
+    """DeepSpeed ZeRO-3 with offload_param cpu on the PEFT model (PEFT wraps the partitioned model,
+    the optimizer gets the adapters), as the --lora default systems run it; without --systems those
+    are the ones a LoRA invocation runs."""
+    pytest.importorskip("peft")
+    pytest.importorskip("deepspeed")
+    from pyinfinity.bench.train_matrix import DEEPSPEED_LORA_TUNED, DEFAULT_SYSTEMS_LORA
+    from pyinfinity.cli.bench_train import build_parser, settings_from_args
+
+    a = build_parser().parse_args([*TINY, "--lora", "8", "--nvme", str(tmp_path), "--log-dir", str(tmp_path)])
+    a.made_dirs = []
+    assert settings_from_args(a).systems == list(DEFAULT_SYSTEMS_LORA) and DEEPSPEED_LORA_TUNED in DEFAULT_SYSTEMS_LORA
+    out = tmp_path / "bt.json"
+    ds = "deepspeed-cpu[zero_force_ds_cpu_optimizer=false]"  # torch's AdamW: no cpu_adam build needed
+    p = _cli(*TINY, "--no-trace", "--lora", "4", "--systems", ds, "--nvme", str(tmp_path / "swap"), "--json",
+             str(out), timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["ok"], r
+    assert r["config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert r["lora"]["targets"] == ["q_proj", "v_proj"]
