@@ -126,7 +126,8 @@ def template(args: argparse.Namespace) -> dict:
         cfg.pop("train_batch_size", None)
     for key in ("bf16", "fp16"):
         cfg.pop(key, None)
-    if args.dtype != "fp32":
+    if args.dtype != "fp32" and getattr(args, "lora", None) is None:
+        # (a LoRA run keeps each parameter's dtype, as `train --lora` does: the base --dtype's, adapters fp32)
         cfg[args.dtype] = {"enabled": True}
     if args.cpu_cores and e.get("optimizer_threads", "auto") == "auto" and e.get("device") != "cpu":
         e["optimizer_threads"] = args.cpu_cores
@@ -149,7 +150,7 @@ def lora_sizes(model: Any, args: argparse.Namespace) -> Any:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from pyinfinity.plan.sizes import load_model_config, sizes_from_module
+    from pyinfinity.plan.sizes import load_model_config, parse_dtype, sizes_from_module
 
     d = load_model_config(model)
     mcfg = transformers.AutoConfig.for_model(d.get("model_type", "llama"),
@@ -157,10 +158,10 @@ def lora_sizes(model: Any, args: argparse.Namespace) -> Any:
     targets = args.lora_targets
     if targets is not None and targets != "all-linear":
         targets = [t.strip() for t in targets.split(",")]
-    with torch.device("meta"):
-        base = transformers.AutoModelForCausalLM.from_config(mcfg)
+    with torch.device("meta"):  # the frozen base in --dtype, the adapters fp32 as PEFT makes them
+        base = transformers.AutoModelForCausalLM.from_config(mcfg).to(parse_dtype(args.dtype))
         wrapped = get_peft_model(base, LoraConfig(r=args.lora, target_modules=targets, task_type="CAUSAL_LM"))
-    sizes = sizes_from_module(wrapped, args.dtype)
+    sizes = sizes_from_module(wrapped)  # each shard in its own dtype, as a LoRA run computes
     sizes.source = f"{type(base).__name__} + LoRA r={args.lora} (meta)"
     return sizes
 

@@ -259,14 +259,14 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     resident_left = k.resident_bytes if k.param_device != "none" else 0
     resident = set()  # units kept on the device: whole units from the end of the model
     for i in range(len(sizes.shard_numels) - 1, -1, -1):
-        nb = sizes.shard_numels[i] * isz
+        nb = sizes.shard_bytes(i)
         if 0 < sizes.shard_numels[i] <= k.persistence_threshold or nb > resident_left:
             continue
         resident_left -= nb
         resident.add(i)
     resident_bytes = 0
     for i, n in enumerate(sizes.shard_numels):
-        nb = n * isz
+        nb = sizes.shard_bytes(i)
         if k.param_device == "none":
             tier = "device"
         elif k.param_device == "cpu":
@@ -291,16 +291,17 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     # -- resident units whose optimizer state also lives on the device (stepped there): whole
     # units from the front of the model within device_optimizer_bytes, as the engine picks them
     dev_state: set[int] = set()
-    dev_state_numel = 0
-    per_param = device_state_cost(isz, train.grad_accum)
+    dev_state_numel = dev_state_cost = 0
     if k.device_optimizer_bytes > 0 and k.optimizer_step_device != "device":
         dleft = k.device_optimizer_bytes
         for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
             on_device = k.param_device == "none" or i in resident or 0 < n <= k.persistence_threshold
-            if on_device and trainable and n and per_param * n <= dleft:
-                dleft -= per_param * n
+            cost = device_state_cost(sizes.shard_itemsize(i), train.grad_accum) * n
+            if on_device and trainable and n and cost <= dleft:
+                dleft -= cost
                 dev_state.add(i)
                 dev_state_numel += n
+                dev_state_cost += cost
     # -- optimizer states: the first (1 - ratio) of the trainable elements in RAM
     total_train = sizes.trainable_numel
     ram_share = total_train * (1.0 - (k.ratio if k.optimizer_device == "nvme" else 0.0))
@@ -335,18 +336,17 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         if not (ptier == "ram" and kernel_writes_home):  # a cast pass into the home or a write buffer
             seg["cast"] += n
         if ptier == "device":
-            seg["param_dev"] += n * isz
+            seg["param_dev"] += sizes.shard_bytes(i)
         elif ptier == "disk":
-            seg["param_disk_s"] += rates.write_time(n * isz)
+            seg["param_disk_s"] += rates.write_time(sizes.shard_bytes(i))
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
     # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation
     if train.grad_accum > 1:
-        grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + isz * sizes.largest_shard_numel)
+        grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + sizes.largest_shard_bytes)
     else:
-        grads = Share(ram=sum(n * isz for i, (n, t, pt) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable,
-                                                                           param_tier))
+        grads = Share(ram=sum(sizes.shard_bytes(i) for i, (t, pt) in enumerate(zip(sizes.shard_trainable, param_tier))
                               if t and pt != "ram" and i not in dev_state))
-    device_state_bytes = per_param * dev_state_numel
+    device_state_bytes = dev_state_cost
     # -- device: the charges of one step (DeviceCharges: shards, activations, gradients, state, headroom)
     everything = k.param_device == "none" or resident_bytes + persistent >= params.total
     charges = device_charges(sizes, train, budgets.device_memory, device_is_host=budgets.device_is_host,

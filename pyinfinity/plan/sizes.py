@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -43,7 +43,10 @@ class ModelSizes:
 
     shard_numels: elements of each flat shard (one per module and dtype, creation order);
     shard_trainable: whether each shard gets optimizer state. itemsize: bytes per element in the
-    compute dtype. block_bytes: the parameter bytes of the largest repeated block (a decoder
+    compute dtype (of the trainable shards, where dtypes are mixed: their gradients and device
+    state); shard_itemsizes: each shard's own when they differ (a LoRA run's bf16 frozen base and
+    fp32 adapters; empty: every shard ``itemsize``); act_itemsize: bytes per activation element
+    (0: ``itemsize``; the base's dtype in a LoRA run). block_bytes: the parameter bytes of the largest repeated block (a decoder
     layer), the working set the coordinator holds during that block's backward.
     flops_per_token: forward matmul FLOPs per token, without attention scores (2 x the weights of
     every matmul). Transformer fields (hidden, layers, heads, vocab) are 0 when unknown.
@@ -63,6 +66,15 @@ class ModelSizes:
     source: str = ""
     dtype: Optional[torch.dtype] = None  # the compute dtype when every shard has it (None: mixed or unknown)
     largest_param_numel: int = 0  # the largest single parameter (its gradient is whole before it is summed in; 0: unknown)
+    shard_itemsizes: list[int] = field(default_factory=list)
+    act_itemsize: int = 0
+
+    def shard_itemsize(self, i: int) -> int:
+        return self.shard_itemsizes[i] if self.shard_itemsizes else self.itemsize
+
+    def shard_bytes(self, i: int) -> int:
+        """Bytes of shard ``i`` in its compute dtype."""
+        return self.shard_numels[i] * self.shard_itemsize(i)
 
     @property
     def numel(self) -> int:
@@ -74,7 +86,7 @@ class ModelSizes:
 
     @property
     def param_bytes(self) -> int:
-        return self.numel * self.itemsize
+        return sum(self.shard_bytes(i) for i in range(len(self.shard_numels)))
 
     @property
     def largest_shard_numel(self) -> int:
@@ -82,18 +94,19 @@ class ModelSizes:
 
     @property
     def largest_shard_bytes(self) -> int:
-        return self.largest_shard_numel * self.itemsize
+        return max((self.shard_bytes(i) for i in range(len(self.shard_numels))), default=0)
 
     def small_shard_bytes(self, threshold: int = SMALL_SHARD_NUMEL) -> int:
         """Bytes of the shards of at most ``threshold`` elements (kept resident when persistent)."""
-        return sum(n for n in self.shard_numels if 0 < n <= threshold) * self.itemsize
+        return sum(self.shard_bytes(i) for i, n in enumerate(self.shard_numels) if 0 < n <= threshold)
 
     def with_dtype(self, dtype: Union[str, torch.dtype]) -> "ModelSizes":
         from dataclasses import replace
 
         dt = parse_dtype(dtype)
         itemsize = torch.empty((), dtype=dt).element_size()
-        return replace(self, itemsize=itemsize, block_bytes=self.block_bytes // self.itemsize * itemsize, dtype=dt)
+        return replace(self, itemsize=itemsize, block_bytes=self.block_bytes // self.itemsize * itemsize, dtype=dt,
+                       shard_itemsizes=[], act_itemsize=0)
 
     def activation_bytes(self, micro_batch: int, seq: int, checkpointing: bool,
                          itemsize: Optional[int] = None) -> int:
@@ -107,7 +120,7 @@ class ModelSizes:
         its input, plus the larger of the loss's tensors and one layer's full set during recompute.
         Other models: every matmul output kept once and twice for its gradient.
         """
-        isz = itemsize or self.itemsize
+        isz = itemsize or self.act_itemsize or self.itemsize
         tokens = micro_batch * seq
         if self.hidden and self.layers:
             h = self.hidden
@@ -199,6 +212,13 @@ def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]]
                 trainable.append(req)
                 itemsizes.append(isz)
     itemsize = max(itemsizes, default=4)
+    mixed = len(set(itemsizes)) > 1
+    if mixed:  # e.g. a frozen bf16 base with fp32 adapters: gradients and state are the trainable shards'
+        itemsize = max((i for i, t in zip(itemsizes, trainable) if t), default=itemsize)
+        by_size: dict[int, int] = {}
+        for n, i in zip(numels, itemsizes):
+            by_size[i] = by_size.get(i, 0) + n * i
+        act_itemsize = max(by_size, key=by_size.__getitem__)  # the dtype of most of the model computes
 
     def subtree(m: nn.Module) -> int:
         return sum(own.get(id(x), 0) for x in m.modules())
@@ -213,7 +233,8 @@ def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]]
     floats = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
     s = ModelSizes(shard_numels=numels, shard_trainable=trainable, itemsize=itemsize, block_bytes=block,
                    flops_per_token=flops, act_width=act_width, source=type(model).__name__,
-                   largest_param_numel=largest_param, dtype=dt if dt is not None else (floats.pop() if len(floats) == 1 else None))
+                   largest_param_numel=largest_param, dtype=dt if dt is not None else (floats.pop() if len(floats) == 1 else None),
+                   shard_itemsizes=itemsizes if mixed else [], act_itemsize=act_itemsize if mixed else 0)
     if cfg is not None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_hidden_layers", None):
         s.hidden = int(cfg.hidden_size)
         s.layers = int(cfg.num_hidden_layers)

@@ -477,7 +477,27 @@ def test_plan_lora_charges_gradients_and_optimizer_for_the_adapters_only(tmp_pat
     assert total(full["optimizer"]) == 12 * n_base  # fp32 master + two moments per parameter
     assert total(lora["optimizer"]) == 12 * n_lora
     assert total(lora["grads"]) <= 4 * n_lora  # a gradient buffer, if any, for the adapters alone
-    assert total(lora["params"]) == 2 * (n_base + n_lora)  # every parameter's stored (bf16) copy
+    assert total(lora["params"]) == 2 * n_base + 4 * n_lora  # the base stored in bf16, the adapters in fp32
+
+
+def test_the_planner_counts_a_lora_model_in_each_shards_own_dtype():
+    """The engine's planner sizes a LoRA run without a bf16 config (each parameter keeps its dtype):
+    the frozen bf16 base at 2 bytes a parameter, the fp32 adapters at 4; their gradients and state
+    at the adapters' itemsize; activations in the base's dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pyinfinity.plan.sizes import sizes_from_module
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PLAN_MODEL)).to(torch.bfloat16)
+        n_base = sum(p.numel() for p in base.parameters())
+        wrapped = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    n_lora = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    s = sizes_from_module(wrapped)
+    assert s.param_bytes == 2 * n_base + 4 * n_lora and s.trainable_numel == n_lora
+    assert (s.itemsize, s.act_itemsize, s.dtype) == (4, 2, None)
+    assert s.largest_shard_bytes == 2 * max(s.shard_numels)  # a decoder layer's frozen bf16 shard
+    assert s.activation_bytes(1, 64, False) == s.with_dtype("bf16").activation_bytes(1, 64, False)
 
 
 @pytest.mark.parametrize("flags, needle", [
