@@ -92,7 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", "--device-memory", dest="device_memory",
                    help="device memory budget, e.g. 8GiB (default auto: measured)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="compute dtype (default auto: bf16 on a GPU, fp32 on the CPU)")
+                   help="compute dtype (default auto: bf16 on a GPU, fp32 on the CPU; with --lora/--adapter each "
+                        "parameter's own, as PEFT trains: the frozen base in the checkpoint's dtype, the adapters "
+                        "in fp32)")
     p.add_argument("--checkpoint-activations", action="store_true", help="recompute activations in backward")
     p.add_argument("--no-prefetch", action="store_true", help="fetch every shard on demand")
     p.add_argument("--corpus-bytes", default="16MB", help="how much of the stdlib sources to read")
@@ -274,8 +276,9 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
     if "nvme" in (args.offload, opt_tier) and not nvme:
         raise UsageError("--nvme: a swap directory is needed with --offload nvme")
     dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    if dtype == "auto":  # with adapters no cast: the base keeps the checkpoint's dtype, the adapters fp32
+        adapters = getattr(args, "lora", None) is not None or getattr(args, "adapter", None) is not None
+        dtype = "bf16" if device.startswith("cuda") and not adapters else "fp32"
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.grad_accum,

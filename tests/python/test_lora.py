@@ -310,6 +310,22 @@ def test_cli_trains_lora_and_its_export_loads(model_dirs, data_file, tmp_path, m
     peft.PeftModel.from_pretrained(_base(path), out)
 
 
+def test_cli_lora_on_a_gpu_keeps_each_parameters_dtype():
+    """--dtype auto is bf16 on a GPU, but a LoRA run casts nothing, as PEFT trains: the base stays in
+    the checkpoint's dtype and the adapters in fp32 (a bf16 section would make them bf16 too)."""
+    import argparse
+
+    from pyinfinity.cli.train_args import add_arguments, build_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert build_config(p.parse_args([]), "cuda:0")["bf16"] == {"enabled": True}
+    for flags in (["--lora", "8"], ["--adapter", "DIR"]):
+        cfg = build_config(p.parse_args(flags), "cuda:0")
+        assert "bf16" not in cfg and "fp16" not in cfg
+    assert build_config(p.parse_args(["--lora", "8", "--dtype", "bf16"]), "cuda:0")["bf16"] == {"enabled": True}
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--lora-alpha", "8"], "--lora-alpha: needs --lora"),
     (["--lora-dropout", "0.1"], "--lora-dropout: needs --lora"),
