@@ -190,9 +190,70 @@ class FP16Config:
 
 @dataclass
 class BF16Config:
-    """``bf16``: bfloat16 compute, fp32 master weights."""
+    """``bf16``: bfloat16 compute, fp32 master weights; DeepSpeed's two keys for a bf16 state.
+
+    bf16_master_weights_and_grads: the master weights are the bf16 weights themselves (no fp32
+    copy) and the gradients stay bf16. bf16_optimizer_states: Adam's moments in bf16 too (DeepSpeed
+    allows it only with bf16_master_weights_and_grads). pyinfinity supports the two together, the
+    ``"bf16"`` optimizer state (6 bytes a parameter with the weights): see :data:`STATE_FORMATS`.
+    """
 
     enabled: bool = False
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+
+OPTIMIZER_STATES = ("fp32", "8bit")
+"""Values of ``pyinfinity.optimizer_state`` (the bf16 state is asked for with DeepSpeed's ``bf16`` keys)."""
+
+QUANT_BLOCK = 256
+"""Parameters per quantisation block of the 8-bit state (one fp32 scale per moment each; the C++
+core's ``kQuantBlock``, ``pyinfinity._C.QUANT_BLOCK``)."""
+
+MIN_QUANTIZED_NUMEL = 4096
+"""Shards with fewer trainable elements keep the exact fp32 state under ``"8bit"`` (bitsandbytes'
+``min_8bit_size``): a unit holding only a norm or a few biases saves nothing worth its error."""
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """One format of the optimizer state: what it keeps for each trainable parameter.
+
+    state_bytes: host RAM or disk bytes a parameter of the optimizer state (master, moments and
+    scales; not the parameter's weights, which every format keeps in the compute dtype).
+    weights_are_master: the weights are the master copy (no fp32 master): a gradient cannot land in
+    the weights' home and needs a buffer of its own.
+    """
+
+    name: str
+    state_bytes: float
+    weights_are_master: bool
+    description: str
+
+    def shard_format(self, numel: int) -> "StateFormat":
+        """The format a shard of ``numel`` trainable elements is kept in: the 8-bit state keeps shards
+        below :data:`MIN_QUANTIZED_NUMEL` in fp32."""
+        return STATE_FORMATS["fp32"] if self.name == "8bit" and numel < MIN_QUANTIZED_NUMEL else self
+
+    def shard_bytes(self, numel: int) -> float:
+        """Optimizer-state bytes of a shard of ``numel`` trainable elements (without the alignment of
+        the home's sections, at most a few hundred bytes a shard)."""
+        fmt = self.shard_format(numel)
+        if fmt.name == "8bit":
+            return 6 * numel + 8 * -(-numel // QUANT_BLOCK)
+        return fmt.state_bytes * numel
+
+
+STATE_FORMATS: dict[str, StateFormat] = {
+    "fp32": StateFormat("fp32", 12.0, False, "fp32 master weights and fp32 Adam moments (exact; the default)"),
+    "8bit": StateFormat("8bit", 6.0 + 8.0 / QUANT_BLOCK, False,
+                        "fp32 master weights; Adam's moments block-wise quantised to a byte each "
+                        "(pyinfinity.optimizer_state \"8bit\")"),
+    "bf16": StateFormat("bf16", 4.0, True,
+                        "the bf16 weights are the master; bf16 Adam moments (bf16.bf16_master_weights_and_grads "
+                        "+ bf16.bf16_optimizer_states)"),
+}
+"""The optimizer-state formats by name (``Config.optimizer_state_format``)."""
 
 
 @dataclass
@@ -228,6 +289,10 @@ class EngineConfig:
     optimizer_threads: threads of the CPU Adam step when the background worker runs it ("auto" =
     every CPU this process may run on with a GPU compute device, 1 on the CPU device, where
     backward has the cores).
+    optimizer_state: "fp32" (exact, 12 bytes a parameter of master and moments) or "8bit" (the fp32
+    master, Adam's moments block-wise quantised to a byte each: 6.03 bytes; docs/optimizer_state.md).
+    A bf16 master with bf16 moments is DeepSpeed's ``bf16.bf16_master_weights_and_grads`` +
+    ``bf16.bf16_optimizer_states``.
     """
 
     device: str = AUTO
@@ -242,6 +307,7 @@ class EngineConfig:
     unit_bytes: SizeOrAuto = AUTO
     device_optimizer_bytes: SizeOrAuto = AUTO
     optimizer_threads: Union[int, str] = AUTO
+    optimizer_state: str = "fp32"  # fp32 | 8bit
 
 
 @dataclass
@@ -259,6 +325,14 @@ class Config:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     pyinfinity: EngineConfig = field(default_factory=EngineConfig)
+
+    @property
+    def optimizer_state_format(self) -> str:
+        """The optimizer state's format (a key of :data:`STATE_FORMATS`): "bf16" under DeepSpeed's
+        bf16 master and moments, else ``pyinfinity.optimizer_state``."""
+        if self.bf16.bf16_master_weights_and_grads:
+            return "bf16"
+        return self.pyinfinity.optimizer_state
 
     @property
     def nvme_paths(self) -> list[str]:
@@ -495,6 +569,21 @@ def _parse_zero(d: dict) -> ZeroConfig:
     return z
 
 
+def _check_bf16_state(b: BF16Config, key: str) -> None:
+    """DeepSpeed's constraints on its bf16 state keys, and the combination pyinfinity lacks."""
+    if b.bf16_optimizer_states and not b.bf16_master_weights_and_grads:
+        raise ConfigError(f"{key}.bf16_optimizer_states: requires {key}.bf16_master_weights_and_grads (as in "
+                          "DeepSpeed: the moments are kept in the master's precision)")
+    if b.bf16_master_weights_and_grads and not b.enabled:
+        raise ConfigError(f"{key}.bf16_master_weights_and_grads: requires {key}.enabled (the bf16 weights are "
+                          "the master)")
+    if b.bf16_master_weights_and_grads and not b.bf16_optimizer_states:
+        raise ConfigError(f"{key}.bf16_master_weights_and_grads without {key}.bf16_optimizer_states (a bf16 "
+                          "master with fp32 moments) is not supported: set bf16_optimizer_states too (bf16 "
+                          "moments, 6 bytes a parameter) or use pyinfinity.optimizer_state \"8bit\" (an fp32 "
+                          "master, 8 bytes)")
+
+
 def _parse_engine(d: dict) -> EngineConfig:
     _check_keys(d, _names(EngineConfig), set(), "pyinfinity")
     e = EngineConfig()
@@ -533,6 +622,13 @@ def _parse_engine(d: dict) -> EngineConfig:
         if v != AUTO and not isinstance(v, bool):
             raise ConfigError(f"pyinfinity.overlap_step: expected true, false or \"auto\", got {v!r}")
         e.overlap_step = v
+    if "optimizer_state" in d:
+        v = d["optimizer_state"]
+        if isinstance(v, str) and v.lower() == "bf16":
+            raise ConfigError("pyinfinity.optimizer_state: a bf16 state is DeepSpeed's \"bf16\": "
+                              "{\"enabled\": true, \"bf16_master_weights_and_grads\": true, "
+                              "\"bf16_optimizer_states\": true}")
+        e.optimizer_state = _choice(v, "pyinfinity.optimizer_state", OPTIMIZER_STATES)
     return e
 
 
@@ -602,8 +698,10 @@ def load_config(config: Union[dict, str, os.PathLike, Config]) -> Config:
         )
     for key in ("bf16", "bfloat16"):
         if key in d:
-            _check_keys(d[key], ["enabled"], {"immediate_grad_update", "check_grad_overflow"}, key)
-            c.bf16 = BF16Config(enabled=_bool(d[key].get("enabled", False), f"{key}.enabled"))
+            _check_keys(d[key], _names(BF16Config), {"immediate_grad_update", "check_grad_overflow"}, key)
+            c.bf16 = BF16Config(**{f.name: _bool(d[key].get(f.name, False), f"{key}.{f.name}")
+                                   for f in fields(BF16Config)})
+            _check_bf16_state(c.bf16, key)
     if c.fp16.enabled and c.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled: at most one of them may be true")
     if "optimizer" in d:
@@ -654,6 +752,9 @@ def _reconcile_batch(c: Config, d: dict) -> None:
 
 def _validate(c: Config) -> None:
     z = c.zero_optimization
+    if c.pyinfinity.optimizer_state == "8bit" and c.bf16.bf16_master_weights_and_grads:
+        raise ConfigError("pyinfinity.optimizer_state: \"8bit\" keeps an fp32 master, which "
+                          "bf16.bf16_master_weights_and_grads drops: set one of them")
     if c.pyinfinity.overlap_step is True:
         why = overlap_step_blocker(c)
         if why is not None:
@@ -784,8 +885,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
       * device_memory: the budget given, else ``budgets.device_memory``.
       * offload_param.device: "cpu" if the parameters (compute dtype) fit in half the host budget
         after the optimizer states placed in RAM, else "nvme" (needs nvme_path).
-      * offload_optimizer.device: "cpu" if master + Adam moments + fp32 grads (16 B/param) fit in
-        the host budget, else "nvme".
+      * offload_optimizer.device: "cpu" if master + Adam moments + fp32 grads (16 B/param with the
+        fp32 state, 10.03 with 8bit, 8 with bf16) fit in the host budget, else "nvme".
       * stage3_prefetch_bucket_size: what the device budget leaves after the persistent shards and
         two of the largest module working sets, at most 4x the largest module.
       * stage3_max_live_parameters: the device budget, in elements of the compute dtype.
@@ -820,7 +921,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
         out.append(AutoDecision("pyinfinity.overlap_step", e.overlap_step,
                                 blocker or "no clipping, no fp16 loss scaling, optimizer steps on the CPU"))
     dev_budget = int(e.device_memory)
-    opt_bytes = sizes.numel * 16  # fp32 master + exp_avg + exp_avg_sq + fp32 grad
+    state = STATE_FORMATS[c.optimizer_state_format]
+    opt_bytes = int(sizes.numel * (state.state_bytes + 4))  # master and moments + an fp32 gradient
     host = budgets.host_memory
     nvme_ok = bool(c.nvme_paths)
     if z.offload_optimizer.device == AUTO:
@@ -890,7 +992,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
         out.append(AutoDecision("pyinfinity.unit_bytes", e.unit_bytes, "a quarter of the model, an eighth of the device"))
     if z.offload_param.device == "nvme" or z.offload_optimizer.device == "nvme":
         need = (sizes.param_bytes if z.offload_param.device == "nvme" else 0) + \
-               (int(sizes.numel * 12 * z.offload_optimizer.ratio) if z.offload_optimizer.device == "nvme" else 0)
+               (int(sizes.numel * state.state_bytes * z.offload_optimizer.ratio)
+                if z.offload_optimizer.device == "nvme" else 0)
         if budgets.nvme_free and need > budgets.nvme_free:
             raise ConfigError(f"nvme_path: needs {format_size(need)} of swap, {format_size(budgets.nvme_free)} "
                               f"free at {', '.join(c.nvme_paths)}; add {format_size(need - budgets.nvme_free)} "
@@ -906,4 +1009,5 @@ def _deepcopy(c: Config) -> Config:
 
 __all__ = ["AUTO", "Config", "ConfigError", "load_config", "resolve_auto", "ModelSizes", "Budgets",
            "AutoDecision", "parse_size", "format_size", "measure_budgets", "check_swap_dir", "replace",
-           "overlap_step_blocker", "default_optimizer_threads"]
+           "overlap_step_blocker", "default_optimizer_threads", "OPTIMIZER_STATES", "STATE_FORMATS",
+           "StateFormat", "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

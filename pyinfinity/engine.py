@@ -259,6 +259,17 @@ def _model_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> Mo
                       small_shard_bytes=small)
 
 
+def _check_state_format(cfg: Config) -> None:
+    """Refuses an optimizer-state format the optimizer does not store yet (never an fp32 run in its
+    place): the kernels, the reference steps and the planner know the 8bit and bf16 states, the
+    offloaded optimizer keeps only the fp32 one so far."""
+    fmt = cfg.optimizer_state_format
+    if fmt != "fp32":
+        key = "pyinfinity.optimizer_state" if fmt == "8bit" else "bf16.bf16_master_weights_and_grads"
+        raise ConfigError(f"{key}: the {fmt} optimizer state is not yet supported by the engine (`pyinfinity plan` "
+                          "can plan with it); use the fp32 state")
+
+
 class Engine:
     """Offloaded ZeRO-3 training of one model on one device. Use ``initialize`` to make one."""
 
@@ -268,6 +279,7 @@ class Engine:
         self._closed = True
         guards.check_not_wrapped(model)
         cfg = load_config(config)
+        _check_state_format(cfg)
         self.weights: Any = None  # pretrained.WeightLoader: names, shapes checked before anything is written
         if weights is not None:
             from pyinfinity.pretrained import WeightLoader
