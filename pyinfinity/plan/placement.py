@@ -43,13 +43,14 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from pyinfinity.config import STATE_FORMATS, StateFormat
 from pyinfinity.plan.budgets import Budgets
 from pyinfinity.plan.rates import Rates
 from pyinfinity.plan.sizes import SMALL_SHARD_NUMEL, ModelSizes
 
 log = logging.getLogger(__name__)
 
-OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
+OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq (the fp32 state; STATE_FORMATS has the others)
 GRAD_BYTES_PER_PARAM = 4  # fp32 accumulator on the host
 SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
 SWAP_SLOT_ALIGN = 4096
@@ -62,6 +63,14 @@ PERSISTENT_SHARE = 0.05  # small shards stay resident when they cost at most thi
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
 TIE = 0.02  # candidates within 2% of the fastest are ties; less disk traffic wins
 DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optimizer.DEVICE_CHUNK)
+# the torch step of a compressed state on the device: zero.state_formats.DEVICE_CHUNK elements at a
+# time, DEVICE_SCRATCH_PER_ELEMENT bytes of temporaries each
+FORMAT_STEP_SCRATCH = 40 * (1 << 22)
+
+
+def step_scratch(state: str) -> int:
+    """Device bytes of temporaries the device step of the ``state`` format takes at its peak."""
+    return DEVICE_STEP_SCRATCH if state == "fp32" else FORMAT_STEP_SCRATCH
 # flat unit gradients alive on the device at once in backward: the unit being collected and the one
 # whose copy off the device is still in flight (its memory is reused only after the copy ran)
 GRAD_BUFFERS_LIVE = 2
@@ -101,6 +110,12 @@ class TrainShape:
     # gradient clipping or fp16 loss scaling: the step needs the global norm, so an overlapped step
     # starts after the boundary backward and hides behind the next forward instead
     norm_first: bool = False
+    # the optimizer state's format (Config.optimizer_state_format: a key of config.STATE_FORMATS)
+    optimizer_state: str = "fp32"
+
+    @property
+    def state_format(self) -> StateFormat:
+        return STATE_FORMATS[self.optimizer_state]
 
     @property
     def tokens(self) -> int:
@@ -278,6 +293,7 @@ class Placement:
     notes: list[str] = field(default_factory=list)
     device_state_bytes: int = 0  # of device_bytes, resident units' optimizer state (a copy of its host home)
     charges: Optional[DeviceCharges] = None  # device_bytes by kind
+    state: str = "fp32"  # the optimizer state's format (TrainShape.optimizer_state)
 
     @property
     def feasible(self) -> bool:
@@ -318,11 +334,11 @@ class Placement:
         def row(name: str, s: Share, extra: str = "") -> str:
             return f"  {name:<18}{fmt(s.device):>10}{fmt(s.ram):>10}{fmt(s.disk):>10}  {extra}"
 
-        opt_tier = "cpu" if k.optimizer_device == "cpu" else f"nvme, ratio {k.ratio:.3f}"
+        opt_tier = ("cpu" if k.optimizer_device == "cpu" else f"nvme, ratio {k.ratio:.3f}") + f"; {self.state} state"
         par_tier = k.param_device + (f", max_in_cpu {k.max_in_cpu:,}" if k.param_device == "nvme" else "")
         lines = [f"  {'tensor class':<18}{'device':>10}{'RAM':>10}{'disk':>10}  tier",
                  row("parameters", self.params, par_tier),
-                 row("gradients (fp32)", self.grads, "host accumulator"),
+                 row("gradients", self.grads, "host (fp32 under accumulation)"),
                  row("optimizer states", self.optimizer, opt_tier),
                  "",
                  f"  device peak {fmt(self.device_bytes)} of {fmt(self.device_memory)} (activations "
@@ -456,7 +472,8 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     # units from the front of the model within device_optimizer_bytes, as the engine picks them
     dev_state: set[int] = set()
     dev_state_numel = 0
-    per_param = device_state_cost(isz, train.grad_accum)
+    state_fmt = train.state_format
+    per_param = device_state_cost(isz, train.grad_accum, state_fmt.name)
     if k.device_optimizer_bytes > 0 and k.optimizer_step_device != "device":
         dleft = k.device_optimizer_bytes
         for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
@@ -477,7 +494,8 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     biggest_disk_state = 0
     first_disk_state = 0
     # the one-pass CPU kernel writes the new bf16 weights into a home in RAM itself (its measured
-    # rate includes it); other homes and dtypes get a cast pass from the fp32 master
+    # rate includes it); other homes and dtypes get a cast pass from the fp32 master. A bf16 master
+    # is the weights' home itself: stepped where it lies in RAM, read from disk or the device first
     kernel_writes_home = sizes.dtype == torch.bfloat16 and k.optimizer_step_device != "device"
     for i, (n, trainable, ptier) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable, param_tier)):
         if not trainable:
@@ -485,49 +503,53 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         ram = placed + n <= ram_share
         placed += n
         seg = seg_a if ram else seg_b
+        nb = int(state_fmt.shard_bytes(n))  # the shard's optimizer state, moved whole (compressed on disk)
         if ram:
-            optim.ram += OPT_BYTES_PER_PARAM * n
+            optim.ram += nb
         else:
-            optim.disk += OPT_BYTES_PER_PARAM * n
-            seg_b["state"] += OPT_BYTES_PER_PARAM * n
-            seg_b["state_s"] += rates.read_time(OPT_BYTES_PER_PARAM * n) + rates.write_time(OPT_BYTES_PER_PARAM * n)
-            biggest_disk_state = max(biggest_disk_state, n)
-            first_disk_state = first_disk_state or n
+            optim.disk += nb
+            seg_b["state"] += nb
+            seg_b["state_s"] += rates.read_time(nb) + rates.write_time(nb)
+            biggest_disk_state = max(biggest_disk_state, nb)
+            first_disk_state = first_disk_state or nb
         if i in dev_state:  # stepped on the device: no CPU Adam, no cast into the home
             continue
         seg["adam"] += n
         if not (ptier == "ram" and kernel_writes_home):  # a cast pass into the home or a write buffer
             seg["cast"] += n
         if ptier == "device":
-            seg["param_dev"] += n * isz
+            seg["param_dev"] += n * isz * (2 if state_fmt.weights_are_master else 1)
         elif ptier == "disk":
-            seg["param_disk_s"] += rates.write_time(n * isz)
+            seg["param_disk_s"] += rates.write_time(n * isz) + (rates.read_time(n * isz) if state_fmt.weights_are_master
+                                                               else 0.0)
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
-    # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation
+    # it from the fp32 master), a buffer of their own for homes on disk or on the device, or when the
+    # weights are the master; fp32 under accumulation
     if train.grad_accum > 1:
         grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + isz * sizes.largest_shard_numel)
     else:
         grads = Share(ram=sum(n * isz for i, (n, t, pt) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable,
                                                                            param_tier))
-                              if t and pt != "ram" and i not in dev_state))
-    device_state_bytes = per_param * dev_state_numel
+                              if t and (pt != "ram" or state_fmt.weights_are_master) and i not in dev_state))
+    device_state_bytes = int(per_param * dev_state_numel)
     # -- device: the charges of one step (DeviceCharges: shards, activations, gradients, state, headroom)
     everything = k.param_device == "none" or resident_bytes + persistent >= params.total
     charges = device_charges(sizes, train, budgets.device_memory, device_is_host=budgets.device_is_host,
                              resident=params.device if k.param_device == "none" else resident_bytes,
                              persistent=0 if k.param_device == "none" else persistent,
                              prefetch=k.prefetch_bytes if k.prefetch else 0,
-                             device_state=device_state_bytes + DEVICE_STEP_SCRATCH if dev_state else 0,
+                             device_state=device_state_bytes + step_scratch(state_fmt.name) if dev_state else 0,
                              all_resident=everything)
     acts = charges.activations
     shard_peak = charges.resident + charges.persistent + charges.working_set + charges.prefetch
     device_bytes = charges.total
-    if k.optimizer_step_device == "device":  # two sets of [master|m|v] + grad buffers, after release_all
-        device_bytes = max(device_bytes, persistent + 2 * 16 * sizes.largest_shard_numel)
+    if k.optimizer_step_device == "device":  # two sets of the state + grad buffers, after release_all
+        device_bytes = max(device_bytes, persistent + 2 * int(state_fmt.shard_bytes(sizes.largest_shard_numel)
+                                                              + 4 * sizes.largest_shard_numel))
     # -- host: homes in RAM, gradients, staging, write-back temporaries (+ the device pool on the CPU)
     staging = 0
     if optim.disk:
-        staging += (k.optimizer_buffer_count if k.pipeline else 1) * OPT_BYTES_PER_PARAM * biggest_disk_state
+        staging += (k.optimizer_buffer_count if k.pipeline else 1) * biggest_disk_state
     if cuda and fetch_disk:
         staging += k.param_buffer_count * sizes.largest_shard_bytes  # pinned read staging
     writeback = (sizes.largest_shard_numel * isz * k.optimizer_buffer_count) if isz != 4 else 0
@@ -554,7 +576,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     if host_bytes > budgets.host_memory:
         violations.append(
             f"host RAM: needs {fmt(host_bytes)} (parameters {fmt(params.ram)}, optimizer states {fmt(optim.ram)}, "
-            f"fp32 gradients {fmt(grads.ram)}, staging {fmt(staging + writeback)}"
+            f"{_grads_what(train)} {fmt(grads.ram)}, staging {fmt(staging + writeback)}"
             f"{', device pool ' + fmt(device_bytes) if budgets.device_is_host else ''}), budget {fmt(budgets.host_memory)}")
     if swap_bytes and not dirs:
         violations.append(f"swap: needs {fmt(swap_bytes)} on disk but no nvme_path is given")
@@ -584,7 +606,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=k.optimizer_step_device,
                      host_memory=budgets.host_memory, violations=violations, notes=notes,
-                     device_state_bytes=device_state_bytes, charges=charges)
+                     device_state_bytes=device_state_bytes, charges=charges, state=state_fmt.name)
 
 
 def _div(a: float, b: float) -> float:
@@ -640,11 +662,14 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
     pageable = rates.h2d_pageable or rates.h2d  # gradients and write-back sources are pageable
 
+    state_bytes = train.state_format.state_bytes
+
     def adam_time(numel: int) -> float:
         if knobs.optimizer_step_device == "device" and cuda:
             # streamed: state + grad to the device, state back, one shard at a time (the copy back waits)
-            return _div(12 * numel, rates.h2d) + _div(4 * numel, pageable) + _div(12 * numel, rates.d2h)
-        return _div(numel, rates.adam)
+            return (_div(state_bytes * numel, rates.h2d) + _div(4 * numel, pageable)
+                    + _div(state_bytes * numel, rates.d2h))
+        return _div(numel, rates.adam_rate(train.optimizer_state))
 
     def cpu_time(seg: dict) -> float:
         # Adam, the cast pass from the fp32 master straight into the home (or the write buffer of a
@@ -654,7 +679,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
     a = cpu_time(seg_a)
     b = cpu_time(seg_b)
-    first_read = rates.read_time(OPT_BYTES_PER_PARAM * first_disk_state) if first_disk_state else 0.0
+    first_read = rates.read_time(first_disk_state) if first_disk_state else 0.0  # bytes of the first shard on disk
     disk_a = seg_a["param_disk_s"] + first_read
     disk_b = seg_b["state_s"] + seg_b["param_disk_s"] - first_read
     if knobs.pipeline:
@@ -702,12 +727,12 @@ class Fixed:
     device_optimizer_bytes: Optional[int] = None
 
 
-def _optimizer_split(sizes: ModelSizes, ram_bytes: int) -> float:
+def _optimizer_split(sizes: ModelSizes, ram_bytes: int, state: StateFormat = STATE_FORMATS["fp32"]) -> float:
     """The nvme ratio whose RAM prefix (as the engine places it) fits in ``ram_bytes``."""
     total = sizes.trainable_numel
     if total == 0:
         return 0.0
-    fit = max(0, ram_bytes) // OPT_BYTES_PER_PARAM
+    fit = int(max(0, ram_bytes) // state.state_bytes)
     if fit >= total:
         return 0.0
     return min(1.0, max(0.0, 1.0 - fit / total))
@@ -758,11 +783,12 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
     return k
 
 
-def device_state_cost(itemsize: int, grad_accum: int) -> int:
-    """Device bytes a parameter of a unit stepped on the device costs beyond its weights: the fp32
-    master and moments, its gradient (kept there until the step when it cannot step during
-    backward) and under accumulation the fp32 accumulator."""
-    return OPT_BYTES_PER_PARAM + itemsize + (GRAD_BYTES_PER_PARAM if grad_accum > 1 else 0)
+def device_state_cost(itemsize: int, grad_accum: int, state: str = "fp32") -> float:
+    """Device bytes a parameter of a unit stepped on the device costs beyond its weights: its
+    optimizer state (the fp32 master and moments, or the ``state`` format's), its gradient (kept
+    there until the step when it cannot step during backward) and under accumulation the fp32
+    accumulator."""
+    return STATE_FORMATS[state].state_bytes + itemsize + (GRAD_BYTES_PER_PARAM if grad_accum > 1 else 0)
 
 
 def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
@@ -778,7 +804,7 @@ def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, r
     c = device_charges(sizes, train, budgets.device_memory, resident=min(k.resident_bytes, offloaded),
                        persistent=persistent, prefetch=k.prefetch_bytes if k.prefetch else 0,
                        all_resident=k.resident_bytes >= offloaded, activations=acts)
-    return max(0, budgets.device_memory - c.total - DEVICE_STEP_SCRATCH)
+    return max(0, budgets.device_memory - c.total - step_scratch(train.optimizer_state))
 
 
 def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
@@ -832,7 +858,7 @@ def _tier_candidates(base: Knobs, sizes: ModelSizes, train: TrainShape, budgets:
                 # what RAM is left for optimizer states once everything else is charged
                 probe = evaluate(sizes, train, budgets, rates, replace(k, ratio=1.0))
                 left = budgets.host_memory - probe.host_bytes
-                yield replace(k, ratio=_optimizer_split(sizes, left))
+                yield replace(k, ratio=_optimizer_split(sizes, left, train.state_format))
                 yield replace(k, ratio=1.0)
 
 
@@ -871,6 +897,12 @@ def _notes(p: Placement, sizes: ModelSizes, budgets: Budgets, n_eval: int, n_ok:
     return out
 
 
+def _grads_what(train: TrainShape) -> str:
+    """What the host's gradient buffers are: fp32 accumulators, or gradients in the compute dtype
+    (for homes on disk or on the device, or weights that are the master)."""
+    return "fp32 gradients" if train.grad_accum > 1 else "gradient buffers"
+
+
 def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: list[Placement],
              paths: Sequence[str]) -> str:
     """The error for an infeasible problem: what the least-violating candidate needs, and what to change."""
@@ -896,14 +928,14 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
                          + (f" (the largest micro-batch x sequence that fits with nothing resident is {mb} x {seq})"
                             if mb and not budgets.device_is_host else ""))
         elif v.startswith("host RAM") and not paths:
-            state = sizes.trainable_numel * (OPT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) + sizes.param_bytes
+            state = sizes.trainable_numel * (train.state_format.state_bytes + GRAD_BYTES_PER_PARAM) + sizes.param_bytes
             hints.append(f"give a swap directory (--nvme DIR / nvme_path) with at least "
                          f"{fmt(max(0, (best.host_bytes if best else state) - budgets.host_memory))} free, or raise the "
                          "host budget (--cpu-memory / pyinfinity.host_memory)")
         elif v.startswith("host RAM"):
             grads = best.grads.ram if best else sizes.trainable_numel * GRAD_BYTES_PER_PARAM
             hints.append("raise the host budget (--cpu-memory / pyinfinity.host_memory): "
-                         + (f"the fp32 gradients ({fmt(grads)}) and " if grads else "")
+                         + (f"the {_grads_what(train)} ({fmt(grads)}) and " if grads else "")
                          + "the staging buffers stay in RAM")
         elif v.startswith("swap: needs") and "no nvme_path" in v:
             hints.append("give a swap directory (--nvme DIR / nvme_path)")
@@ -913,13 +945,15 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
     if best is not None and sizes.numel:
         # what the state costs a parameter, so a refusal can be checked against the model's size
         state = best.params.total + best.optimizer.total + best.grads.total
+        what = {"fp32": "fp32 master and moments", "8bit": "fp32 master and 8-bit moments",
+                "bf16": "bf16 moments"}[train.optimizer_state]
         hints.append(f"the training state is {state / sizes.numel:.1f} bytes a parameter ({fmt(state)} for "
-                     f"{sizes.numel / 1e9:.2f}B parameters: weights {fmt(best.params.total)}, fp32 master and "
-                     f"moments {fmt(best.optimizer.total)}"
-                     + (f", fp32 gradients {fmt(best.grads.total)}" if best.grads.total else "") + ")")
+                     f"{sizes.numel / 1e9:.2f}B parameters: weights {fmt(best.params.total)}, {what} "
+                     f"{fmt(best.optimizer.total)}"
+                     + (f", {_grads_what(train)} {fmt(best.grads.total)}" if best.grads.total else "") + ")")
     return "; ".join(msgs + hints)
 
 
 __all__ = ["DeviceCharges", "device_charges", "grad_buffer_bytes", "largest_shape", "shape_refusal",
-           "device_state_cost", "Placement", "Knobs", "Share", "StepTime", "TrainShape", "Fixed", "PlanError", "evaluate", "predict",
+           "device_state_cost", "step_scratch", "Placement", "Knobs", "Share", "StepTime", "TrainShape", "Fixed", "PlanError", "evaluate", "predict",
            "solve", "candidates", "fmt"]

@@ -93,7 +93,8 @@ def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> Train
         overlap = "on" if ov is True else "auto"
     return TrainShape(micro_batch=int(cfg.train_micro_batch_size_per_gpu), seq_len=int(seq_len or DEFAULT_SEQ_LEN),
                       grad_accum=int(cfg.gradient_accumulation_steps), checkpointing=checkpointing,
-                      overlap_step=overlap, norm_first=cfg.gradient_clipping > 0 or cfg.fp16.enabled)
+                      overlap_step=overlap, norm_first=cfg.gradient_clipping > 0 or cfg.fp16.enabled,
+                      optimizer_state=cfg.optimizer_state_format)
 
 
 def _compute_dtype(cfg: Any) -> Optional[torch.dtype]:
@@ -232,7 +233,8 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
                               aio=_aio_dict(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
                                                                                 * (seq_len or DEFAULT_SEQ_LEN))), m, m),
                               dtype=_compute_dtype(cfg) or torch.float32, cache=True,
-                              optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev))
+                              optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev),
+                              optimizer_state=cfg.optimizer_state_format)
     fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
     train = _train_shape(cfg, seq_len, checkpointing)
     train.compute_seconds, train.activation_bytes = compute_seconds, activation_bytes
@@ -292,7 +294,8 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         m = sizes.hidden or 1024
         rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=_aio_dict(c),
                               matmul_shape=(1024, m, m), dtype=_compute_dtype(c) or torch.float32, cache=True,
-                              optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev))
+                              optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev),
+                              optimizer_state=c.optimizer_state_format)
     fixed, owned = _fixed_from(c, None)
     train = _train_shape(c, seq_len, checkpointing)
     if not str(dev).startswith("cuda"):
