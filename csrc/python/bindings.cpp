@@ -350,8 +350,8 @@ PYBIND11_MODULE(_C, m) {
         const CpuIsa want = parse_isa(isa);
         const auto s = state8(master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale);
         py::gil_scoped_release nogil;
-        pyinfinity::adam_step_8bit(s, reinterpret_cast<const void*>(grad), gt, reinterpret_cast<std::uint16_t*>(out_bf16),
-                                   n, h, threads, want);
+        pyinfinity::adam_step_8bit(s, reinterpret_cast<const void*>(grad), gt,
+                                   reinterpret_cast<std::uint16_t*>(out_bf16), n, h, threads, want);
       },
       py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("exp_avg_scale"),
       py::arg("exp_avg_sq_scale"), py::arg("grad"), py::arg("grad_type"), py::arg("out_bf16"), py::arg("n"),

@@ -86,8 +86,9 @@ void quantize_moments(const float* exp_avg, const float* exp_avg_sq, std::size_t
                           s.exp_avg_sq_scale),
                "quantize_moments: null pointer");
   const CpuIsa use = resolve_isa(isa);
-  detail::parallel_chunks(n, threads, kQuantBlock,
-                          [&](std::size_t b, std::size_t e) { PYINF_DISPATCH(use, quantize_range(exp_avg, exp_avg_sq, s, b, e)); });
+  detail::parallel_chunks(n, threads, kQuantBlock, [&](std::size_t b, std::size_t e) {
+    PYINF_DISPATCH(use, quantize_range(exp_avg, exp_avg_sq, s, b, e));
+  });
 }
 
 void dequantize_moments(const Adam8bitState& s, std::size_t n, float* exp_avg, float* exp_avg_sq, int threads,
@@ -96,8 +97,9 @@ void dequantize_moments(const Adam8bitState& s, std::size_t n, float* exp_avg, f
                           s.exp_avg_sq_scale),
                "dequantize_moments: null pointer");
   const CpuIsa use = resolve_isa(isa);
-  detail::parallel_chunks(n, threads, kQuantBlock,
-                          [&](std::size_t b, std::size_t e) { PYINF_DISPATCH(use, dequantize_range(s, exp_avg, exp_avg_sq, b, e)); });
+  detail::parallel_chunks(n, threads, kQuantBlock, [&](std::size_t b, std::size_t e) {
+    PYINF_DISPATCH(use, dequantize_range(s, exp_avg, exp_avg_sq, b, e));
+  });
 }
 
 void adam_step_bf16(std::uint16_t* param, std::uint16_t* exp_avg, std::uint16_t* exp_avg_sq, const void* grad,

@@ -63,12 +63,12 @@ CpuIsa resolve_isa(CpuIsa requested) {
     source = "PYINFINITY_CPU_ISA";
   }
   if (isa == CpuIsa::kAuto) return supported_isas().back();
-  PYINF_EXPECT(isa_supported(isa), std::string(source) + ": this CPU (or this build) has no " + isa_name(isa) +
-                                       " path; supported here: " + [] {
-                                         std::string s;
-                                         for (CpuIsa i : supported_isas()) s += std::string(s.empty() ? "" : ", ") + isa_name(i);
-                                         return s;
-                                       }());
+  if (!isa_supported(isa)) {
+    std::string have;
+    for (CpuIsa i : supported_isas()) have += std::string(have.empty() ? "" : ", ") + isa_name(i);
+    PYINF_EXPECT(false, std::string(source) + ": this CPU (or this build) has no " + isa_name(isa) +
+                            " path; supported here: " + have);
+  }
   return isa;
 }
 

@@ -184,7 +184,8 @@ class Rates:
                 ("disk_latency", f"{self.disk_latency * 1e3:.3f} ms per piece"),
                 ("adam", f"{self.adam / 1e9:.3f} Gparam/s"), ("matmul", f"{self.matmul / 1e12:.3f} TFLOP/s"),
                 ("memcpy", f"{self.memcpy / g:.2f} GB/s")]
-        rows[7:7] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s") for k in ("adam_8bit", "adam_bf16") if getattr(self, k)]
+        rows[7:7] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s") for k in ("adam_8bit", "adam_bf16")
+                     if getattr(self, k)]
         if self.shard_overhead or "shard_overhead" in self.source:
             rows.append(("shard_overhead", f"{self.shard_overhead * 1e6:.1f} us per shard"))
         w = max(len(k) for k, _ in rows)

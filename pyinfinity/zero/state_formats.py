@@ -52,7 +52,7 @@ both moments in fp32, the master's new value and two operands of the operation i
 _SECTION_ALIGN = 64  # each array of a shard's 8-bit home starts on a cache line
 
 __all__ = ["QUANT_BLOCK", "MIN_QUANTIZED_NUMEL", "EXP_AVG_CODE_MAX", "EXP_AVG_SQ_CODE_MAX", "DEVICE_CHUNK",
-           "AdamHyper", "Adam8bitState", "state_format", "bytes_per_param", "state_nbytes", "layout_8bit",
+           "AdamHyper", "Adam8bitState", "Layout8bit", "state_format", "bytes_per_param", "state_nbytes", "layout_8bit",
            "views_8bit", "e4m3_values", "ue4m4_values", "encode_e4m3", "decode_e4m3", "encode_ue4m4",
            "decode_ue4m4", "quantize_moments", "dequantize_moments", "reference_step_8bit",
            "reference_step_bf16", "device_step_8bit", "device_step_bf16", "cpu_step_8bit", "cpu_step_bf16"]

@@ -137,6 +137,8 @@ TEST(every_instruction_set_steps_alike) {
     if (isas[k] != CpuIsa::kGeneric && isas[k - 1] != CpuIsa::kGeneric) {
       CHECK(std::memcmp(results[k].data(), results[k - 1].data(), n * sizeof(float)) == 0);
     }
-    for (std::size_t i = 0; i < n; ++i) CHECK(std::fabs(results[k][i] - results[0][i]) <= 1e-6f * (std::fabs(results[0][i]) + 1e-3f));
+    for (std::size_t i = 0; i < n; ++i) {
+      CHECK(std::fabs(results[k][i] - results[0][i]) <= 1e-6f * (std::fabs(results[0][i]) + 1e-3f));
+    }
   }
 }

@@ -91,7 +91,8 @@ def test_quantisation_error_is_bounded_for_every_element(spread):
     assert ((m2 - m).abs() <= (m.abs() * 2.0 ** -4 + sm * 2.0 ** -10) * 1.0001).all()
     r, r2 = v.sqrt(), v2.sqrt()
     floor = sr * 2.0 ** -18  # the smallest code: where a root far below its block's largest lands
-    assert (((r2 - r).abs() <= (r * 2.0 ** -5 + sr * 2.0 ** -19) * 1.0001) | ((r < floor) & (r2 <= floor * 1.0001))).all()
+    near = (r2 - r).abs() <= (r * 2.0 ** -5 + sr * 2.0 ** -19) * 1.0001
+    assert (near | ((r < floor) & (r2 <= floor * 1.0001))).all()
     assert (v2 > 0).all()
     d, d2 = m / (v.sqrt() + 1e-8), m2 / (v2.sqrt() + 1e-8)
     assert d2.abs().max() <= 1.5 * d.abs().max()  # no element's step blows up
