@@ -349,7 +349,7 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
 
     aio: the ``aio`` section to use (block_size, queue_depth, thread_count/intra_op_parallelism, backend).
     """
-    from pyinfinity.swap.ownership import make_swap_dir, remove_created_dirs
+    from pyinfinity.swap.directories import make_swap_dir, remove_created_dirs
 
     made = make_swap_dir(directory, warn=False)  # a swap directory not made yet: timed, then removed
     try:

@@ -169,7 +169,7 @@ class OffloadOptimizer:
                               "weight_decay": cfg.weight_decay, "params": []}]
         self.defaults = dict(self.param_groups[0])
         self._staging: list[torch.Tensor] = []
-        self._total_numel = 0
+        self.total_numel = 0  # trainable elements in all (plan(), or the engine up front): what ratio splits
         self._scratch: dict[int, torch.Tensor] = {}  # thread ident -> fp32 gradient scratch
         # background stepping
         self.background = False  # set by the engine (pyinfinity.overlap_step)
@@ -198,14 +198,14 @@ class OffloadOptimizer:
     # ------------------------------------------------------------------------- placement
     def plan(self, shards: Sequence[FlatShard]) -> None:
         """Declares the trainable shards up front so ``ratio`` can split RAM vs NVMe by size."""
-        self._total_numel = sum(s.numel for s in shards if s.trainable)
+        self.total_numel = sum(s.numel for s in shards if s.trainable)
 
     def _tier_for(self, numel: int) -> Tier:
         if self.nvme_ratio <= 0:
             return Tier.CPU
         # the first (1 - ratio) of the state (in order of creation) stays in RAM, the rest on disk
         placed = sum(s.numel for s in self.states)
-        ram_share = (1.0 - self.nvme_ratio) * self._total_numel
+        ram_share = (1.0 - self.nvme_ratio) * self.total_numel
         return Tier.CPU if placed + numel <= ram_share else Tier.NVME
 
     def add_shard(self, shard: FlatShard, flat32: torch.Tensor) -> Optional[ShardOptimState]:
@@ -475,7 +475,7 @@ class OffloadOptimizer:
             biggest = max((st.numel for st in self.states if st.home.tier == Tier.NVME), default=0)
             if biggest:
                 n = self.buffer_count if self.pipeline else 1
-                self._staging = [aligned_empty(3 * biggest, torch.float32, pin=self.swapper._pin)
+                self._staging = [aligned_empty(3 * biggest, torch.float32, pin=self.swapper.pin)
                                  for _ in range(n)]
         return self._staging
 

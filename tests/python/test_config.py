@@ -297,6 +297,24 @@ def test_engine_refuses_a_state_it_does_not_store_yet(cfg, key):
         pyinfinity.initialize(torch.nn.Linear(4, 4), cfg)
 
 
+def test_training_state_refuses_a_state_it_does_not_store_yet(tmp_path):
+    """The state that builds the optimizer refuses too, before it claims a swap directory or
+    builds anything, whoever builds it."""
+    import torch
+
+    from pyinfinity.zero.state import TrainingState
+
+    swap = tmp_path / "swap"
+    cfg = load_config(base(pyinfinity={"optimizer_state": "8bit", "device": "cpu"},
+                           zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                "nvme_path": str(swap)}}))
+    model = torch.nn.Linear(4, 4)
+    sizes = ModelSizes(numel=20, param_bytes=80, largest_shard_bytes=80, largest_module_bytes=80)
+    with pytest.raises(ConfigError, match="pyinfinity.optimizer_state: the 8bit optimizer state is not yet supported"):
+        TrainingState(model, cfg, torch.device("cpu"), sizes)
+    assert not swap.exists() and model.weight.device.type == "cpu" and model.weight.numel() == 16
+
+
 def test_auto_heuristic_charges_the_state_format(tmp_path):
     sizes = ModelSizes(numel=1_000_000_000, param_bytes=2_000_000_000, largest_shard_bytes=10 ** 8,
                        largest_module_bytes=10 ** 8)

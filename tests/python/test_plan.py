@@ -494,7 +494,7 @@ def test_the_rate_probe_times_the_planned_formats_kernel(monkeypatch):
 
 
 def test_the_device_steps_scratch_is_charged_as_the_step_takes_it():
-    from pyinfinity.plan.placement import FORMAT_STEP_SCRATCH, device_state_cost, step_scratch
+    from pyinfinity.plan.charges import FORMAT_STEP_SCRATCH, device_state_cost, step_scratch
     from pyinfinity.zero import optimizer, state_formats
 
     assert step_scratch("fp32") == 4 * optimizer.DEVICE_CHUNK
