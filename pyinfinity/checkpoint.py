@@ -9,6 +9,11 @@ it changes anything; an error names the checkpoint, the file and the key. Only a
 entry failing its checksum (or an I/O error) can stop a load part-way: the engine then refuses to
 train, save or export until a load succeeds.
 
+A run whose frozen shards all hold pretrained weights unchanged (a LoRA run's base model) saves
+only the trainable shards' state and records the weights' identity under ``base`` (config.json,
+and each safetensors file's name, size and a CRC-32 of its start); a load checks that identity
+against the weights its engine was built from and refuses another base in one line.
+
 ``save`` and ``load`` work on the engine's training state (``zero.state.TrainingState``, what
 ``Engine.save_checkpoint`` and ``load_checkpoint`` hand over) through its public methods."""
 
@@ -41,7 +46,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this engine: the message names the checkpoint, the
     file (and the key) and what is wrong."""
 
-CHECKPOINT_VERSION = 2  # 2: checksums.json; version 1 checkpoints (no checksums.json) still load
+CHECKPOINT_VERSION = 3  # 3: "base"; 2: checksums.json; versions 1 (no checksums.json) and 2 still load
 CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
@@ -49,9 +54,11 @@ CHECKPOINT_INFLIGHT = 1 << 30  # bytes of checkpoint copies in flight to the dis
 
 
 def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
-         client_state: Optional[dict] = None) -> str:
+         client_state: Optional[dict] = None, *, base: Optional[dict] = None) -> str:
     """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
-    written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
+    written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
+    ``base``: the identity of the pretrained weights the frozen shards hold unchanged (a LoRA
+    run's base model, ``WeightLoader.identity``): recorded instead of the frozen shards' values."""
     state.check_not_in_pass("save_checkpoint()")
     state.check_trainable("save_checkpoint()")
     state.quiesce("save_checkpoint()")
@@ -67,7 +74,7 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        offset = _write_tmp(state, tmp, client_state)
+        offset = _write_tmp(state, tmp, client_state, base)
     except BaseException:  # ENOSPC, EIO, Ctrl-C: nothing of this save stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -84,7 +91,7 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
     return final
 
 
-def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict]) -> int:
+def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict], base: Optional[dict]) -> int:
     """Writes the checkpoint's files into ``tmp`` (fsynced); returns the size of state.bin's data."""
     data_path = os.path.join(tmp, "state.bin")
     io = state.checkpoint_io()
@@ -107,7 +114,7 @@ def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict]) -
                             "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
             offset += -(-n // ALIGN) * ALIGN
         for sh in state.partition.shards:
-            if state.optimizer.state_of(sh) is None:  # frozen: its values are the state
+            if state.optimizer.state_of(sh) is None and base is None:  # frozen: its values are the state
                 buf = state.param_values(sh)
                 n = buf.numel() * buf.element_size()
                 submit(buf, offset)
@@ -133,6 +140,8 @@ def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict]) -
         "hyperparameters": _hyperparameters(state),
         "client_state": client_state or {},
     }
+    if base is not None:  # the frozen shards are the pretrained weights': a load reads them from there
+        meta["base"] = base
     if os.path.exists(data_path):
         fsync_path(data_path)
     try:
@@ -235,9 +244,12 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
-def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
+def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
+         base: Optional[dict] = None) -> tuple[str, dict]:
     """Restores a state written by ``save_checkpoint``; returns (path, client_state). Everything
-    but state.bin's tensors is read and checked before the engine changes (see the module doc)."""
+    but state.bin's tensors is read and checked before the engine changes (see the module doc).
+    ``base``: the identity of the pretrained weights this engine's frozen shards hold; a
+    checkpoint that records one (its frozen shards not saved) loads only over the same."""
     state.check_open()
     state.check_not_in_pass("load_checkpoint()")
     clean_checkpoint_leftovers(load_dir)  # puts back a tag a crash left renamed away
@@ -267,9 +279,10 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None) -> tu
     if sums is None and version != 1:
         raise CheckpointError(f"checkpoint {path!r}: {CHECKSUMS_NAME} missing (a version {version!r} checkpoint "
                               "has one: the save was cut short or the file was removed); nothing was loaded")
-    if sums is not None and version != CHECKPOINT_VERSION:
-        raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected {CHECKPOINT_VERSION})")
+    if sums is not None and version not in (2, CHECKPOINT_VERSION):
+        raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected 2 or {CHECKPOINT_VERSION})")
     entries = _validate_meta(state, path, meta)
+    _check_base(path, meta.get("base"), base)
     if sums is None:
         unchecked = sum(1 for e in entries if "crc32c" not in e)
         log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified%s", path,
@@ -308,6 +321,22 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None) -> tu
     state.mark_whole()  # every shard's state and values are the checkpoint's now
     log.info("checkpoint loaded: %s (step %d)", path, state.global_steps)
     return path, meta["client_state"]
+
+
+def _check_base(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
+    """A checkpoint without its frozen shards loads only over the pretrained weights it was saved
+    over (the same config.json, the same safetensors files by name and size)."""
+    if saved is None:
+        return
+    if mine is None:
+        raise CheckpointError(f"checkpoint {path!r} holds the trained parameters only (its frozen base is the pretrained "
+                              f"weights {sorted(saved.get('files', {}))}): load it into an engine built from those "
+                              "weights (from_pretrained of the same model directory)")
+    if saved != mine:
+        what = ("config.json" if saved.get("config") != mine.get("config")
+                else "safetensors files (names, sizes, first bytes)")
+        raise CheckpointError(f"checkpoint {path!r} was saved over other base weights than this engine's: their "
+                              f"{what} differ; load it into an engine built from the model directory it was trained on")
 
 
 def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: list[dict]) -> None:
@@ -375,7 +404,7 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
 
     keys = {"version", "global_steps", "micro_steps", "shards", "entries", "data_bytes", "scaler", "scheduler",
             "lr", "client_state"}
-    optional = {"hyperparameters"}  # written since resumes compare them with the config
+    optional = {"hyperparameters", "base"}  # written since resumes compare them / frozen shards not saved
     missing, extra = keys - meta.keys(), meta.keys() - keys - optional
     if missing or extra:
         raise CheckpointError(f"{where}: " + "; ".join(
@@ -447,7 +476,10 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
             raise bad(f"{k}.offset", f"{e['offset']} (+ {e['nbytes']} bytes) is not {ALIGN}-aligned inside "
                       f"data_bytes ({meta['data_bytes']})")
         spans.append((e["offset"], e["offset"] + e["nbytes"], i))
-    absent = [sh.index for sh in mine if sh.index not in seen]
+    if "base" in meta and not isinstance(meta["base"], dict):
+        raise bad("base", f"expected an object, got {type(meta['base']).__name__}")
+    absent = [sh.index for sh in mine if sh.index not in seen
+              and ("base" not in meta or state.optimizer.state_of(sh) is not None)]  # frozen: the base's values
     if absent:
         raise bad("entries", f"no entry for shard(s) {absent[:8]}{' ...' if len(absent) > 8 else ''}")
     spans.sort()

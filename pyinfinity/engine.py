@@ -53,17 +53,26 @@ def initialize(model: nn.Module, config: Union[dict, str, os.PathLike, Config],
     JSON path). ``lr_scheduler``: a scheduler object, or a callable taking the engine's optimizer
     and returning one (overrides the config's ``scheduler``). ``weights``: a safetensors checkpoint
     (file or model directory) whose values the parameters start from, streamed module by module
-    into their tiers (``pretrained.WeightLoader``). ``seq_len``: the tokens per sequence the run
+    into their tiers (or a ``pretrained.WeightLoader`` already built for it). ``seq_len``: the tokens per sequence the run
     will train on, when known: the planner sizes activations and compute for it (default 1024)."""
     return Engine(model, config, lr_scheduler, weights=weights, seq_len=seq_len)
 
 
 def from_pretrained(path: Union[str, os.PathLike], config: Any, *, dtype: Optional[torch.dtype] = None,
+                    peft_config: Any = None, adapter: Union[str, os.PathLike, None] = None,
                     **engine_kwargs: Any) -> Any:
     """``initialize`` for a transformers model directory: the architecture from its config.json,
     the weights streamed from its safetensors into the tiers of ``config``. ``dtype``: the
     dtype the model is built in (and exported in); default fp32, as transformers does.
-    ``engine_kwargs``: the rest of ``initialize``'s (``lr_scheduler``)."""
+    ``peft_config`` (a ``peft.LoraConfig``): train new LoRA adapters over the frozen base, made
+    as ``peft.get_peft_model`` makes them; ``adapter``: continue training the PEFT adapter saved in
+    that directory (``pyinfinity.adapters``). ``engine_kwargs``: the rest of ``initialize``'s
+    (``lr_scheduler``)."""
+    if peft_config is not None or adapter is not None:
+        from pyinfinity.adapters import build_peft_model
+
+        model, loader = build_peft_model(path, config, dtype, peft_config=peft_config, adapter=adapter)
+        return initialize(model, config, weights=loader, **engine_kwargs)
     from pyinfinity.pretrained import build_empty_model
 
     model = build_empty_model(path, config, dtype)
@@ -141,10 +150,16 @@ class Engine:
         cfg = load_config(config)
         check_state_format(cfg)  # before the weights are read and the run is planned
         self.weights: Any = None  # pretrained.WeightLoader: names, shapes checked before anything is written
+        from pyinfinity import adapters
+
+        if adapters.is_peft_model(model):
+            adapters.check_adapters_materialized(model)
         if weights is not None:
             from pyinfinity.pretrained import WeightLoader
 
-            self.weights = WeightLoader(weights, model)
+            if not isinstance(weights, WeightLoader):  # a PEFT model's checkpoint is its base model's
+                weights = WeightLoader(weights, model.get_base_model() if adapters.is_peft_model(model) else model)
+            self.weights = weights
         self.device = _resolve_device(cfg.pyinfinity.device)
         if self.device.type == "cuda":  # streams, pinned memory and the user's .cuda() follow it
             torch.cuda.set_device(self.device)
@@ -503,21 +518,35 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None) -> str:
         """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
-        written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
-        return checkpoint.save(self.state, save_dir, tag, client_state)
+        written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
+        Frozen parameters that all came from the pretrained weights (a LoRA run's base) are not
+        written: the checkpoint records the weights' identity, which a load checks."""
+        return checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity())
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
         """Restores a state written by ``save_checkpoint``; returns (path, client_state)."""
-        return checkpoint.load(self.state, load_dir, tag)
+        return checkpoint.load(self.state, load_dir, tag, base=self._base_identity())
 
-    def export(self, out_dir: str) -> list[str]:
+    def _base_identity(self) -> Optional[dict]:
+        """The identity of the pretrained weights every parameter started from, when some shards are
+        frozen (they hold those weights unchanged); None without frozen shards, without pretrained
+        weights, or when some parameters were newly initialised."""
+        w = self.weights
+        if w is None or not w.complete or all(self.optimizer.state_of(sh) is not None for sh in self.partition.shards):
+            return None
+        return w.identity()
+
+    def export(self, out_dir: str, *, merge_adapters: bool = False) -> list[str]:
         """Writes the trained weights as a consolidated safetensors state dict loadable by the
         plain model (``load_state_dict``; ``from_pretrained`` for a transformers model, whose
         config.json is written too). Values come from the fp32 masters, cast to each
-        parameter's original dtype. Returns the files written (``pyinfinity.export``)."""
+        parameter's original dtype. A PEFT model's LoRA adapters are written in PEFT's format
+        (``PeftModel.from_pretrained`` loads them), or with ``merge_adapters`` merged into the
+        base model (``from_pretrained`` loads it). Returns the files written (``pyinfinity.export``)."""
         from pyinfinity import export
 
-        return export.write(self.state, out_dir, tokenizer_dir=self.weights.path if self.weights is not None else None)
+        return export.write(self.state, out_dir, tokenizer_dir=self.weights.path if self.weights is not None else None,
+                            merge_adapters=merge_adapters)
 
     # ------------------------------------------------------------------------- life
     @property

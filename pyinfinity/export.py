@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from torch import nn
 
-from pyinfinity import guards
+from pyinfinity import adapters, guards
 from pyinfinity.zero.partition import FlatShard
 
 if TYPE_CHECKING:
@@ -24,17 +24,61 @@ log = logging.getLogger(__name__)
 EXPORT_FILE_BYTES = 4 << 30  # safetensors file size cap (HF-style sharding above it)
 
 
-def write(state: "TrainingState", out_dir: str, *,
-          tokenizer_dir: Union[str, os.PathLike, None] = None) -> list[str]:
+def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.PathLike, None] = None,
+          merge_adapters: bool = False) -> list[str]:
     """Writes the trained weights of ``state`` under ``out_dir``; returns the files written. The
     tokenizer files of the model directory ``tokenizer_dir`` (the one the weights came from) go
-    along, so that ``AutoTokenizer`` loads ``out_dir``."""
-    from safetensors.torch import save_file
+    along, so that ``AutoTokenizer`` loads ``out_dir``.
 
+    A PEFT model (LoRA adapters) is written as ``PeftModel.save_pretrained`` writes it
+    (``adapter_config.json`` + ``adapter_model.safetensors``, loaded by ``PeftModel.from_pretrained``),
+    or with ``merge_adapters`` as the base model with every adapter merged into its layer's weight
+    (``W + scaling * B @ A``, shard by shard on the CPU), loaded by ``from_pretrained``."""
     state.check_trainable("export()")
     state.quiesce("export()")
     state.coordinator.release_all()
+    peft_model = adapters.is_peft_model(state.model)
+    if merge_adapters and not peft_model:
+        raise ValueError("export(merge_adapters=True): the model has no adapters to merge (it is not a PEFT model)")
+    if peft_model:
+        adapters.check_lora(state.model, "export()")
     os.makedirs(out_dir, exist_ok=True)
+    names, buffers = _names(state)
+    if peft_model and not merge_adapters:
+        files = _write_adapters(state, out_dir, names)
+    elif peft_model:
+        # the adapters (small) first, by their names in the base model; each base weight merged as it is read
+        lora = {k[len(adapters.PEFT_PREFIX):]: v for k, v in _adapter_values(state, names).items()}
+        base_model = state.model.get_base_model()
+
+        def rename(key: str, t: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
+            base_key = adapters.merged_key(key)
+            if base_key is None:
+                return None
+            owner = adapters.lora_owner(key[len(adapters.PEFT_PREFIX):])
+            if owner is not None:
+                t = adapters.merge_weight(base_model, owner, t, lora)
+            return base_key, t
+
+        buffers = {adapters.merged_key(k): v for k, v in buffers.items() if adapters.merged_key(k) is not None}
+        files = _write_model(state, out_dir, names, buffers, rename)
+    else:
+        files = _write_model(state, out_dir, names, buffers)
+    if merge_adapters or not peft_model:  # a model: its (base model's) transformers config goes along
+        cfg = adapters.base_config(state.model) if peft_model else getattr(state.model, "config", None)
+        if cfg is not None and hasattr(cfg, "save_pretrained"):
+            cfg.save_pretrained(out_dir)
+            files.append(os.path.join(out_dir, "config.json"))
+    if tokenizer_dir is not None:  # a model directory's tokenizer goes along (AutoTokenizer loads out_dir)
+        from pyinfinity.pretrained import copy_tokenizer_files
+
+        files += copy_tokenizer_files(tokenizer_dir, out_dir)
+    log.info("exported %d files to %s", len(files), out_dir)
+    return files
+
+
+def _names(state: "TrainingState") -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:
+    """The state-dict keys of every offloaded parameter (several when tied) and the buffers' values."""
     names: dict[int, list[str]] = {}
     buffers: dict[str, torch.Tensor] = {}
     with guards.engine_state_dict():
@@ -44,7 +88,44 @@ def write(state: "TrainingState", out_dir: str, *,
             names.setdefault(id(val), []).append(key)
         else:
             buffers[key] = val.detach().to("cpu").contiguous()
-    # group tensors into files of at most EXPORT_FILE_BYTES, shard by shard
+    return names, buffers
+
+
+def _shard_tensors(state: "TrainingState", sh: FlatShard, names: dict[int, list[str]]) -> dict[str, torch.Tensor]:
+    """A shard's trained values by state-dict key, each in its parameter's original dtype."""
+    vals = state.trained_values(sh)
+    out = {}
+    for s in sh.slices:
+        t = vals[s.offset:s.offset + s.numel].view(s.shape).to(s.orig_dtype)
+        for key in names.get(id(s.param), []):
+            out[key] = t.clone()
+    return out
+
+
+def _adapter_values(state: "TrainingState", names: dict[int, list[str]]) -> dict[str, torch.Tensor]:
+    """The trained values of every trainable parameter (the adapters: small), by PEFT state-dict key."""
+    out: dict[str, torch.Tensor] = {}
+    for sh in state.partition.shards:
+        if sh.trainable:
+            out.update(_shard_tensors(state, sh, names))
+    return out
+
+
+def _write_adapters(state: "TrainingState", out_dir: str, names: dict[int, list[str]]) -> list[str]:
+    """PEFT's own ``save_pretrained`` on the gathered adapter values (its key names, its config)."""
+    before = {os.path.join(d, f) for d, _, fs in os.walk(out_dir) for f in fs}
+    with guards.engine_state_dict():
+        state.model.save_pretrained(out_dir, state_dict=_adapter_values(state, names), save_embedding_layers=False)
+    return sorted({os.path.join(d, f) for d, _, fs in os.walk(out_dir) for f in fs} - before
+                  | {os.path.join(out_dir, adapters.ADAPTER_CONFIG)})
+
+
+def _write_model(state: "TrainingState", out_dir: str, names: dict[int, list[str]], buffers: dict[str, torch.Tensor],
+                 rename: Optional[Callable[[str, torch.Tensor], Optional[tuple[str, torch.Tensor]]]] = None) -> list[str]:
+    """Every parameter (``rename`` may rename, change or drop each) and buffer as safetensors files
+    of at most ``EXPORT_FILE_BYTES``, read shard by shard, with an index when there are several."""
+    from safetensors.torch import save_file
+
     groups: list[list[FlatShard]] = [[]]
     size = 0
     for sh in state.partition.shards:
@@ -60,11 +141,10 @@ def write(state: "TrainingState", out_dir: str, *,
         fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = dict(buffers) if i == n - 1 else {}
         for sh in group:
-            vals = state.trained_values(sh)
-            for s in sh.slices:
-                t = vals[s.offset:s.offset + s.numel].view(s.shape).to(s.orig_dtype)
-                for key in names.get(id(s.param), []):
-                    tensors[key] = t.clone()
+            for key, t in _shard_tensors(state, sh, names).items():
+                kept = (key, t) if rename is None else rename(key, t)
+                if kept is not None:
+                    tensors[kept[0]] = kept[1]
         save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
         files.append(os.path.join(out_dir, fname))
         weight_map.update({k: fname for k in tensors})
@@ -72,15 +152,6 @@ def write(state: "TrainingState", out_dir: str, *,
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
         files.append(os.path.join(out_dir, "model.safetensors.index.json"))
-    cfg = getattr(state.model, "config", None)
-    if cfg is not None and hasattr(cfg, "save_pretrained"):
-        cfg.save_pretrained(out_dir)
-        files.append(os.path.join(out_dir, "config.json"))
-    if tokenizer_dir is not None:  # a model directory's tokenizer goes along (AutoTokenizer loads out_dir)
-        from pyinfinity.pretrained import copy_tokenizer_files
-
-        files += copy_tokenizer_files(tokenizer_dir, out_dir)
-    log.info("exported %d tensors to %s", len(weight_map), out_dir)
     return files
 
 

@@ -38,6 +38,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
                    "spiece.model", "sentencepiece.bpe.model")
 
+IDENTITY_SAMPLE = 1 << 20  # bytes of each safetensors file a checkpoint's base identity samples
+
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
@@ -238,7 +240,34 @@ class WeightLoader:
         self._missing_params: set[int] = set()
         self._loaded: set[int] = set()
         self._trim = _malloc_trim()
+        # module -> qualified name in ``model`` (buffers are named from here: the engine may be given a
+        # model that wraps this one, e.g. a PEFT model over the base the checkpoint belongs to)
+        self._names = {id(m): n for n, m in model.named_modules()}
         self._check(model)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every parameter of the model starts from the checkpoint (none newly initialised):
+        then its frozen parameters can be read from the checkpoint again instead of being saved."""
+        return not self._missing_params
+
+    def identity(self) -> dict:
+        """What identifies the checkpoint without reading it whole: its config.json (when the path
+        is a model directory) and every safetensors file it reads by name, size and the CRC-32 of
+        its first ``IDENTITY_SAMPLE`` bytes (the header and the first tensors' values)."""
+        import zlib
+
+        files = sorted({info.file for info in self.tensors.values()})
+        out: dict[str, Any] = {"files": {}}
+        for fpath in files:
+            with open(fpath, "rb") as f:
+                head = f.read(IDENTITY_SAMPLE)
+            out["files"][os.path.basename(fpath)] = {"nbytes": os.path.getsize(fpath), "crc32": zlib.crc32(head)}
+        cfg = os.path.join(self.path, "config.json")
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                out["config"] = json.load(f)
+        return out
 
     # -- names and shapes, checked before anything is written ----------------------------------
     def _file_key(self, key: str, prefix: str) -> Optional[str]:
@@ -376,7 +405,7 @@ class WeightLoader:
                 todo.append((name, new, info))
             else:
                 todo.append((name, p, info))
-        mname = self._module_names(root).get(id(module), "")
+        mname = self._names.get(id(module), "")
         bufs = []
         for bname, b in module._buffers.items():
             info = self._buffer_source.get(f"{mname}.{bname}" if mname else bname)
@@ -385,13 +414,6 @@ class WeightLoader:
         if todo or bufs:
             self._trim()  # the previous module's buffers, freed after it was placed
             self._read(todo, bufs)
-
-    def _module_names(self, root: Optional[nn.Module]) -> dict[int, str]:
-        cached = getattr(self, "_names", None)
-        if cached is None:
-            cached = {id(m): n for n, m in root.named_modules()} if root is not None else {}
-            self._names = cached
-        return cached
 
     def _read(self, params: list[tuple[str, nn.Parameter, TensorInfo]],
               buffers: list[tuple[torch.Tensor, TensorInfo]]) -> None:

@@ -10,16 +10,18 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli.train_args import add_arguments, check_arguments, engine_config, mean
+from pyinfinity.cli.train_args import add_arguments, check_arguments, engine_config, lora_config, mean
 
 log = logging.getLogger(__name__)
 
 
-def _model_dtype(path: str, choice: str) -> Any:
+def _model_dtype(path: str, choice: Optional[str], lora: bool) -> Any:
     import torch
 
     from pyinfinity.pretrained import checkpoint_dtype
 
+    if choice is None:  # a frozen base keeps the checkpoint's dtype; a full fine-tune trains in fp32
+        choice = "auto" if lora else "fp32"
     if choice == "auto":
         return checkpoint_dtype(path)
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
@@ -74,10 +76,17 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
     rss_before = _peak_rss()
     t0 = time.perf_counter()
     records, evals = [], []
-    model = build_empty_model(args.model, cfg, _model_dtype(args.model, args.model_dtype))
+    lora = args.lora is not None or args.adapter is not None
+    dtype = _model_dtype(args.model, args.model_dtype, lora)
+    if lora:
+        from pyinfinity.adapters import build_peft_model
+
+        model, weights = build_peft_model(args.model, cfg, dtype, peft_config=lora_config(args), adapter=args.adapter)
+    else:
+        model, weights = build_empty_model(args.model, cfg, dtype), args.model
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine = pyinfinity.initialize(model, cfg, weights=args.model, seq_len=args.seq)
+    engine = pyinfinity.initialize(model, cfg, weights=weights, seq_len=args.seq)
     load_s = time.perf_counter() - t0
     peak_load = _peak_rss()
     log.info("loaded %s in %.1fs (%s of weights), peak RSS %s", args.model, load_s,
@@ -129,7 +138,7 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
         if args.save:
             engine.save_checkpoint(args.save, client_state={"data": data.state_dict()})
         if args.export:
-            engine.export(args.export)
+            engine.export(args.export, merge_adapters=args.merge_adapters)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg}, f, indent=1,

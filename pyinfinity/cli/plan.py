@@ -74,6 +74,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--calibrate", choices=["auto", "on", "off"], default="auto",
                    help="time the model built with 1 and 2 layers on the device (resident) to predict compute "
                         "and activations instead of FLOPs / matmul rate (auto: on a GPU)")
+    p.add_argument("--lora", type=int, metavar="R",
+                   help="plan a LoRA run (PEFT adapters of rank R): the base is frozen, so it costs its stored copy "
+                        "only (no gradient, fp32 master or Adam moments); those are the adapters' alone")
+    p.add_argument("--lora-targets", metavar="NAMES",
+                   help="with --lora: the layers that get adapters, comma-separated (e.g. q_proj,v_proj) or "
+                        "all-linear (default: PEFT's default for the architecture)")
     p.add_argument("--out", "-o", metavar="JSON", help="write the resolved config here (default: print it)")
     p.add_argument("--json", metavar="FILE", help="write the placement (and prediction) as JSON")
     p.add_argument("--measure", type=int, default=0, metavar="STEPS",
@@ -155,6 +161,29 @@ def model_source(args: argparse.Namespace) -> Any:
     return {"model_type": "llama", **SIZES[args.model_size]}
 
 
+def lora_sizes(model: Any, args: argparse.Namespace) -> Any:
+    """The sizes of ``model`` (a config) with PEFT's LoRA adapters of rank ``--lora`` on it, built
+    on the meta device: the base's shards frozen, the adapters' trainable."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from pyinfinity.plan.sizes import load_model_config, sizes_from_module
+
+    d = load_model_config(model)
+    mcfg = transformers.AutoConfig.for_model(d.get("model_type", "llama"),
+                                             **{k: v for k, v in d.items() if k != "model_type"})
+    targets = args.lora_targets
+    if targets is not None and targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",")]
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(mcfg)
+        wrapped = get_peft_model(base, LoraConfig(r=args.lora, target_modules=targets, task_type="CAUSAL_LM"))
+    sizes = sizes_from_module(wrapped, args.dtype)
+    sizes.source = f"{type(base).__name__} + LoRA r={args.lora} (meta)"
+    return sizes
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     from pyinfinity.cli.errors import UsageError
 
@@ -162,6 +191,20 @@ def check_arguments(args: argparse.Namespace) -> None:
                         ("--seq-len", args.seq_len), ("--cpu-cores", args.cpu_cores)):
         if value is not None and value < 1:
             raise UsageError(f"{flag}: {value} must be >= 1")
+    if args.lora_targets is not None and args.lora is None:
+        raise UsageError("--lora-targets: needs --lora R (the rank of the adapters planned for)")
+    if args.lora is not None:
+        if args.lora < 1:
+            raise UsageError(f"--lora: {args.lora} must be >= 1")
+        if args.measure:
+            raise UsageError("--measure: trains a randomly initialised model, not a LoRA run: leave out --lora or "
+                             "--measure")
+        if args.lora_targets is not None and not all(t.strip() for t in args.lora_targets.split(",")):
+            raise UsageError(f"--lora-targets: {args.lora_targets!r} has an empty name")
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise UsageError("--lora: needs the peft package (pip install peft)") from None
     if args.nvme_free is not None and not args.nvme:
         raise UsageError("--nvme-free: the free space of the target's swap drive needs the swap directory it "
                          "will be used as: pass --nvme DIR too")
@@ -262,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     if not here and args.measure:
         raise ConfigError(f"--measure: trains on {dev}, which is not on this machine")
     model = model_source(args)
-    sizes = sizes_from_config(model, args.dtype)
+    sizes = lora_sizes(model, args) if args.lora is not None else sizes_from_config(model, args.dtype)
     tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
     m = sizes.hidden or 1024
     rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,

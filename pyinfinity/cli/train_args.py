@@ -124,12 +124,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eval loss on the held-out blocks every N optimizer steps (0: at the end only)")
     g.add_argument("--eval-fraction", type=float, default=0.05, metavar="R",
                    help="share of the data's blocks held out for the eval loss")
-    g.add_argument("--model-dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
+    g.add_argument("--model-dtype", choices=["auto", "fp32", "bf16", "fp16"],
                    help="dtype the model is built and exported in (auto: config.json's torch_dtype, as transformers' "
-                        "dtype='auto'); the optimizer keeps fp32 masters either way")
+                        "dtype='auto'; default fp32, auto with --lora/--adapter, whose base stays frozen); the "
+                        "optimizer keeps fp32 masters either way")
     g.add_argument("--stop-after", type=int, metavar="N",
                    help="stop after N optimizer steps of this run (the schedule still spans --steps; with --save, "
                         "a later --resume continues)")
+
+
+    g = p.add_argument_group("LoRA adapters (PEFT; with --model): the base stays frozen, only the adapters train")
+    g.add_argument("--lora", type=int, metavar="R", help="train new LoRA adapters of rank R over the frozen model")
+    g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha: the update is scaled by A/R (default 2R)")
+    g.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
+    g.add_argument("--lora-targets", metavar="NAMES",
+                   help="the layers that get adapters: comma-separated module names (e.g. q_proj,v_proj) or "
+                        "all-linear (default: PEFT's default for the architecture)")
+    g.add_argument("--adapter", metavar="DIR",
+                   help="continue training the PEFT adapter saved there (adapter_config.json and its weights; "
+                        "an --export of a LoRA run) instead of starting new ones")
+    g.add_argument("--merge-adapters", action="store_true",
+                   help="with --export: write the model with the adapters merged into its weights (loadable by "
+                        "from_pretrained) instead of the adapters alone (loadable by PeftModel.from_pretrained)")
+
+
+def check_lora_arguments(args: argparse.Namespace) -> None:
+    """The LoRA flags: each needs what it acts on, values in range, peft importable."""
+    lora, adapter = getattr(args, "lora", None), getattr(args, "adapter", None)
+    for flag, dest in (("--lora-alpha", "lora_alpha"), ("--lora-dropout", "lora_dropout"),
+                       ("--lora-targets", "lora_targets")):
+        if getattr(args, dest, None) is not None and lora is None:
+            raise UsageError(f"{flag}: needs --lora R (the rank of the new adapters)")
+    if getattr(args, "merge_adapters", False):
+        if lora is None and adapter is None:
+            raise UsageError("--merge-adapters: needs --lora R or --adapter DIR (there are no adapters to merge)")
+        if not args.export:
+            raise UsageError("--merge-adapters: needs --export DIR (where the merged model is written)")
+    if lora is None and adapter is None:
+        return
+    which = "--lora" if lora is not None else "--adapter"
+    if lora is not None and adapter is not None:
+        raise UsageError("--lora and --adapter: give one (--adapter continues an adapter with its own rank and "
+                         "targets, --lora starts new ones)")
+    if not args.model:
+        raise UsageError(f"{which}: needs --model DIR (adapters train over a pretrained model)")
+    if lora is not None and lora < 1:
+        raise UsageError(f"--lora: {lora} must be >= 1")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        raise UsageError(f"--lora-alpha: {args.lora_alpha} must be positive")
+    if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
+        raise UsageError(f"--lora-dropout: {args.lora_dropout} must be in [0, 1)")
+    if args.lora_targets is not None and not all(t.strip() for t in args.lora_targets.split(",")):
+        raise UsageError(f"--lora-targets: {args.lora_targets!r} has an empty name (give e.g. q_proj,v_proj or all-linear)")
+    if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+        raise UsageError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{which}: needs the peft package (pip install peft)") from None
+
+
+def lora_config(args: argparse.Namespace) -> Any:
+    """The ``peft.LoraConfig`` of --lora and its flags (None without --lora)."""
+    if getattr(args, "lora", None) is None:
+        return None
+    from peft import LoraConfig
+
+    targets = args.lora_targets
+    if targets is not None and targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",")]
+    return LoraConfig(r=args.lora, lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora,
+                      lora_dropout=args.lora_dropout or 0.0, target_modules=targets, task_type="CAUSAL_LM")
 
 
 def apply_defaults(args: argparse.Namespace) -> None:
@@ -169,6 +234,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
             raise UsageError(f"--data: {args.data}: no such file")
     if args.config and not os.path.isfile(args.config):
         raise UsageError(f"--config: {args.config}: no such file")
+    check_lora_arguments(args)
     return checkpoint_location(args.resume) if args.resume else (None, None)
 
 

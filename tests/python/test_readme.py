@@ -114,7 +114,8 @@ def run_readme(tmp_path, monkeypatch) -> dict:
                 os.makedirs(swap_dirs[p])
     monkeypatch.chdir(tmp_path)
     for name in re.findall(r"pyinfinity\.from_pretrained\(\s*[\"']([^\"']+)[\"']", src):
-        make_model_dir(str(tmp_path / name), "llama", hidden=32, layers=2)  # the directory the snippet names
+        if not os.path.isdir(tmp_path / name):  # the directory the snippet names (its hidden size: TINY_LLAMA's)
+            make_model_dir(str(tmp_path / name), "llama", hidden=64, layers=2)
     ns: dict = {"__name__": "readme"}
     ns["_test_loader"] = RandomBatches(ns)
     if "loader" not in re.findall(r"^[ \t]*(\w+)\s*=", src, re.M):
@@ -141,7 +142,7 @@ def check_results(ns: dict, tmp_path, device_type: str) -> None:
     for out in re.findall(r"\.export\(\s*[\"']([^\"']+)", src):
         from transformers import AutoModelForCausalLM
 
-        exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / out))
+        exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / out))  # an adapter too: PEFT loads its base
         assert exported.config.hidden_size == 64  # the substituted model, trained and exported
 
 

@@ -1,0 +1,215 @@
+"""LoRA adapters through PEFT, the ecosystem's adapter library: a PEFT model built over a
+checkpoint's base weights without materialising them, and the names and merge rule the export
+uses. ``peft`` is imported only here and only when adapters are asked for.
+
+``build_peft_model`` builds the base architecture on the meta device (``pretrained.build_empty_model``)
+and lets PEFT wrap it (``get_peft_model``, or an existing adapter's ``adapter_config.json``). PEFT
+moves each new adapter to its base layer's device, which is meta here, so its initial values are
+lost; they are made again on the CPU exactly as PEFT's ``LoraLayer.update_layer`` made them, from
+the random state PEFT started from (the same draws in the same order: under the same seed the
+adapters equal PEFT's on a real base). The base weights are then streamed from the checkpoint by
+the engine's ``WeightLoader``, built on the unwrapped base (whose parameters PEFT keeps).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+PEFT_PREFIX = "base_model.model."  # what a PeftModel's state dict puts before the base model's names
+ADAPTER_CONFIG = "adapter_config.json"
+LORA_INITS = (True, False, "gaussian")  # initialisations that do not read the base weights
+
+
+class AdapterError(ValueError):
+    """A LoRA setup pyinfinity cannot train or export (the message says which part and why)."""
+
+
+def require_peft() -> Any:
+    """The ``peft`` module, or a one-line ImportError saying how to get it."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("LoRA adapters need the peft package (pip install peft)") from None
+    return peft
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model (checked by its class's package: peft is not imported)."""
+    return type(model).__module__.split(".")[0] == "peft" and hasattr(model, "peft_config")
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The LoRA layers of a PEFT model by qualified name, in module order."""
+    peft = require_peft()
+    return {name: m for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+
+
+def check_lora_config(cfg: Any, what: str) -> None:
+    """Refuses a PEFT config pyinfinity does not handle: non-LoRA methods, DoRA, LoRA biases and
+    PEFT's extra trainable copies (``modules_to_save``, ``trainable_token_indices``)."""
+    peft = require_peft()
+    if cfg.peft_type != peft.PeftType.LORA:
+        raise AdapterError(f"{what}: {cfg.peft_type.value}; pyinfinity handles LoRA adapters only")
+    if getattr(cfg, "use_dora", False):
+        raise AdapterError(f"{what}: DoRA (use_dora=True) is not handled by pyinfinity")
+    if getattr(cfg, "lora_bias", False):
+        raise AdapterError(f"{what}: lora_bias=True is not handled by pyinfinity")
+    if getattr(cfg, "modules_to_save", None) or getattr(cfg, "trainable_token_indices", None):
+        raise AdapterError(f"{what}: trains whole modules too (modules_to_save / trainable_token_indices), which "
+                           "pyinfinity does not handle")
+
+
+def check_lora(model: nn.Module, what: str) -> None:
+    """Refuses a PEFT model pyinfinity does not handle: each adapter's config (``check_lora_config``)
+    and LoRA on layers other than Linear/Conv1D."""
+    peft = require_peft()
+    for name, cfg in model.peft_config.items():
+        check_lora_config(cfg, f"{what}: adapter {name!r}")
+    for lname, layer in lora_layers(model).items():
+        if type(layer) is not peft.tuners.lora.Linear:
+            raise AdapterError(f"{what}: {lname} is a LoRA {type(layer).__name__}; pyinfinity handles LoRA on "
+                               "Linear (and GPT-2's Conv1D) layers only")
+
+
+def check_adapters_materialized(model: nn.Module) -> None:
+    """Refuses a PEFT model whose adapters are on the meta device (``get_peft_model`` over a base
+    built under ``init_empty`` leaves them there): initialised by their layers' own initialiser
+    they would not be PEFT's (B must start at zero)."""
+    for name, p in model.named_parameters():
+        if p.is_meta and any(part.startswith("lora_") for part in name.split(".")):
+            raise AdapterError(f"model: adapter weight {name} is on the meta device (PEFT puts new adapters on "
+                               "their base layer's device): build the model with pyinfinity.from_pretrained(DIR, "
+                               "config, peft_config=...), which makes them as PEFT does")
+
+
+# ------------------------------------------------------------------------------ building
+def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional[torch.dtype], *,
+                     peft_config: Any = None, adapter: Union[str, os.PathLike, None] = None) -> tuple[nn.Module, Any]:
+    """The PEFT model over the model directory ``path`` (base weights not materialised), with a new
+    adapter from ``peft_config`` or the existing one in ``adapter`` (trainable, as
+    ``PeftModel.from_pretrained(..., is_trainable=True)``); returns it and the ``WeightLoader`` that
+    streams the base weights. ``dtype`` None: the base keeps the checkpoint's dtype (config.json's,
+    fp32 when it names none), as it is frozen; the adapters are fp32, as PEFT makes them."""
+    from pyinfinity.pretrained import WeightLoader, build_empty_model, checkpoint_dtype
+
+    if (peft_config is None) == (adapter is None):
+        raise ValueError("from_pretrained: give peft_config= (a new adapter) or adapter= (an adapter directory), not both")
+    peft = require_peft()
+    if adapter is not None:
+        adapter = os.fspath(adapter)
+        if not os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG)):
+            raise FileNotFoundError(f"adapter: no {ADAPTER_CONFIG} in {adapter} (save one with "
+                                    "PeftModel.save_pretrained(DIR) or engine.export(DIR))")
+        peft_config = peft.PeftConfig.from_pretrained(adapter)
+        peft_config.inference_mode = False
+    elif not isinstance(peft_config, peft.PeftConfig):
+        raise TypeError(f"peft_config: a peft.LoraConfig, got {type(peft_config).__name__}")
+    check_lora_config(peft_config, "peft_config" if adapter is None else f"adapter {adapter}")
+    if peft_config.init_lora_weights not in LORA_INITS:
+        raise AdapterError(f"peft_config: init_lora_weights={peft_config.init_lora_weights!r} reads the base weights, "
+                           f"which are not in memory here; use one of {list(LORA_INITS)}")
+    base = build_empty_model(path, config, dtype if dtype is not None else checkpoint_dtype(path))
+    loader = WeightLoader(path, base)  # checked against the base's own names, before anything is written
+    rng = torch.random.get_rng_state()
+    model = peft.get_peft_model(base, peft_config)
+    check_lora(model, "peft_config")
+    _init_adapters(model, rng)
+    if adapter is not None:
+        _load_adapter(model, adapter)
+    return model, loader
+
+
+def _init_adapters(model: nn.Module, rng: torch.Tensor) -> None:
+    """Makes the LoRA weights again on the CPU, drawing from ``rng`` what PEFT drew from it:
+    ``nn.Linear(in, r)`` and ``nn.Linear(r, out)`` built, then ``reset_lora_parameters``, layer by
+    layer in module order; cast through the base layer's dtype to the dtype PEFT left them in."""
+    after = torch.random.get_rng_state()
+    torch.random.set_rng_state(rng)
+    replayed = None
+    try:
+        for layer in lora_layers(model).values():
+            for name in list(layer.lora_A.keys()):
+                old = {"A": layer.lora_A[name].weight, "B": layer.lora_B[name].weight}
+                base_dtype = layer.get_base_layer().weight.dtype
+                a = nn.Linear(layer.in_features, layer.r[name], bias=False)
+                b = nn.Linear(layer.r[name], layer.out_features, bias=False)
+                layer.lora_A[name], layer.lora_B[name] = a, b
+                layer.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
+                for mod, key in ((a, "A"), (b, "B")):
+                    w = mod.weight.detach().to(base_dtype).to(old[key].dtype)
+                    mod.weight = nn.Parameter(w, requires_grad=old[key].requires_grad)
+        replayed = torch.random.get_rng_state()
+    finally:
+        torch.random.set_rng_state(after)
+    if not torch.equal(replayed, after):  # PEFT drew more or less than replayed: the values would differ
+        raise AdapterError("peft_config: PEFT initialised the adapters differently than pyinfinity replays it "
+                           f"(peft {require_peft().__version__}); this version is not supported")
+
+
+def _load_adapter(model: nn.Module, adapter: str) -> None:
+    """Loads an adapter directory's weights into ``model``'s (CPU) LoRA weights, every one checked."""
+    peft = require_peft()
+    from peft.utils import load_peft_weights
+
+    weights = load_peft_weights(adapter, device="cpu")
+    try:
+        result = peft.set_peft_model_state_dict(model, weights, adapter_name="default")
+    except RuntimeError as exc:  # load_state_dict's shape mismatches, one per line
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise AdapterError(f"adapter {adapter}: its weights do not fit this model ({first}): it was trained on "
+                           "another architecture or size") from exc
+    unexpected = [k for k in result.unexpected_keys if "lora_" in k]
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if unexpected or missing:
+        raise AdapterError(f"adapter {adapter}: its weights do not fit this model "
+                           f"({len(missing)} missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, e.g. "
+                           f"{unexpected[:1]}): it was trained on another architecture or with other target modules")
+
+
+# ------------------------------------------------------------------------------ export
+def merged_key(key: str) -> Optional[str]:
+    """The base model's name for a PEFT state-dict key, or None for an adapter weight (merged
+    into its base layer's weight instead)."""
+    if not key.startswith(PEFT_PREFIX):
+        raise AdapterError(f"export: {key!r} is not a PEFT model's key (no {PEFT_PREFIX!r} prefix)")
+    key = key[len(PEFT_PREFIX):]
+    if any(part.startswith("lora_") for part in key.split(".")):
+        return None
+    return key.replace(".base_layer.", ".")
+
+
+def lora_owner(key: str) -> Optional[str]:
+    """The LoRA layer (qualified name in the PEFT model) whose base weight ``key`` is, else None."""
+    head, sep, tail = key.rpartition(".base_layer.")
+    return head if sep and tail == "weight" else None
+
+
+def merge_weight(model: nn.Module, layer_name: str, weight: torch.Tensor,
+                 adapters: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``weight`` (the base layer's, any dtype) plus ``scaling * B @ A`` of every active adapter of
+    LoRA layer ``layer_name``, computed in fp32 from the adapters' trained values (``adapters``:
+    PEFT state-dict key -> tensor), cast back to ``weight``'s dtype."""
+    layer = model.get_submodule(layer_name)
+    out = weight.to(torch.float32)
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        a = adapters[f"{layer_name}.lora_A.{name}.weight"].to(torch.float32)
+        b = adapters[f"{layer_name}.lora_B.{name}.weight"].to(torch.float32)
+        delta = (b @ a) * layer.scaling[name]
+        out += delta.T if layer.fan_in_fan_out else delta
+    return out.to(weight.dtype)
+
+
+def base_config(model: nn.Module) -> Any:
+    """The transformers config of a PEFT model's base model (or None)."""
+    return getattr(model.get_base_model(), "config", None)
+
+
+__all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
+           "check_adapters_materialized",
+           "build_peft_model",
+           "merged_key", "lora_owner", "merge_weight", "base_config", "PEFT_PREFIX", "ADAPTER_CONFIG"]

@@ -1,0 +1,423 @@
+"""LoRA adapters through PEFT, parameters and optimizer on the NVMe tier: adapters made by
+``from_pretrained(..., peft_config=)`` equal PEFT's under the same seed and train with PEFT +
+torch AdamW's losses; the export loads in PEFT (``PeftModel.from_pretrained``) and, merged, in
+transformers (``from_pretrained``) with the engine's logits; an exported adapter continues; the
+command line trains and exports one, and refuses bad flag combinations in one line. A LoRA
+checkpoint holds the adapters' state and the base's identity only, resumes exactly, refuses
+another base, and a version-2 checkpoint (every shard saved) still loads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+import pyinfinity  # noqa: E402
+from pyinfinity.adapters import AdapterError, require_peft  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from pretrained_dirs import make_model_dir  # noqa: E402
+
+LR, WD = 1e-2, 0.01
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {f: make_model_dir(str(root / f), f) for f in ("llama", "gpt2")}
+
+
+def _config(swap: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+            "stage3_param_persistence_threshold": 0,
+        },
+        "pyinfinity": {"device": "cpu", "device_memory": "64MiB"},
+    }
+
+
+def _lora(**kw) -> "peft.LoraConfig":
+    return peft.LoraConfig(**{"r": 8, "target_modules": ["q_proj", "v_proj"], **kw})
+
+
+def _base(path: str, **kw):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kw)
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, 300, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _adapter_values(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+
+def _train_reference(model, steps: int = STEPS) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    losses = []
+    for i in range(steps):
+        x = _ids(i)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_engine(eng, steps: int = STEPS, start: int = 0) -> list[float]:
+    losses = []
+    for i in range(start, start + steps):
+        x = _ids(i)
+        loss = eng(input_ids=x, labels=x).loss
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _eval_logits(eng) -> torch.Tensor:
+    eng.eval()
+    with torch.no_grad():
+        return eng(input_ids=_ids(99)).logits
+
+
+def test_adapters_are_peft_s_and_train_with_peft_s_losses(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    torch.manual_seed(7)
+    ref = peft.get_peft_model(_base(path), _lora())
+    after_ref = torch.random.get_rng_state()
+    torch.manual_seed(7)
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=_lora()) as eng:
+        assert torch.equal(torch.random.get_rng_state(), after_ref)  # the same draws as PEFT's
+        tiers = {sh.home.tier.value for sh in eng.partition.shards}
+        assert tiers == {"nvme"}
+        trainable = [sh for sh in eng.partition.shards if sh.trainable]
+        frozen = [sh for sh in eng.partition.shards if not sh.trainable]
+        assert trainable and frozen
+        assert all("lora_" in s.name for sh in trainable for s in sh.slices)
+        assert all(eng.optimizer.state_of(sh) is not None for sh in trainable)
+        assert all(eng.optimizer.state_of(sh) is None for sh in frozen)  # no master or moments for the base
+        eng.export(str(tmp_path / "initial"))
+        from safetensors.torch import load_file
+
+        initial = load_file(str(tmp_path / "initial" / "adapter_model.safetensors"))
+        want = _adapter_values(ref)
+        assert initial.keys() == want.keys()
+        for k in want:
+            assert torch.equal(initial[k], want[k]), k
+        losses = _train_engine(eng)
+    torch.testing.assert_close(losses, _train_reference(ref), rtol=1e-5, atol=0)
+
+
+def test_exports_load_in_peft_and_merged_in_transformers_with_the_engine_s_logits(model_dirs, tmp_path):
+    from safetensors import safe_open
+
+    path = model_dirs["llama"]
+    adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=_lora()) as eng:
+        _train_engine(eng)
+        want = _eval_logits(eng)
+        eng.export(adapter)
+        eng.export(merged, merge_adapters=True)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
+    with safe_open(os.path.join(adapter, "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("base_model.model.") and ".default." not in k and "lora_" in k for k in keys)
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 8
+    loaded = peft.PeftModel.from_pretrained(_base(path), adapter).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=_ids(99)).logits, want, atol=1e-5, rtol=0)
+    plain = _base(merged).eval()
+    with safe_open(os.path.join(merged, "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(_base(path).state_dict())  # the base model's own names, nothing of PEFT's
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=_ids(99)).logits, want, atol=1e-4, rtol=0)
+    assert os.path.isfile(os.path.join(merged, "tokenizer.json"))
+
+
+def test_merged_export_of_gpt2_s_conv1d_layers(model_dirs, tmp_path):
+    """GPT-2's Conv1D keeps its weight transposed (PEFT's fan_in_fan_out): the merge follows it."""
+    path = model_dirs["gpt2"]
+    cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=cfg) as eng:
+        _train_engine(eng, 2)
+        want = _eval_logits(eng)
+        eng.export(str(tmp_path / "merged"), merge_adapters=True)
+    with torch.no_grad():
+        got = _base(str(tmp_path / "merged")).eval()(input_ids=_ids(99)).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_an_exported_adapter_continues_as_peft_continues_it(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    adapter = str(tmp_path / "adapter")
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=_lora()) as eng:
+        _train_engine(eng, 2)
+        eng.export(adapter)
+    ref = peft.PeftModel.from_pretrained(_base(path), adapter, is_trainable=True)
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap2")), adapter=adapter) as eng:
+        losses = _train_engine(eng)
+    torch.testing.assert_close(losses, _train_reference(ref), rtol=1e-5, atol=0)
+
+
+def test_a_bf16_base_stays_bf16_and_the_adapters_are_fp32(tmp_path):
+    src = make_model_dir(str(tmp_path / "fp32"), "llama")
+    path = str(tmp_path / "bf16")
+    _base(src, dtype=torch.bfloat16).save_pretrained(path, safe_serialization=True)  # config.json: bfloat16
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "swap")), peft_config=_lora()) as eng:
+        dtypes = {(s.orig_dtype, s.requires_grad) for sh in eng.partition.shards for s in sh.slices}
+        assert dtypes == {(torch.bfloat16, False), (torch.float32, True)}
+        _train_engine(eng, 1)
+
+
+def test_bad_adapter_setups_are_clear_errors(model_dirs, tmp_path, monkeypatch):
+    path = model_dirs["llama"]
+    cfg = _config(str(tmp_path / "swap"))
+    with pytest.raises(ValueError, match="not both"):
+        pyinfinity.from_pretrained(path, cfg, peft_config=_lora(), adapter=str(tmp_path))
+    with pytest.raises(AdapterError, match="init_lora_weights='pissa'"):
+        pyinfinity.from_pretrained(path, cfg, peft_config=_lora(init_lora_weights="pissa"))
+    with pytest.raises(AdapterError, match="DoRA"):
+        pyinfinity.from_pretrained(path, cfg, peft_config=_lora(use_dora=True))
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        pyinfinity.from_pretrained(path, cfg, adapter=str(tmp_path))
+    assert not os.path.exists(tmp_path / "swap") or not os.listdir(tmp_path / "swap")
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install peft"):
+        require_peft()
+
+
+def test_merge_without_adapters_is_refused(model_dirs, tmp_path):
+    with pyinfinity.from_pretrained(model_dirs["llama"], _config(str(tmp_path / "swap"))) as eng:
+        with pytest.raises(ValueError, match="no adapters to merge"):
+            eng.export(str(tmp_path / "out"), merge_adapters=True)
+
+
+# ---------------------------------------------------------------------------- the command line
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyinfinity", *args], capture_output=True, text=True, timeout=600,
+                          env=os.environ.copy())
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    from pretrained_dirs import CORPUS
+
+    p = tmp_path_factory.mktemp("data") / "data.txt"
+    p.write_text(CORPUS)
+    return str(p)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_cli_trains_lora_and_its_export_loads(model_dirs, data_file, tmp_path, merge):
+    path, out = model_dirs["llama"], str(tmp_path / "out")
+    p = _cli("train", "--model", path, "--data", data_file, "--lora", "4", "--lora-targets", "q_proj,v_proj",
+             "--steps", "2", "--seq", "32", "--batch", "2", "--device", "cpu", "--offload", "nvme", "--nvme",
+             str(tmp_path / "swap"), "--no-progress", "--export", out, *(["--merge-adapters"] if merge else []))
+    assert p.returncode == 0, p.stderr[-3000:]
+    if merge:
+        _base(out)
+        return
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert (cfg["r"], cfg["lora_alpha"], sorted(cfg["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
+    peft.PeftModel.from_pretrained(_base(path), out)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--lora-alpha", "8"], "--lora-alpha: needs --lora"),
+    (["--lora-dropout", "0.1"], "--lora-dropout: needs --lora"),
+    (["--lora-targets", "q_proj"], "--lora-targets: needs --lora"),
+    (["--lora", "4", "--merge-adapters"], "--merge-adapters: needs --export"),
+    (["--merge-adapters", "--export", "OUT"], "--merge-adapters: needs --lora"),
+    (["--lora", "0"], "--lora: 0 must be >= 1"),
+    (["--lora", "4", "--lora-dropout", "1.5"], "--lora-dropout: 1.5"),
+    (["--lora", "4", "--lora-targets", "q_proj,,v_proj"], "--lora-targets"),
+    (["--lora", "4", "--adapter", "DIR"], "give one"),
+    (["--adapter", "DIR"], "not a PEFT adapter directory"),
+])
+def test_cli_bad_lora_flags_are_one_line(model_dirs, data_file, tmp_path, flags, needle):
+    flags = [str(tmp_path / f) if f in ("OUT", "DIR") else f for f in flags]
+    p = _cli("train", "--model", model_dirs["llama"], "--data", data_file, "--device", "cpu", *flags)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert "Traceback" not in p.stderr and len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_cli_lora_needs_a_model(tmp_path):
+    p = _cli("train", "--lora", "4", "--device", "cpu")
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(
+        "--lora: needs --model DIR (adapters train over a pretrained model)"), p.stderr
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _engine(path: str, swap: str):
+    torch.manual_seed(3)
+    return pyinfinity.from_pretrained(path, _config(swap), peft_config=_lora())
+
+
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        straight = _train_engine(eng, 4)
+    with _engine(path, str(tmp_path / "s1")) as eng:
+        first = _train_engine(eng, 2)
+        saved = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        adapter_numel = sum(sh.numel for sh in eng.partition.shards if sh.trainable)
+        base_numel = sum(sh.numel for sh in eng.partition.shards if not sh.trainable)
+    with open(os.path.join(saved, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["version"] == 3 and set(meta["base"]) == {"config", "files"}
+    assert {e["kind"] for e in meta["entries"]} == {"optim"}
+    assert os.path.getsize(os.path.join(saved, "state.bin")) < 3 * 4 * adapter_numel + 4096 * len(meta["entries"])
+    assert base_numel > adapter_numel  # what was left out is most of the model
+    with _engine(path, str(tmp_path / "s2")) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        rest = _train_engine(eng, 2, start=2)
+    torch.testing.assert_close(first + rest, straight, rtol=1e-6, atol=0)
+
+
+def test_a_lora_checkpoint_refuses_another_base(model_dirs, tmp_path):
+    from pyinfinity.checkpoint import CheckpointError
+
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        _train_engine(eng, 1)
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    other = make_model_dir(str(tmp_path / "other"), "llama", seed=1)  # same config and file sizes, other values
+    with _engine(other, str(tmp_path / "s1")) as eng:
+        with pytest.raises(CheckpointError, match="other base weights.*safetensors files"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+    with open(os.path.join(other, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["rms_norm_eps"] = 1e-5
+    with open(os.path.join(other, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with _engine(other, str(tmp_path / "s2")) as eng:
+        with pytest.raises(CheckpointError, match="other base weights.*config.json"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_a_version_2_lora_checkpoint_with_the_base_still_loads(model_dirs, tmp_path):
+    from pyinfinity import checkpoint
+
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        _train_engine(eng, 2)
+        want = _eval_logits(eng)
+        saved = checkpoint.save(eng.state, str(tmp_path / "ckpt"))  # as version 2 wrote it: every shard
+    with open(os.path.join(saved, "meta.json")) as f:
+        meta = json.load(f)
+    assert "base" not in meta and "param" in {e["kind"] for e in meta["entries"]}
+    meta["version"] = 2
+    data = json.dumps(meta).encode()
+    with open(os.path.join(saved, "meta.json"), "wb") as f:
+        f.write(data)
+    with open(os.path.join(saved, checkpoint.CHECKSUMS_NAME)) as f:
+        sums = json.load(f)
+    sums["version"] = 2
+    sums["files"]["meta.json"] = {"nbytes": len(data), "crc32c": checkpoint._crc32c_bytes(data)}
+    with open(os.path.join(saved, checkpoint.CHECKSUMS_NAME), "w") as f:
+        json.dump(sums, f)
+    with _engine(path, str(tmp_path / "s1")) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        torch.testing.assert_close(_eval_logits(eng), want, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- the planner
+PLAN_MODEL = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _plan(tmp_path, *extra: str) -> dict:
+    cfg, out = tmp_path / "model.json", tmp_path / f"plan{len(extra)}.json"
+    cfg.write_text(json.dumps(PLAN_MODEL))
+    p = _cli("plan", "--model", str(cfg), "--device", "cpu", "--calibrate", "off", "--cpu-memory", "8GiB",
+             "--json", str(out), "-o", str(tmp_path / "cfg.json"), *extra)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text())["placement"]
+
+
+def test_plan_lora_charges_gradients_and_optimizer_for_the_adapters_only(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PLAN_MODEL))
+        n_base = sum(p.numel() for p in base.parameters())
+        wrapped = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    n_lora = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    full = _plan(tmp_path)
+    lora = _plan(tmp_path, "--lora", "8", "--lora-targets", "q_proj,v_proj")
+    total = lambda share: sum(share.values())  # noqa: E731
+    assert total(full["optimizer"]) == 12 * n_base  # fp32 master + two moments per parameter
+    assert total(lora["optimizer"]) == 12 * n_lora
+    assert total(lora["grads"]) <= 4 * n_lora  # a gradient buffer, if any, for the adapters alone
+    assert total(lora["params"]) == 2 * (n_base + n_lora)  # every parameter's stored (bf16) copy
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--lora-targets", "q_proj"], "--lora-targets: needs --lora"),
+    (["--lora", "8", "--measure", "3"], "--measure"),
+    (["--lora", "0"], "--lora: 0 must be >= 1"),
+])
+def test_plan_bad_lora_flags_are_one_line(tmp_path, flags, needle):
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps(PLAN_MODEL))
+    p = _cli("plan", "--model", str(cfg), "--device", "cpu", *flags)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr and needle in lines[-1], p.stderr
+
+
+def test_cli_lora_run_saves_and_resumes(model_dirs, data_file, tmp_path):
+    path, ckpt = model_dirs["llama"], str(tmp_path / "ckpt")
+    run = ["train", "--model", path, "--data", data_file, "--lora", "4", "--steps", "2", "--seq", "32", "--batch",
+           "2", "--device", "cpu", "--offload", "nvme", "--nvme", str(tmp_path / "swap"), "--no-progress",
+           "--save", ckpt]
+    p = _cli(*run, "--stop-after", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(ckpt, "global_step1", "meta.json")) as f:
+        assert "base" in json.load(f)
+    p = _cli(*run, "--resume", ckpt, "--json", str(tmp_path / "run.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(tmp_path / "run.json") as f:
+        summary = json.load(f)["summary"]
+    assert (summary["steps"], summary["global_steps"]) == (1, 2)
+
+
+def test_initialize_of_a_peft_model_with_weights_loads_the_base_and_refuses_meta_adapters(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    torch.manual_seed(5)
+    ref = peft.get_peft_model(_base(path), _lora())
+    torch.manual_seed(5)
+    model = peft.get_peft_model(_base(path), _lora())  # real weights; the engine reloads the base from the file
+    with pyinfinity.initialize(model, _config(str(tmp_path / "s0")), weights=path) as eng:
+        losses = _train_engine(eng, 2)
+    torch.testing.assert_close(losses, _train_reference(ref, 2), rtol=1e-5, atol=0)
+    from pyinfinity.pretrained import build_empty_model
+
+    empty = peft.get_peft_model(build_empty_model(path), _lora())
+    with pytest.raises(AdapterError, match="meta device.*peft_config"):
+        pyinfinity.initialize(empty, _config(str(tmp_path / "s1")), weights=path)
+
+
+def test_an_adapter_of_another_model_size_is_a_clear_error(model_dirs, tmp_path):
+    bigger = make_model_dir(str(tmp_path / "bigger"), "llama", hidden=64)
+    with pyinfinity.from_pretrained(bigger, _config(str(tmp_path / "s0")), peft_config=_lora()) as eng:
+        eng.export(str(tmp_path / "adapter"))
+    with pytest.raises(AdapterError, match="do not fit this model"):
+        pyinfinity.from_pretrained(model_dirs["llama"], _config(str(tmp_path / "s1")), adapter=str(tmp_path / "adapter"))
