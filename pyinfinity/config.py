@@ -225,9 +225,9 @@ class EngineConfig:
     gradients come last in backward). Their host homes are brought up to date before a
     checkpoint or an export. "auto" = what the device budget leaves after the resident units,
     activations and headroom (on a GPU; 0 on the CPU device); 0 = none.
-    optimizer_threads: threads of the CPU Adam step when the background worker runs it ("auto" =
-    every CPU this process may run on with a GPU compute device, 1 on the CPU device, where
-    backward has the cores).
+    optimizer_threads: threads of the CPU Adam step when the background worker runs it, and of the
+    gradient adds under accumulation ("auto" = every CPU this process may run on with a GPU
+    compute device, 1 on the CPU device, where backward has the cores).
     """
 
     device: str = AUTO

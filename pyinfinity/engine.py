@@ -75,7 +75,8 @@ class StepRecord:
     optimizer_busy_seconds: float = 0.0  # optimizer time in all threads (with overlap_step: hidden part included)
     overlapped_shards: int = 0  # shards stepped in the background during the boundary backward
     # seconds of the optimizer's per-shard work since the last record, by part: gradient (wait for its
-    # copy + convert to fp32), adam, write (new values home and to resident units), read_wait (NVMe)
+    # copy + convert to fp32), adam, write (new values home and to resident units), read_wait (NVMe),
+    # accumulate (the gradient adds of this step's micro-batches, on their worker)
     optimizer_phases: Optional[dict] = None
     step_wait_seconds: float = 0.0  # time forward/backward waited for the optimizer to write a unit's values
 
@@ -352,6 +353,7 @@ class Engine:
                                           accumulate_steps=cfg.gradient_accumulation_steps)
         self.optimizer.background = self._overlap_mode == "on"
         self.optimizer.param_out = self._homes.param_out
+        self.optimizer.release_grad = self._homes.release_grad
         ot = cfg.pyinfinity.optimizer_threads
         # on the CPU device backward has the cores (see AUTO_OVERLAP_ON_CPU)
         self.optimizer.threads = int(ot) if ot != AUTO else default_optimizer_threads(str(self.device))
@@ -825,6 +827,7 @@ class Engine:
                                "first (a step on zero gradients would still apply weight decay and momentum)")
         self.micro_steps += 1
         if not boundary:
+            self.optimizer.check_accumulation("step()")  # a failed gradient add surfaces here at the latest
             return None
         fp16 = self.config.fp16.enabled
         try:

@@ -16,11 +16,12 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     and backward; the recompute of checkpointing re-fetches instead of the backward); fetches
     from RAM are host->device copies (on the CPU device: memcpys the compute thread does itself,
     so they add to compute), fetches from disk are SwapEngine reads that prefetch overlaps with
-    compute; gradients leave the device and are accumulated in fp32 on the host.
+    compute; gradients leave the device and are accumulated in fp32 on the host by a worker
+    thread (overlapping the GPU's backward; on the CPU device it adds to the compute).
     With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
     without prefetch: the sum.
-  * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made;
-    under accumulation a read of the fp32 accumulators), the one-pass Adam kernel over every
+  * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made,
+    under accumulation by the boundary micro-batch's adds), the one-pass Adam kernel over every
     parameter the CPU steps at the measured rate (which includes writing bf16 weights into a home
     in RAM; a home on disk or on the device, or another dtype, adds a cast pass from the fp32
     master); the RAM part first, then the disk part pipelined (read k+1 || step k || write k-1)
@@ -62,6 +63,11 @@ PERSISTENT_SHARE = 0.05  # small shards stay resident when they cost at most thi
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
 TIE = 0.02  # candidates within 2% of the fastest are ties; less disk traffic wins
 DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optimizer.DEVICE_CHUNK)
+# under accumulation: the host staging buffers gradients land in, taken in turn while the worker adds
+# the last ones (zero.accumulate.STAGING_SLOTS, each of the largest trainable unit), and the worker's
+# fp32 chunk (zero.accumulate.ADD_CHUNK)
+GRAD_STAGING_SLOTS = 3
+ADD_SCRATCH = 4 * (1 << 20)
 # flat unit gradients alive on the device at once in backward: the unit being collected and the one
 # whose copy off the device is still in flight (its memory is reused only after the copy ran)
 GRAD_BUFFERS_LIVE = 2
@@ -503,9 +509,13 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         elif ptier == "disk":
             seg["param_disk_s"] += rates.write_time(n * isz)
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
-    # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation
+    # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation (with
+    # the staging buffers they land in, pinned on a GPU)
+    grad_staging = 0
     if train.grad_accum > 1:
-        grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + isz * sizes.largest_shard_numel)
+        largest_trainable = max((n for n, t in zip(sizes.shard_numels, sizes.shard_trainable) if t), default=0)
+        grad_staging = GRAD_STAGING_SLOTS * isz * largest_trainable + ADD_SCRATCH
+        grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
     else:
         grads = Share(ram=sum(n * isz for i, (n, t, pt) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable,
                                                                            param_tier))
@@ -580,7 +590,9 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                      f"parameters, {fmt(device_state_bytes)} with their gradients) lives on the device too and steps there "
                      "(pyinfinity.device_optimizer_bytes)")
     return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
-                     host_bytes=host_bytes, pinned_bytes=pinned, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
+                     host_bytes=host_bytes, pinned_bytes=pinned + (grad_staging - ADD_SCRATCH if grad_staging and cuda
+                                                                   else 0),
+                     swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=k.optimizer_step_device,
                      host_memory=budgets.host_memory, violations=violations, notes=notes,
@@ -633,10 +645,9 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         micro = (max(cpu_side, disk_read) if overlap else cpu_side + disk_read) + latency
         h2d_busy = ram_copy + accumulate
     # -- the optimizer step: norm, RAM part, then the disk part pipelined. The global norm is
-    # combined from per-unit norms taken as the gradients were made, except under accumulation,
-    # where it reads the fp32 accumulators once
-    host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy) if g > 1 else 0.0
-    host += sum(sizes.shard_trainable) * rates.shard_step_overhead
+    # combined from per-unit norms taken as the gradients were made (under accumulation by the
+    # accumulation worker in the boundary micro-batch's add, chunk by chunk while it is in cache)
+    host = sum(sizes.shard_trainable) * rates.shard_step_overhead
 
     pageable = rates.h2d_pageable or rates.h2d  # gradients and write-back sources are pageable
 

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper, aligned_empty
+from pyinfinity.zero.accumulate import ADD_CHUNK, AccumulateWorker, add_into, norm_of_squares
 from pyinfinity.zero.partition import FlatShard, ParamSlice
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,11 @@ class OffloadOptimizer:
         self._busy_s = 0.0  # worker seconds since the last step() report
         self._read_wait_s = 0.0
         self._handed_early = 0
+        # gradient accumulation: the adds run on a worker of their own (zero.accumulate); a staging
+        # buffer a gradient arrived in is given back through ``release_grad`` once it is added
+        self._adder: Optional[AccumulateWorker] = None
+        self.release_grad: Optional[Callable[[torch.Tensor], None]] = None
+        self._epoch = 0  # bumped by cancel(): a queued add of an abandoned step hands nothing to the step
 
     # ------------------------------------------------------------------------- placement
     def plan(self, shards: Sequence[FlatShard]) -> None:
@@ -337,15 +343,7 @@ class OffloadOptimizer:
             self._grad_on_device(st, src, norm)
             return
         if self.accumulate_steps > 1:
-            # the worker may still be stepping the last window's accumulator: it must be done first
-            self._wait(lambda: not st.busy, f"shard {shard.index} ({shard.module_name or '<root>'})")
-            self._raise_error()
-            if event is not None:
-                event.synchronize()
-            self._add_flat(st, src)
-            if self._eager and self._window is not None:  # the boundary micro-batch: the sum is final
-                self._hand(st, _Job(self._window, None))
-                self._handed_early += 1
+            self._submit_add(st, src, event)
             return
         if st.src is not None:
             raise RuntimeError(f"shard {shard.index} ({shard.module_name or '<root>'}) got a second gradient in one "
@@ -357,6 +355,81 @@ class OffloadOptimizer:
         if self._eager and self._window is not None:
             self._hand(st, _Job(self._window, None))
             self._handed_early += 1
+
+    def _submit_add(self, st: ShardOptimState, src: torch.Tensor, event: Any) -> None:
+        """Hands one unit's micro-batch gradient (a staging buffer) to the accumulation worker, which
+        adds it into the fp32 accumulator while backward goes on; in the boundary micro-batch it
+        also takes the sum's norm and, when nothing global is needed, hands the unit to the step."""
+        self._check_window("backward()")
+        final = self._window is not None  # the boundary micro-batch: after this add the sum is complete
+        job = _Job(self._window, None) if final and self._eager else None
+        if job is not None:
+            self._handed_early += 1  # counted now: overlap_open holds from here on
+        epoch = self._epoch
+        release = self.release_grad
+        adder = self._accumulator()
+        adder.submit(lambda: self._add_one(st, src, event, final, job, epoch),
+                     after=(lambda: release(src)) if release is not None else None)
+
+    def _accumulator(self) -> AccumulateWorker:
+        if self._adder is None:
+            self._adder = AccumulateWorker(self.threads)
+        return self._adder
+
+    def _add_one(self, st: ShardOptimState, src: torch.Tensor, event: Any, final: bool, job: Optional[_Job],
+                 epoch: int) -> None:
+        """On the accumulation worker: ``src`` into the shard's fp32 accumulator (copied in the
+        window's first micro-batch), chunk by chunk; the sum's norm in the boundary micro-batch."""
+        # the step worker may still be stepping the last window's accumulator: it must be done first
+        self._wait(lambda: not st.busy, f"shard {st.shard.index} ({st.shard.module_name or '<root>'})")
+        if event is not None:
+            event.synchronize()
+        if st.grad is None:
+            st.grad = torch.empty(st.numel, dtype=torch.float32)
+        adder = self._adder
+        if adder.scratch is None:
+            adder.scratch = torch.empty(ADD_CHUNK, dtype=torch.float32)
+        fresh = len(st.written) != len(st.shard.slices)
+        squares: Optional[list] = [] if final else None
+        add_into(st.grad, src, copy=fresh, scratch=adder.scratch, squares=squares)
+        if fresh:
+            st.written.update(sl.offset for sl in st.shard.slices)
+        if final:
+            st.norm = norm_of_squares(squares)
+        if job is not None:
+            with self._cond:
+                current = epoch == self._epoch  # cancel() abandoned the step meanwhile: hand nothing over
+            if current:
+                self._hand(st, job)
+
+    def _wait_adds(self, what: str = "the optimizer step", raise_failure: bool = True) -> None:
+        """Waits until every gradient handed to the accumulation worker is added; with
+        ``raise_failure`` raises its failure (see ``_check_window``)."""
+        if self._adder is not None:
+            self._adder.wait(what, raise_failure=False)
+        if raise_failure:
+            self._check_window(what)
+
+    def check_accumulation(self, what: str) -> None:
+        """Raises a failure of the accumulation worker (without waiting for it): the failure itself
+        the first time, then a refusal until ``zero_grad`` drops the incomplete window."""
+        self._check_window(what)
+
+    def _check_window(self, what: str) -> None:
+        """Raises the accumulation worker's failure the first time (as itself), then refuses to go on
+        with the window it left incomplete until ``zero_grad`` drops it."""
+        err = self._adder.failure if self._adder is not None else None
+        if err is None:
+            return
+        self._adder.check()  # the failure itself, once
+        raise RuntimeError(f"{what}: a gradient add of this optimizer step's accumulation failed earlier ({err!r}): "
+                           "the accumulated gradients are incomplete; call zero_grad() to drop this step's "
+                           "micro-batches, or load_checkpoint()") from err
+
+    @property
+    def accumulation_failure(self) -> Optional[BaseException]:
+        """The accumulation worker's failure (kept until ``zero_grad``), or None."""
+        return self._adder.failure if self._adder is not None else None
 
     def _grad_on_device(self, st: ShardOptimState, src: torch.Tensor, norm: Optional[torch.Tensor]) -> None:
         """A device-stepped unit's gradient (on the device, compute stream): accumulated there, or
@@ -399,6 +472,15 @@ class OffloadOptimizer:
             st.written.update(sl.offset for sl in st.shard.slices)
 
     def zero_grad(self) -> None:
+        """Starts a new accumulation window: the next gradient of each shard overwrites its
+        accumulator (no pass over it). Drops a window a failed add left incomplete."""
+        self._wait_adds("zero_grad()", raise_failure=False)
+        if self._adder is not None:
+            reported = self._adder.reported
+            err = self._adder.take_failure()
+            if err is not None and not reported:
+                log.warning("a gradient add of this optimizer step's accumulation failed (%r); its micro-batches are "
+                            "dropped", err)
         for st in self.states:
             st.written.clear()
 
@@ -431,6 +513,7 @@ class OffloadOptimizer:
     def grad_norm(self) -> float:
         """Global L2 norm over every shard's gradient (inf/nan if any is not finite), combined in
         shard order (the same in every path)."""
+        self._wait_adds("the gradient norm")
         norms = [self._norm_of(st) for st in self.states]
         if not norms:
             return 0.0
@@ -442,6 +525,7 @@ class OffloadOptimizer:
         st = self._by_shard.get(shard.index)
         if st is None:
             return None
+        self._wait_adds("reading a gradient")
         if st.src is not None:
             if st.event is not None:
                 st.event.synchronize()
@@ -684,6 +768,7 @@ class OffloadOptimizer:
         returns; otherwise they are stepped here."""
         t0 = time.perf_counter()
         self._raise_error()
+        self._wait_adds("step()")  # every micro-batch's gradient is in its accumulator (and handed over, if eager)
         hyper = self._window if self._window is not None else self._hyper()
         if hyper != self._hyper():  # every shard of a step uses one set: the one backward started with
             log.warning("lr/betas/eps/weight_decay changed between backward() and step() (%s -> %s); this step "
@@ -732,6 +817,8 @@ class OffloadOptimizer:
             busy += self._busy_s
             read_wait, self._busy_s, self._read_wait_s = self._read_wait_s, 0.0, 0.0
             phases, self._phase_s = self._phase_s, {}
+        if self._adder is not None:  # the gradient adds of this step's micro-batches (on their worker)
+            phases["accumulate"] = self._adder.take_busy()
         dt = time.perf_counter() - t0
         return StepResult(grad_norm=raw_norm, skipped=False, seconds=dt, read_wait_s=read_wait,
                           busy_seconds=busy, overlapped_shards=early,
@@ -926,7 +1013,10 @@ class OffloadOptimizer:
         dst.copy_(self._state_in_ram(st, read=True)[:st.numel])
 
     def drain(self) -> None:
-        """Waits until the worker has finished everything handed to it; raises its failure."""
+        """Waits until the workers have finished everything handed to them (the gradient adds too);
+        raises the step worker's failure (an add's failure is raised by the next backward, step()
+        or gradient read)."""
+        self._wait_adds("the gradient accumulation", raise_failure=False)
         self._wait(lambda: not any(st.busy for st in self.states), "the optimizer step")
         self._raise_error()
 
@@ -952,14 +1042,18 @@ class OffloadOptimizer:
         gradients not consumed and the worker's failure (``failure``: read it first). Returns how
         many shards were stepped since the last step() (0: the optimizer state is as before, unless
         the worker failed: its failure may be an earlier step's)."""
-        stepped = sum(1 for st in self.states if st.handed)
+        with self._cond:
+            self._epoch += 1  # adds still queued hand nothing over to the step
         on_worker = threading.current_thread() is self._worker  # (a finalizer may run there): never wait on itself
+        on_adder = self._adder is not None and threading.current_thread() is self._adder._thread
         try:
-            if not on_worker:
+            if not on_worker and not on_adder:
+                self._wait_adds("the gradient accumulation", raise_failure=False)
                 self._wait(lambda: not any(st.busy for st in self.states), "the optimizer step")
         finally:
             self._window, self._eager, self._handed_early = None, False, 0
             self._error, self._error_reported = None, False
+            stepped = sum(1 for st in self.states if st.handed)
             for st in self.states:
                 st.handed = False
                 st.norm = None
@@ -1014,6 +1108,9 @@ class OffloadOptimizer:
         try:
             self.cancel()
         finally:
+            if self._adder is not None:
+                self._adder.close()
+                self._adder = None
             if self._worker is not None and self._worker is threading.current_thread():
                 self._queue.put((math.inf, 0, None))  # it stops when it gets there
                 self._worker = None
