@@ -225,6 +225,13 @@ class EngineConfig:
     gradients come last in backward). Their host homes are brought up to date before a
     checkpoint or an export. "auto" = what the device budget leaves after the resident units,
     activations and headroom (on a GPU; 0 on the CPU device); 0 = none.
+    device_accumulator_bytes: under gradient accumulation, device memory for the fp32 gradient
+    accumulators (4 bytes a parameter) of units stepped on the CPU: their micro-batch gradients
+    are added on the device and leave it once per optimizer step (in fp32, into a pinned host
+    buffer), instead of every micro-batch (then added on the host); whole units from the front of
+    the model. The sums are bit for bit the host's. "auto" = with accumulation on a GPU, the
+    device room left after the resident units, activations and headroom goes to these first
+    (then to device_optimizer_bytes); 0 on the CPU device and without accumulation.
     optimizer_threads: threads of the CPU Adam step when the background worker runs it, and of the
     gradient adds under accumulation ("auto" = every CPU this process may run on with a GPU
     compute device, 1 on the CPU device, where backward has the cores).
@@ -241,6 +248,7 @@ class EngineConfig:
     resident_bytes: SizeOrAuto = AUTO
     unit_bytes: SizeOrAuto = AUTO
     device_optimizer_bytes: SizeOrAuto = AUTO
+    device_accumulator_bytes: SizeOrAuto = AUTO
     optimizer_threads: Union[int, str] = AUTO
 
 
@@ -524,7 +532,7 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
-    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes"):
+    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes", "device_accumulator_bytes"):
         if key in d:
             v = d[key]
             setattr(e, key, AUTO if v == AUTO else parse_size(v, f"pyinfinity.{key}"))
@@ -883,6 +891,9 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
     if e.device_optimizer_bytes == AUTO:
         e.device_optimizer_bytes = 0
         out.append(AutoDecision("pyinfinity.device_optimizer_bytes", 0, "no unit is resident"))
+    if e.device_accumulator_bytes == AUTO:
+        e.device_accumulator_bytes = 0
+        out.append(AutoDecision("pyinfinity.device_accumulator_bytes", 0, "the heuristic leaves no device room"))
     if e.unit_bytes == AUTO:
         from pyinfinity.units import auto_unit_bytes
 

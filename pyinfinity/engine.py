@@ -387,19 +387,21 @@ class Engine:
             self._ownership.flush()  # the manifest lists every slot
             self._keep_resident(self.partition.shards if self._param_tier == Tier.GPU else None)
             self._place_device_states()
+            self._place_device_accumulators()
             self.coordinator = ParameterCoordinator(
                 model, self.partition, self.param_swapper, self.device,
                 device_memory=self.device_memory,
                 prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
                 on_grad=self.optimizer.grad_ready, grad_dest=self._homes.grad_dest, wait_home=_weakly(self._wait_home),
                 master_values=self.optimizer.master_values,
-                fixed_bytes=buf_bytes + self.device_state_bytes,
+                fixed_bytes=buf_bytes + self.device_state_bytes + self.device_grad_bytes,
                 max_live_elements=int(z.stage3_max_live_parameters),
                 max_inflight_reads=int(op.buffer_count) if op.device == "nvme" else None)
         except BaseException:
             self.close()
             raise
         self._held.append(self.coordinator)  # a dropped engine takes its hooks off the model
+        self.optimizer.copy_to_host = self.coordinator.copy_to_host  # device accumulators' sums to the host
         self._init_budget_watch(model)
         self._homes.partition, self._homes.coordinator = self.partition, self.coordinator
         self.scaler = DynamicLossScaler(cfg.fp16)
@@ -480,6 +482,29 @@ class Engine:
             log.info("optimizer state of %d resident units (%s parameters, %s) on %s: they step there", units,
                      f"{numel:,}", format_size(self.device_state_bytes), self.device)
 
+    def _place_device_accumulators(self) -> None:
+        """Under gradient accumulation, units whose fp32 gradient accumulator lives on the device
+        within ``pyinfinity.device_accumulator_bytes`` (4 bytes a parameter): whole units from the
+        front of the model (their gradients come last in backward, when host adds would have the
+        least time left), besides those stepped on the device (which accumulate there anyway)."""
+        budget = self.config.pyinfinity.device_accumulator_bytes
+        left = 0 if budget == AUTO else int(budget)
+        self.device_grad_bytes = 0
+        if left <= 0 or self.gradient_accumulation_steps <= 1:
+            return
+        units = numel = 0
+        for sh in self.partition.shards:
+            if not (sh.trainable and sh.numel) or sh.device_step or 4 * sh.numel > left:
+                continue
+            n = self.optimizer.accumulate_on_device(sh, self.device)
+            left -= n
+            self.device_grad_bytes += n
+            units += 1
+            numel += sh.numel
+        if units:
+            log.info("gradient accumulators of %d units (%s parameters, %s) on %s: their micro-batch gradients are "
+                     "added there", units, f"{numel:,}", format_size(self.device_grad_bytes), self.device)
+
     # ------------------------------------------------------------------------- the device budget
     def _init_budget_watch(self, model: nn.Module) -> None:
         """What the budget checks need: the prefetch reserve (the planner's charges for gradient
@@ -530,10 +555,20 @@ class Engine:
         self.device_state_bytes -= n
         return n
 
+    def _accumulator_to_host(self, sh: FlatShard) -> int:
+        """Moves one unit's gradient accumulator from the device to the host (the window's sum so
+        far with it); returns the device bytes freed."""
+        n = self.optimizer.accumulator_to_host(sh)
+        self.coordinator.budget.sub(n)
+        self.coordinator.budget.fixed -= n
+        self.device_grad_bytes -= n
+        return n
+
     def _give_up(self, need: int, prefetch: bool = True) -> list[str]:
         """Frees at least ``need`` device bytes of the placement if it can: the prefetch it used
         (with ``prefetch``), then the optimizer state on the device (from the back: the units
-        stepped there last), then resident units (from the front: backward needs the back first).
+        stepped there last), then the gradient accumulators on the device (from the back), then
+        resident units (from the front: backward needs the back first).
         Returns what was given up."""
         from pyinfinity.config import format_size
 
@@ -546,7 +581,7 @@ class Engine:
             coord.prefetch_enabled = coord.prefetch_enabled and coord.prefetch_bytes > 0
             need -= used - coord.prefetch_bytes
             gave.append(f"prefetch {format_size(before)} -> {format_size(coord.prefetch_bytes)}")
-        if need > 0 and (self.device_state_bytes or self._resident_units):
+        if need > 0 and (self.device_state_bytes or self.device_grad_bytes or self._resident_units):
             self._drain("giving up device memory")  # the homes must hold the current values
         units = freed = 0
         for sh in reversed(self.partition.shards):  # small persistent shards may step there too
@@ -559,6 +594,17 @@ class Engine:
                 units += 1
         if units:
             gave.append(f"the optimizer state of {units} units ({format_size(freed)}) back to the host")
+        units = freed = 0
+        for sh in reversed(self.partition.shards):
+            if need <= 0:
+                break
+            if sh.grad_on_device:
+                n = self._accumulator_to_host(sh)
+                need -= n
+                freed += n
+                units += 1
+        if units:
+            gave.append(f"the gradient accumulators of {units} units ({format_size(freed)}) to the host")
         units = freed = 0
         if need > 0 and self._resident_units and all(sh.persistent for sh in self.partition.shards):
             # nothing was fetched in the last step: from now on a working set is (the unit in use and the next)
@@ -948,7 +994,7 @@ class Engine:
             device=str(self.device), device_budget=self.device_memory,
             device_resident=self.coordinator.budget.resident, device_peak=self.coordinator.budget.peak,
             device_allocated_peak=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
-            params=params, optimizer=self.optimizer.bytes_by_tier, grads={"cpu": self.optimizer.grad_bytes},
+            params=params, optimizer=self.optimizer.bytes_by_tier, grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
             swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=_rss())
 
     # ------------------------------------------------------------------------- checkpoints

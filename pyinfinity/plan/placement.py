@@ -126,12 +126,13 @@ class DeviceCharges:
     activations: int = 0  # saved activations of one micro-batch and the loss's logits
     grad_buffers: int = 0  # flat unit gradients being collected and the largest parameter's own gradient
     device_state: int = 0  # optimizer state of device-stepped units, their gradients, the step's fp32 chunk
+    accumulators: int = 0  # fp32 gradient accumulators on the device (pyinfinity.device_accumulator_bytes)
     headroom: int = 0  # the allocator's fragmentation and kernel workspaces (DEVICE_HEADROOM of the budget)
 
     @property
     def total(self) -> int:
         return (self.persistent + self.resident + self.working_set + self.prefetch + self.activations
-                + self.grad_buffers + self.device_state + self.headroom)
+                + self.grad_buffers + self.device_state + self.accumulators + self.headroom)
 
     @property
     def reserve(self) -> int:
@@ -140,7 +141,7 @@ class DeviceCharges:
 
     def describe(self) -> str:
         parts = [(n, getattr(self, n)) for n in ("resident", "persistent", "working_set", "prefetch", "activations",
-                                                 "grad_buffers", "device_state", "headroom")]
+                                                 "grad_buffers", "device_state", "accumulators", "headroom")]
         return ", ".join(f"{n.replace('_', ' ')} {fmt(v)}" for n, v in parts if v)
 
 
@@ -152,7 +153,8 @@ def grad_buffer_bytes(largest_trainable_shard_bytes: int, largest_param_bytes: i
 
 
 def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, resident: int = 0,
-                   persistent: int = 0, prefetch: int = 0, device_state: int = 0, all_resident: bool = False,
+                   persistent: int = 0, prefetch: int = 0, device_state: int = 0, accumulators: int = 0,
+                   all_resident: bool = False,
                    activations: Optional[int] = None, device_is_host: bool = False) -> DeviceCharges:
     """The device charges of one step (see :class:`DeviceCharges`). ``device_is_host``: the CPU
     device, whose pool (the engine's own count) holds the shards only: gradients are host tensors
@@ -166,7 +168,7 @@ def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, 
                          prefetch=0 if all_resident else prefetch,
                          activations=_activations(sizes, train) if activations is None else activations,
                          grad_buffers=0 if device_is_host else grads, device_state=device_state,
-                         headroom=0 if device_is_host else int(device_memory * DEVICE_HEADROOM))
+                         accumulators=accumulators, headroom=0 if device_is_host else int(device_memory * DEVICE_HEADROOM))
 
 
 def largest_shape(sizes: ModelSizes, train: TrainShape, device_memory: int, persistent: int = 0) -> tuple[int, int]:
@@ -227,6 +229,7 @@ class Knobs:
     pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
     resident_bytes: int = 0  # units kept on the device      [pyinfinity.resident_bytes]
     device_optimizer_bytes: int = 0  # their state there     [pyinfinity.device_optimizer_bytes]
+    device_accumulator_bytes: int = 0  # fp32 grad sums there [pyinfinity.device_accumulator_bytes]
 
 
 @dataclass
@@ -283,6 +286,7 @@ class Placement:
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     device_state_bytes: int = 0  # of device_bytes, resident units' optimizer state (a copy of its host home)
+    accumulator_bytes: int = 0  # of device_bytes, fp32 gradient accumulators on the device
     charges: Optional[DeviceCharges] = None  # device_bytes by kind
 
     @property
@@ -312,6 +316,7 @@ class Placement:
             # the streamed device step steps everything there already (the config refuses both)
             "pyinfinity.device_optimizer_bytes": int(k.device_optimizer_bytes) if k.optimizer_step_device != "device"
             else 0,
+            "pyinfinity.device_accumulator_bytes": int(k.device_accumulator_bytes),
             "pyinfinity.device_memory": int(self.device_memory),
             "pyinfinity.host_memory": int(self.host_memory),
         }
@@ -328,7 +333,8 @@ class Placement:
         par_tier = k.param_device + (f", max_in_cpu {k.max_in_cpu:,}" if k.param_device == "nvme" else "")
         lines = [f"  {'tensor class':<18}{'device':>10}{'RAM':>10}{'disk':>10}  tier",
                  row("parameters", self.params, par_tier),
-                 row("gradients (fp32)", self.grads, "host accumulator"),
+                 row("gradients (fp32)", self.grads, "accumulators (on the device: pyinfinity.device_accumulator_bytes)"
+                     if self.grads.device else "host accumulator"),
                  row("optimizer states", self.optimizer, opt_tier),
                  "",
                  f"  device peak {fmt(self.device_bytes)} of {fmt(self.device_memory)} (activations "
@@ -471,6 +477,16 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                 dleft -= per_param * n
                 dev_state.add(i)
                 dev_state_numel += n
+    # -- under accumulation, units whose fp32 gradient accumulator lives on the device: whole units
+    # from the front within device_accumulator_bytes (those stepped there accumulate there anyway)
+    dev_acc_numel = 0
+    if train.grad_accum > 1 and k.device_accumulator_bytes > 0:
+        aleft = k.device_accumulator_bytes
+        for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
+            if trainable and n and i not in dev_state and GRAD_BYTES_PER_PARAM * n <= aleft:
+                aleft -= GRAD_BYTES_PER_PARAM * n
+                dev_acc_numel += n
+    accumulator_bytes = GRAD_BYTES_PER_PARAM * dev_acc_numel
     # -- optimizer states: the first (1 - ratio) of the trainable elements in RAM
     total_train = sizes.trainable_numel
     ram_share = total_train * (1.0 - (k.ratio if k.optimizer_device == "nvme" else 0.0))
@@ -510,12 +526,15 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
             seg["param_disk_s"] += rates.write_time(n * isz)
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
     # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation (with
-    # the staging buffers they land in, pinned on a GPU)
+    # the staging buffers they land in, pinned on a GPU; a device accumulator's sum lands in a
+    # pinned fp32 buffer of its own instead)
     grad_staging = 0
     if train.grad_accum > 1:
-        largest_trainable = max((n for n, t in zip(sizes.shard_numels, sizes.shard_trainable) if t), default=0)
-        grad_staging = GRAD_STAGING_SLOTS * isz * largest_trainable + ADD_SCRATCH
-        grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
+        if total_train - dev_state_numel - dev_acc_numel > 0:
+            largest_trainable = max((n for n, t in zip(sizes.shard_numels, sizes.shard_trainable) if t), default=0)
+            grad_staging = GRAD_STAGING_SLOTS * isz * largest_trainable + ADD_SCRATCH
+        grads = Share(device=accumulator_bytes,
+                      ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
     else:
         grads = Share(ram=sum(n * isz for i, (n, t, pt) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable,
                                                                            param_tier))
@@ -528,7 +547,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                              persistent=0 if k.param_device == "none" else persistent,
                              prefetch=k.prefetch_bytes if k.prefetch else 0,
                              device_state=device_state_bytes + DEVICE_STEP_SCRATCH if dev_state else 0,
-                             all_resident=everything)
+                             accumulators=accumulator_bytes, all_resident=everything)
     acts = charges.activations
     shard_peak = charges.resident + charges.persistent + charges.working_set + charges.prefetch
     device_bytes = charges.total
@@ -583,20 +602,26 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                           f"pyinfinity.resident_bytes: {int(k.resident_bytes)} ({fmt(k.resident_bytes)})")
     pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
                    fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state,
-                   device_stepped=dev_state_numel)
+                   device_stepped=dev_state_numel, device_accumulated=dev_acc_numel)
     notes = [notes_resident] if resident_bytes else []
     if dev_state:
         notes.append(f"the optimizer state of {len(dev_state)} resident units ({dev_state_numel / 1e6:,.0f}M "
                      f"parameters, {fmt(device_state_bytes)} with their gradients) lives on the device too and steps there "
                      "(pyinfinity.device_optimizer_bytes)")
+    if dev_acc_numel:
+        notes.append(f"the fp32 gradient accumulators of {dev_acc_numel / 1e6:,.0f}M parameters "
+                     f"({fmt(accumulator_bytes)}) live on the device: their micro-batch gradients are added there and "
+                     "leave it once a step (pyinfinity.device_accumulator_bytes)")
     return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
-                     host_bytes=host_bytes, pinned_bytes=pinned + (grad_staging - ADD_SCRATCH if grad_staging and cuda
-                                                                   else 0),
+                     host_bytes=host_bytes,
+                     # of host_bytes: the gradient staging and the buffers device accumulators land in are pinned too
+                     pinned_bytes=pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + accumulator_bytes
+                                            if cuda else 0),
                      swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=k.optimizer_step_device,
                      host_memory=budgets.host_memory, violations=violations, notes=notes,
-                     device_state_bytes=device_state_bytes, charges=charges)
+                     device_state_bytes=device_state_bytes, accumulator_bytes=accumulator_bytes, charges=charges)
 
 
 def _div(a: float, b: float) -> float:
@@ -607,7 +632,7 @@ def _div(a: float, b: float) -> float:
 
 def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *, cuda: bool, fetch_ram: int,
             fetch_disk: int, fetch_disk_s: float, seg_a: dict, seg_b: dict, first_disk_state: int,
-            device_stepped: int = 0) -> StepTime:
+            device_stepped: int = 0, device_accumulated: int = 0) -> StepTime:
     """Seconds per optimizer step from the byte flows ``evaluate`` worked out (see the module doc)."""
     isz = sizes.itemsize
     train_numel = sizes.trainable_numel
@@ -620,15 +645,19 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     passes = FETCH_PASSES
     ram_copy = _div(passes * fetch_ram, rates.h2d)
     disk_read = passes * fetch_disk_s
-    # gradients off the device (those of units stepped on the device stay there)
-    grads_off = _div((train_numel - device_stepped) * isz, rates.d2h) if cuda else 0.0
+    # gradients off the device (those of units stepped on the device stay there; a device
+    # accumulator's fp32 sum leaves once a step, counted here per micro-batch)
+    g = train.grad_accum
+    host_acc = train_numel - device_stepped - device_accumulated if g > 1 else train_numel
+    grads_off = (_div((train_numel - device_stepped - device_accumulated) * isz, rates.d2h)
+                 + _div(device_accumulated * GRAD_BYTES_PER_PARAM / g, rates.d2h)) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
     # the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
     # bytes touched), later ones add to it (isz + 8)
-    g = train.grad_accum
     touched = ((isz + 4) + (g - 1) * (isz + 8)) / g
-    # host-thread work per micro-batch: accumulating gradients, and the engine's per-shard bookkeeping
-    accumulate = _div(train_numel * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
+    # host work per micro-batch: accumulating gradients (the accumulation worker's), and the engine's
+    # per-shard bookkeeping
+    accumulate = _div(host_acc * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
     overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
     latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
     if cuda:
@@ -711,6 +740,7 @@ class Fixed:
     optimizer_step_device: Optional[str] = None
     resident_bytes: Optional[int] = None
     device_optimizer_bytes: Optional[int] = None
+    device_accumulator_bytes: Optional[int] = None
 
 
 def _optimizer_split(sizes: ModelSizes, ram_bytes: int) -> float:
@@ -752,12 +782,12 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
             k.resident_bytes, k.prefetch_bytes = offloaded, 0 if fixed.prefetch_bytes is None else k.prefetch_bytes
         else:
             k.resident_bytes = max(0, room - k.prefetch_bytes)
-    if fixed.device_optimizer_bytes is None:
+    if fixed.device_optimizer_bytes is None or fixed.device_accumulator_bytes is None:
         res = fixed.resident_bytes if fixed.resident_bytes is not None else k.resident_bytes
         step_on = fixed.optimizer_step_device or k.optimizer_step_device
-        k.device_optimizer_bytes = _device_state_room(sizes, train, budgets, rates,
-                                                      replace(k, resident_bytes=res, optimizer_step_device=step_on),
-                                                      persistent, acts)
+        k.device_accumulator_bytes, k.device_optimizer_bytes = _split_device_room(
+            sizes, train, budgets, rates, replace(k, resident_bytes=res, optimizer_step_device=step_on), fixed,
+            persistent, acts)
     if fixed.max_live is None:
         k.max_live = max(1, (persistent + working + k.prefetch_bytes) // isz)
     if fixed.param_buffer_size is None:
@@ -776,20 +806,52 @@ def device_state_cost(itemsize: int, grad_accum: int) -> int:
     return OPT_BYTES_PER_PARAM + itemsize + (GRAD_BYTES_PER_PARAM if grad_accum > 1 else 0)
 
 
-def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
-                       persistent: int, acts: int) -> int:
-    """Device bytes for resident units' optimizer state: what the budget leaves (less headroom)
-    after the shards ``k`` keeps there, their working set and prefetch, and the activations. None
-    on the CPU device (the state is in RAM already) or with the streamed device step."""
-    if budgets.device_is_host or not _is_cuda(rates, budgets) or k.optimizer_step_device == "device":
-        return 0
-    if k.resident_bytes <= 0:
+def _device_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                 persistent: int, acts: int) -> int:
+    """What the device budget leaves after the shards ``k`` keeps there, their working set and
+    prefetch, the activations, the gradient buffers and the headroom (0 on the CPU device)."""
+    if budgets.device_is_host or not _is_cuda(rates, budgets):
         return 0
     offloaded = sizes.param_bytes - persistent
-    c = device_charges(sizes, train, budgets.device_memory, resident=min(k.resident_bytes, offloaded),
+    c = device_charges(sizes, train, budgets.device_memory, resident=min(max(0, k.resident_bytes), offloaded),
                        persistent=persistent, prefetch=k.prefetch_bytes if k.prefetch else 0,
                        all_resident=k.resident_bytes >= offloaded, activations=acts)
-    return max(0, budgets.device_memory - c.total - DEVICE_STEP_SCRATCH)
+    return max(0, budgets.device_memory - c.total)
+
+
+def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                       persistent: int, acts: int) -> int:
+    """Device bytes for resident units' optimizer state: ``_device_room`` less the device step's
+    fp32 chunk. None on the CPU device (the state is in RAM already), without resident units or
+    with the streamed device step."""
+    if k.optimizer_step_device == "device" or k.resident_bytes <= 0:
+        return 0
+    return max(0, _device_room(sizes, train, budgets, rates, k, persistent, acts) - DEVICE_STEP_SCRATCH)
+
+
+def _split_device_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                       fixed: Fixed, persistent: int, acts: int) -> tuple[int, int]:
+    """(device_accumulator_bytes, device_optimizer_bytes) for what the config leaves "auto". Under
+    accumulation the fp32 accumulators come first: at 4 bytes a parameter they take the host's
+    add and the copy off the device of every micro-batch but the last, where optimizer state
+    (``device_state_cost``, 18 bytes at bf16) takes one CPU step; the room they leave goes to
+    optimizer state, each unit stepped there freeing its own accumulator. Without accumulation
+    all of it goes to optimizer state."""
+    state_room = _device_state_room(sizes, train, budgets, rates, k, persistent, acts)
+    acc_room = _device_room(sizes, train, budgets, rates, k, persistent, acts) if train.grad_accum > 1 else 0
+    need = GRAD_BYTES_PER_PARAM * sizes.trainable_numel
+    if fixed.device_optimizer_bytes is not None:
+        acc_room = max(0, acc_room - fixed.device_optimizer_bytes)
+    acc = fixed.device_accumulator_bytes if fixed.device_accumulator_bytes is not None else min(acc_room, need)
+    if fixed.device_optimizer_bytes is not None:
+        return acc, fixed.device_optimizer_bytes
+    if train.grad_accum <= 1:
+        return acc, state_room
+    left = max(0, state_room - min(acc, need))
+    if acc >= need and left:  # every accumulator is on the device: a unit stepped there frees its own
+        per = device_state_cost(sizes.itemsize, train.grad_accum)
+        left = left * per // (per - GRAD_BYTES_PER_PARAM)
+    return acc, left
 
 
 def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
@@ -799,7 +861,7 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
     base = _fill(sizes, train, budgets, rates, Knobs(), fixed)
     for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
                  "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device", "resident_bytes",
-                 "device_optimizer_bytes"):
+                 "device_optimizer_bytes", "device_accumulator_bytes"):
         v = getattr(fixed, name)
         if v is not None:
             setattr(base, name, v)

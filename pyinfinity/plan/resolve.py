@@ -40,9 +40,10 @@ KEYS = {
     "optimizer_step_device": "pyinfinity.optimizer_step_device",
     "resident_bytes": "pyinfinity.resident_bytes",
     "device_optimizer_bytes": "pyinfinity.device_optimizer_bytes",
+    "device_accumulator_bytes": "pyinfinity.device_accumulator_bytes",
 }
 # planned only when something else is: left "auto" in an otherwise fixed config, they become 0
-UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes"}
+UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes", "device_accumulator_bytes"}
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
 
 
@@ -126,6 +127,7 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
         "optimizer_step_device": cfg.pyinfinity.optimizer_step_device,
         "resident_bytes": cfg.pyinfinity.resident_bytes,
         "device_optimizer_bytes": cfg.pyinfinity.device_optimizer_bytes,
+        "device_accumulator_bytes": cfg.pyinfinity.device_accumulator_bytes,
     }
     owned = {name for name, v in values.items() if v == AUTO}
     for split, dev in SPLIT_OF.items():
@@ -278,6 +280,8 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
             c.pyinfinity.resident_bytes = 0
         if c.pyinfinity.device_optimizer_bytes == AUTO:
             c.pyinfinity.device_optimizer_bytes = 0
+        if c.pyinfinity.device_accumulator_bytes == AUTO:
+            c.pyinfinity.device_accumulator_bytes = 0
         if dm in (AUTO, None):
             c.pyinfinity.device_memory = budgets.device_memory
             decisions.append(Decision("pyinfinity.device_memory", budgets.device_memory, "measured device budget"))

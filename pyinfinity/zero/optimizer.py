@@ -72,6 +72,10 @@ class ShardOptimState:
     dev: Optional[torch.Tensor] = None  # [master|m|v] on the compute device: the unit steps there (``to_device``)
     dev_step: Optional[torch.Tensor] = None  # its step count, a device scalar (the fused kernel reads it there)
     dev_stale: bool = False  # the host home lags ``dev`` (``sync_homes`` brings it up to date)
+    # a device accumulator (``accumulate_on_device``): ``grad`` is on the device, its sum is copied into
+    # ``landing`` (pinned host fp32) in the boundary micro-batch, ``acc_event`` completes that copy
+    landing: Optional[torch.Tensor] = None
+    acc_event: Any = None
 
     @property
     def numel(self) -> int:
@@ -199,6 +203,9 @@ class OffloadOptimizer:
         # buffer a gradient arrived in is given back through ``release_grad`` once it is added
         self._adder: Optional[AccumulateWorker] = None
         self.release_grad: Optional[Callable[[torch.Tensor], None]] = None
+        # device accumulators: copy_to_host(src on the device, dst pinned on the host) -> the copy's event
+        self.copy_to_host: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None
+        self._caller_scratch: Optional[torch.Tensor] = None  # add_into's fp32 chunk on the caller's thread
         self._epoch = 0  # bumped by cancel(): a queued add of an abandoned step hands nothing to the step
 
     # ------------------------------------------------------------------------- placement
@@ -320,6 +327,38 @@ class OffloadOptimizer:
         shard.device_step = False
         return freed
 
+    def accumulate_on_device(self, shard: FlatShard, device: torch.device) -> int:
+        """Under accumulation, keeps the shard's fp32 gradient accumulator on ``device``: each
+        micro-batch's gradient is added there (no copy off the device, no host add) and the sum is
+        copied into a pinned host buffer once, in the boundary micro-batch, for the CPU step.
+        Returns the device bytes taken (0: frozen, stepped on the device, or no accumulation)."""
+        st = self._by_shard.get(shard.index)
+        if st is None or st.dev is not None or st.landing is not None or self.accumulate_steps <= 1:
+            return 0
+        self._wait_adds("moving an accumulator", raise_failure=False)
+        acc = torch.empty(st.numel, dtype=torch.float32, device=device)
+        if st.grad is not None and st.written:  # the window's sum so far comes along
+            acc.copy_(st.grad)
+        st.landing = aligned_empty(st.numel, torch.float32, pin=device.type == "cuda")
+        st.grad, st.acc_event = acc, None
+        shard.grad_on_device = True
+        return acc.numel() * 4
+
+    def accumulator_to_host(self, shard: FlatShard) -> int:
+        """Undoes ``accumulate_on_device``: the window's sum so far comes to the host, the pinned
+        buffer becomes the host accumulator. Returns the device bytes freed."""
+        st = self._by_shard.get(shard.index)
+        if st is None or st.landing is None:
+            return 0
+        if st.acc_event is not None:
+            st.acc_event.synchronize()
+        freed = st.grad.numel() * 4
+        if st.written:
+            st.landing.copy_(st.grad)
+        st.grad, st.landing, st.acc_event = st.landing, None, None
+        shard.grad_on_device = False
+        return freed
+
     def _state_in_ram(self, st: ShardOptimState, read: bool) -> torch.Tensor:
         """A shard's [master|m|v] in RAM: its home there, else a buffer of its size (filled from
         the home on disk when ``read``)."""
@@ -341,6 +380,9 @@ class OffloadOptimizer:
             return
         if st.dev is not None:
             self._grad_on_device(st, src, norm)
+            return
+        if st.landing is not None:
+            self._add_on_device(st, src)
             return
         if self.accumulate_steps > 1:
             self._submit_add(st, src, event)
@@ -370,6 +412,49 @@ class OffloadOptimizer:
         adder = self._accumulator()
         adder.submit(lambda: self._add_one(st, src, event, final, job, epoch),
                      after=(lambda: release(src)) if release is not None else None)
+
+    def _add_on_device(self, st: ShardOptimState, src: torch.Tensor) -> None:
+        """A unit with a device accumulator: its gradient (on the device) is added there on the
+        current stream; in the boundary micro-batch the sum's norm is taken there and the sum is
+        copied to the host (``_land``), then handed to the step like an unaccumulated gradient."""
+        self._check_window("backward()")
+        if st.acc_event is not None:  # the last window's sum may still be on its way to the host
+            if st.grad.is_cuda:
+                torch.cuda.current_stream(st.grad.device).wait_event(st.acc_event)
+            st.acc_event = None
+        if st.grad.device.type == "cpu" and self._caller_scratch is None:
+            self._caller_scratch = torch.empty(ADD_CHUNK, dtype=torch.float32)
+        fresh = len(st.written) != len(st.shard.slices)
+        final = self._window is not None
+        squares: Optional[list] = [] if final else None
+        add_into(st.grad, src, copy=fresh, scratch=self._caller_scratch, squares=squares)
+        if fresh:
+            st.written.update(sl.offset for sl in st.shard.slices)
+        if final:
+            self._land(st, norm_of_squares(squares))
+            if self._eager:
+                self._hand(st, _Job(self._window, None))
+                self._handed_early += 1
+
+    def _land(self, st: ShardOptimState, norm: torch.Tensor) -> None:
+        """Copies a device accumulator's sum into its pinned host buffer: from here on it is the
+        shard's gradient for the step (``src``, complete once ``event`` has)."""
+        # the last step of this shard may still read the buffer (a background step)
+        self._wait(lambda: not st.busy, f"shard {st.shard.index} ({st.shard.module_name or '<root>'})")
+        if self.copy_to_host is not None:
+            ev = self.copy_to_host(st.grad, st.landing)
+        else:
+            st.landing.copy_(st.grad)
+            ev = None
+        st.src, st.event, st.norm, st.acc_event = st.landing, ev, norm, ev
+
+    def _land_rest(self) -> None:
+        """In step(): the device accumulators whose unit got no gradient in the boundary micro-batch
+        land now (their unwritten parts as zeros; the norm as the host accumulators' is taken)."""
+        for st in self.states:
+            if st.landing is not None and st.src is None and not st.handed:
+                self._fill_unwritten([st])
+                self._land(st, torch.linalg.vector_norm(st.grad, 2))
 
     def _accumulator(self) -> AccumulateWorker:
         if self._adder is None:
@@ -745,9 +830,9 @@ class OffloadOptimizer:
     def restore_homes(self) -> None:
         """Writes the current master values home for every shard whose home holds a gradient (a
         skipped or abandoned step): the parameters are as they were before the backward."""
-        for st in self.states:  # a device-stepped unit's gradient never touched its home: just drop it
-            if st.dev is not None and not st.handed:
-                st.src = st.norm = None
+        for st in self.states:  # a gradient on the device (or landed from there) never touched a home: drop it
+            if (st.dev is not None or st.landing is not None) and not st.handed:
+                st.src = st.event = st.norm = None
         dirty = [st for st in self.states if st.shard.home_dirty and not st.busy]
         if not dirty:
             return
@@ -777,6 +862,7 @@ class OffloadOptimizer:
         if early and (grad_scale != 1.0 or clip > 0 or check_overflow):
             raise RuntimeError("overlap_step: shards were stepped during backward, but this step needs loss "
                                "scaling, clipping or an overflow check first")
+        self._land_rest()
         norm = self.grad_norm()
         raw_norm = norm / grad_scale if grad_scale != 1.0 else norm
         self._window, self._eager, self._handed_early = None, False, 0
@@ -1057,8 +1143,8 @@ class OffloadOptimizer:
             for st in self.states:
                 st.handed = False
                 st.norm = None
-                if st.dev is not None:  # its gradient is on the device, not in a home: forget it
-                    st.src = None
+                if st.dev is not None or st.landing is not None:  # its gradient is not in a home: forget it
+                    st.src = st.event = None
         return stepped
 
     def _device_buffers(self, which: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1101,7 +1187,24 @@ class OffloadOptimizer:
 
     @property
     def grad_bytes(self) -> int:
-        return sum(st.grad.numel() * 4 for st in self.states if st.grad is not None and st.grad.device.type == "cpu")
+        """Host bytes of fp32 gradients: the accumulators in RAM and the pinned buffers device
+        accumulators land in."""
+        return self.grad_bytes_by_tier.get("cpu", 0)
+
+    @property
+    def grad_bytes_by_tier(self) -> dict[str, int]:
+        """Bytes of fp32 gradients by tier: "cpu" (accumulators in RAM, the buffers device
+        accumulators land in) and "device" (device accumulators)."""
+        out: dict[str, int] = {}
+        for st in self.states:
+            parts = []
+            if st.landing is not None:
+                parts = [("device", st.grad), ("cpu", st.landing)]
+            elif st.grad is not None:
+                parts = [("cpu" if st.grad.device.type == "cpu" else "device", st.grad)]
+            for tier, t in parts:
+                out[tier] = out.get(tier, 0) + t.numel() * 4
+        return out
 
     def close(self) -> None:
         """Stops the worker (after the shard it is on) and frees the buffers."""
@@ -1126,4 +1229,6 @@ class OffloadOptimizer:
         for st in self.states:
             st.grad = None
             st.src = None
+            st.landing = st.acc_event = None
+            st.shard.grad_on_device = False
             st.dev = st.dev_step = None  # device copies of the state go with the engine (its homes stay the record)

@@ -362,3 +362,158 @@ def test_the_planner_charges_the_staging_buffers_the_engine_makes(tiny_lm, lm_ba
         largest = max(sh.nbytes for sh in eng.partition.shards if sh.trainable)
         assert ring.count == accumulate.STAGING_SLOTS and ring.nbytes == largest
         assert ring.allocated_bytes >= ring.count * largest
+
+
+# --------------------------------------------------------------------------------- device accumulators
+
+
+def _dev_acc_cfg(engine_config, dab, tier="cpu", gas=3, overlap=False, clip=0.0, dob=0):
+    cfg = _cfg(engine_config, tier, gas=gas, gradient_clipping=clip)
+    cfg["pyinfinity"].update(unit_bytes=0, device_accumulator_bytes=dab, overlap_step=overlap)
+    if dob:
+        cfg["pyinfinity"].update(resident_bytes="64MiB", device_optimizer_bytes=dob)
+    return cfg
+
+
+def test_device_accumulators_are_whole_units_from_the_front_within_the_budget(tiny_lm, engine_config):
+    probe = pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, 0))
+    sizes = [sh.numel for sh in probe.partition.shards]
+    probe.close()
+    budget = 4 * (sizes[0] + sizes[1]) + 3  # the first two units, not the third
+    with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, budget)) as eng:
+        on = [sh.index for sh in eng.partition.shards if sh.grad_on_device]
+        left, want = budget, []
+        for sh in eng.partition.shards:
+            if sh.trainable and 4 * sh.numel <= left:
+                left -= 4 * sh.numel
+                want.append(sh.index)
+        assert on == want and on[0] == 0 and len(on) < len(sizes)
+        assert eng.device_grad_bytes == 4 * sum(sizes[i] for i in on)
+        rep = eng.memory_report()
+        assert rep.grads["device"] == eng.device_grad_bytes
+        assert rep.grads["cpu"] >= eng.device_grad_bytes  # the pinned buffers their sums land in
+    assert not any(sh.grad_on_device for sh in eng.partition.shards)  # close() frees them
+    with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, "1MiB", gas=1)) as eng:
+        assert eng.device_grad_bytes == 0  # without accumulation there is nothing to accumulate
+
+
+@pytest.mark.parametrize("tier, overlap, clip, dob", [("cpu", False, 0.0, 0), ("cpu", True, 0.0, 0),
+                                                      ("nvme", True, 0.05, 0), ("cpu", False, 0.05, "6KiB"),
+                                                      ("cpu", True, 0.0, "6KiB")])
+def test_device_accumulators_give_the_host_accumulators_results_bit_for_bit(tier, overlap, clip, dob, tiny_lm,
+                                                                            lm_batches, engine_config):
+    """On the CPU device the same code runs with the "device" in RAM: the same fp32 sums, norms and
+    steps as the host accumulators, bit for bit, beside the background step, clipping, NVMe homes
+    and units stepped on the device."""
+    batches = lm_batches(9)
+    got = []
+    for dab in (0, "1MiB"):
+        with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, dab, tier, 3, overlap, clip, dob)) as eng:
+            on = sum(sh.grad_on_device for sh in eng.partition.shards)
+            stepped_there = sum(sh.device_step for sh in eng.partition.shards)
+            losses = train_steps(eng, batches)
+            got.append((on, stepped_there, losses, [r.grad_norm for r in eng.history], engine_state(eng)))
+    (on0, _, l0, n0, s0), (on1, dev1, l1, n1, s1) = got
+    assert on0 == 0 and on1 > 0 and on1 + dev1 == sum(k.startswith("optim.") for k in s0)
+    if clip:
+        assert all(n > clip for n in n0)
+    assert l1 == l0 and n1 == n0
+    assert s1.keys() == s0.keys() and all(torch.equal(s1[k], s0[k]) for k in s0)
+
+
+def test_a_unit_without_a_gradient_in_the_last_micro_batch_lands_at_the_step(tiny_lm, lm_batches, engine_config):
+    """A unit used only in the first micro-batch of a window: its device sum is copied to the host
+    by step(), and the result is the host accumulators'."""
+    class Gated(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = tiny_lm()
+            self.extra = torch.nn.Linear(24, 24)
+            self.use_extra = True
+
+        def forward(self, x, y):
+            loss = self.lm(x, y)
+            if self.use_extra:
+                loss = loss + self.extra(self.lm.embed(x)).pow(2).mean()
+            return loss
+
+    batches = lm_batches(4)
+    got = []
+    for dab in (0, "1MiB"):
+        torch.manual_seed(0)
+        model = Gated()
+        with pyinfinity.initialize(model, _dev_acc_cfg(engine_config, dab, gas=2)) as eng:
+            for i, (x, y) in enumerate(batches):
+                model.use_extra = i % 2 == 0  # the boundary micro-batch never uses it
+                eng.backward(eng(x, y))
+                eng.step()
+            got.append(([r.grad_norm for r in eng.history], engine_state(eng)))
+    assert got[0][0] == got[1][0]
+    assert all(torch.equal(got[1][1][k], v) for k, v in got[0][1].items())
+
+
+def test_giving_the_accumulators_up_mid_window_keeps_the_sums(tiny_lm, lm_batches, engine_config):
+    """A budget overflow may take the device accumulators back in the middle of a window: the sum
+    so far comes along and the step is the same."""
+    batches = lm_batches(6)
+    got = []
+    for give_up in (False, True):
+        with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, "1MiB", gas=3)) as eng:
+            for i, (x, y) in enumerate(batches):
+                eng.backward(eng(x, y))
+                eng.step()
+                if give_up and i == 1:
+                    gave = eng._give_up_all()
+                    assert any("gradient accumulators" in g for g in gave)
+                    assert eng.device_grad_bytes == 0 and not any(sh.grad_on_device for sh in eng.partition.shards)
+            got.append(engine_state(eng))
+    assert all(torch.equal(got[1][k], v) for k, v in got[0].items())
+
+
+def test_device_accumulators_leave_the_device_once_a_step(tiny_lm, lm_batches, engine_config):
+    """Gradients off the device: a host-accumulated unit every micro-batch, a device accumulator's
+    fp32 sum once a step."""
+    with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, "1MiB", gas=3)) as eng:
+        train_steps(eng, lm_batches(3))
+        n = sum(sh.numel for sh in eng.partition.shards if sh.trainable)
+        assert all(sh.grad_on_device for sh in eng.partition.shards if sh.trainable)
+        assert eng.history[0].bytes_moved["device.d2h"] == 4 * n
+
+
+def test_the_planner_puts_accumulators_on_the_device_first(engine_config):
+    from pyinfinity.bench.train import SIZES
+    from pyinfinity.config import load_config
+    from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape, solve
+    from pyinfinity.plan.placement import Fixed, device_state_cost
+    from pyinfinity.plan.sizes import llama_sizes
+
+    cfg = load_config(dict(engine_config(), pyinfinity={"device_accumulator_bytes": "1GiB"}))
+    assert cfg.pyinfinity.device_accumulator_bytes == 1 << 30
+    rates = Rates(h2d=55e9, d2h=55e9, disk_read=1.9e9, disk_write=3.6e9, adam=3.9e9, matmul=6.4e14, memcpy=38e9,
+                  device="cuda:0")
+    sizes = llama_sizes(dict(SIZES["1.1b"], model_type="llama"), dtype="bf16")
+    n = sizes.trainable_numel
+
+    def plan(gas, gib, fixed=None):
+        budgets = Budgets(device_memory=gib << 30, host_memory=100 << 30, swap=[SwapDir("/nonexistent", 64 << 30)])
+        return solve(sizes, TrainShape(micro_batch=4, seq_len=1024, grad_accum=gas, checkpointing=True,
+                                       overlap_step="auto"), budgets, rates, fixed)
+
+    one = plan(1, 8)  # no accumulation: the room goes to optimizer state, as before
+    assert one.accumulator_bytes == 0 and one.knobs.device_accumulator_bytes == 0 and one.device_state_bytes > 2e9
+    four = plan(4, 8)  # 8 GiB: part of the accumulators, nothing left for optimizer state
+    assert 0 < four.accumulator_bytes < 4 * n and four.device_state_bytes == 0
+    assert four.accumulator_bytes > one.device_state_bytes / device_state_cost(2, 4) * 4  # more parameters covered
+    assert four.device_bytes <= 8 << 30 and four.charges.accumulators == four.accumulator_bytes
+    assert four.grads.device == four.accumulator_bytes
+    assert four.config_values()["pyinfinity.device_accumulator_bytes"] >= four.accumulator_bytes
+    assert any("gradient accumulators" in note for note in four.notes)
+    assert four.predicted.total < plan(4, 8, Fixed(device_accumulator_bytes=0)).predicted.total
+    big = plan(4, 24)  # every accumulator fits; the room left holds optimizer state (each unit frees its own)
+    assert big.device_state_bytes > 0 and big.device_bytes <= 24 << 30
+    assert big.accumulator_bytes + big.device_state_bytes / device_state_cost(2, 4) * 4 == pytest.approx(4 * n,
+                                                                                                       rel=1e-9)
+    cpu = solve(sizes, TrainShape(micro_batch=4, seq_len=1024, grad_accum=4, checkpointing=True),
+                Budgets(device_memory=8 << 30, host_memory=100 << 30, swap=[], device_is_host=True),
+                Rates(h2d=20e9, d2h=20e9, disk_read=1e9, disk_write=1e9, adam=1e9, matmul=1e12, memcpy=20e9))
+    assert cpu.accumulator_bytes == 0  # the CPU device: its "device" is RAM already
