@@ -208,7 +208,7 @@ class EngineConfig:
     checksums: a CRC-32C of every 64 KiB written to the swap files (computed in the I/O thread),
     verified on every read: a changed byte raises OSError(EBADMSG) naming file, offset and slot
     instead of being trained on (cost: RELIABILITY.md).
-    overlap_step: step the optimizer in a background thread (``zero.optimizer``): without clipping
+    overlap_step: step the optimizer in a background thread (``zero.optim.worker``): without clipping
     or fp16 loss scaling each unit as soon as its gradient is complete in the boundary backward,
     with them each unit after backward (the global norm known) while the next forward runs, that
     forward waiting for each unit's new values. Exact in every case. "auto" = on, except with

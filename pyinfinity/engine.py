@@ -32,6 +32,7 @@ from pyinfinity.zero.budget import DeviceBudgetExceeded
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
+from pyinfinity.zero.optim.formats import AdamFp32
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import FlatShard, compute_dtype_for, partition_model
 
@@ -324,7 +325,9 @@ class Engine:
         self._swap_engines: dict[str, Any] = {}
         op, oo = z.offload_param, z.offload_optimizer
         param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * max(1, sizes.param_bytes // max(1, sizes.numel)))
-        optim_ram = sizes.numel * 12 * (1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
+        self._state_format = AdamFp32(cfg.optimizer.adam_w_mode)  # how each shard's optimizer state is kept
+        optim_ram = sizes.numel * self._state_format.bytes_per_param * (1.0 - (oo.ratio if oo.device == "nvme"
+                                                                               else 0.0))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
         self._ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
         try:
@@ -350,7 +353,8 @@ class Engine:
                                           write_param=self._homes.write_param,
                                           step_device=self.device if cfg.pyinfinity.optimizer_step_device
                                           == "device" else None,
-                                          accumulate_steps=cfg.gradient_accumulation_steps)
+                                          accumulate_steps=cfg.gradient_accumulation_steps,
+                                          state_format=self._state_format)
         self.optimizer.background = self._overlap_mode == "on"
         self.optimizer.param_out = self._homes.param_out
         self.optimizer.release_grad = self._homes.release_grad
@@ -1021,9 +1025,9 @@ class Engine:
         st = self.optimizer.state_of(sh)
         if st is None:
             return self._shard_param_values(sh)
-        buf = aligned_empty(3 * sh.numel, torch.float32)
-        self.optim_swapper.read(st.home, buf).wait()
-        return buf[:sh.numel]
+        out = torch.empty(sh.numel, dtype=torch.float32)
+        self.optimizer.master_values(sh, out)  # the fp32 master, in whatever format the state is kept
+        return out
 
     def export(self, out_dir: str) -> list[str]:
         """Writes the trained weights as a consolidated safetensors state dict loadable by the

@@ -50,7 +50,7 @@ from pyinfinity.plan.sizes import SMALL_SHARD_NUMEL, ModelSizes
 
 log = logging.getLogger(__name__)
 
-OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
+OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq (zero.optim.formats.AdamFp32.bytes_per_param)
 GRAD_BYTES_PER_PARAM = 4  # fp32 accumulator on the host
 SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
 SWAP_SLOT_ALIGN = 4096
@@ -62,7 +62,7 @@ BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
 PERSISTENT_SHARE = 0.05  # small shards stay resident when they cost at most this share of the device
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
 TIE = 0.02  # candidates within 2% of the fastest are ties; less disk traffic wins
-DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optimizer.DEVICE_CHUNK)
+DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optim.formats.DEVICE_CHUNK)
 # under accumulation: the host staging buffers gradients land in, taken in turn while the worker adds
 # the last ones (zero.accumulate.STAGING_SLOTS, each of the largest trainable unit), and the worker's
 # fp32 chunk (zero.accumulate.ADD_CHUNK)
@@ -168,7 +168,8 @@ def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, 
                          prefetch=0 if all_resident else prefetch,
                          activations=_activations(sizes, train) if activations is None else activations,
                          grad_buffers=0 if device_is_host else grads, device_state=device_state,
-                         accumulators=accumulators, headroom=0 if device_is_host else int(device_memory * DEVICE_HEADROOM))
+                         accumulators=accumulators,
+                         headroom=0 if device_is_host else int(device_memory * DEVICE_HEADROOM))
 
 
 def largest_shape(sizes: ModelSizes, train: TrainShape, device_memory: int, persistent: int = 0) -> tuple[int, int]:

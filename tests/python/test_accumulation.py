@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import pyinfinity
-import pyinfinity.zero.optimizer as optimizer_module
+import pyinfinity.zero.optim.grads as grads_module
 from pyinfinity.config import OptimizerConfig
 from pyinfinity.swap.tensor_swapper import TensorSwapper
 from pyinfinity.zero.accumulate import ADD_CHUNK, AccumulateWorker, GradStaging, add_into, norm_of_squares
@@ -133,13 +133,13 @@ def _optimizer(units=3, n=1000, dtype=torch.bfloat16, gas=4):
 def test_the_caller_does_not_wait_for_the_add(monkeypatch):
     """grad_ready returns at once; the adds run on the worker, in order, and step() waits for them."""
     opt, shards = _optimizer()
-    real = optimizer_module.add_into
+    real = grads_module.add_into
 
     def slow(*a, **kw):
         time.sleep(0.2)
         return real(*a, **kw)
 
-    monkeypatch.setattr(optimizer_module, "add_into", slow)
+    monkeypatch.setattr(grads_module, "add_into", slow)
     grads = [torch.randn(sh.numel).bfloat16() for sh in shards]
     t0 = time.perf_counter()
     for sh, g in zip(shards, grads):
@@ -254,7 +254,7 @@ def test_the_device_optimizer_accumulates_beside_the_worker(tiny_lm, lm_batches,
 
 def _failing_add(monkeypatch, nth: int):
     """add_into raises OSError(EIO) on its nth call (1-based), from then on it works."""
-    real = optimizer_module.add_into
+    real = grads_module.add_into
     calls = {"n": 0}
 
     def add(*a, **kw):
@@ -263,7 +263,7 @@ def _failing_add(monkeypatch, nth: int):
             raise OSError(5, "injected add failure")
         return real(*a, **kw)
 
-    monkeypatch.setattr(optimizer_module, "add_into", add)
+    monkeypatch.setattr(grads_module, "add_into", add)
     return calls
 
 
@@ -304,7 +304,7 @@ def test_a_failed_add_in_the_last_micro_batch_is_raised_by_step(tiny_lm, lm_batc
         eng.backward(eng(x, y))
         eng.step()
         n_units = sum(sh.trainable for sh in eng.partition.shards)
-        real = optimizer_module.add_into
+        real = grads_module.add_into
 
         def slow_last(*a, **kw):
             calls.append(1)
@@ -314,7 +314,7 @@ def test_a_failed_add_in_the_last_micro_batch_is_raised_by_step(tiny_lm, lm_batc
             return real(*a, **kw)
 
         calls: list = []
-        monkeypatch.setattr(optimizer_module, "add_into", slow_last)
+        monkeypatch.setattr(grads_module, "add_into", slow_last)
         eng.backward(eng(x2, y2))
         with pytest.raises(OSError, match="the last add"):
             eng.step()
@@ -323,13 +323,13 @@ def test_a_failed_add_in_the_last_micro_batch_is_raised_by_step(tiny_lm, lm_batc
 
 def test_close_while_the_worker_is_busy_does_not_hang(tiny_lm, lm_batches, engine_config, monkeypatch):
     (x, y), = lm_batches(1)
-    real = optimizer_module.add_into
+    real = grads_module.add_into
 
     def slow(*a, **kw):
         time.sleep(0.05)
         return real(*a, **kw)
 
-    monkeypatch.setattr(optimizer_module, "add_into", slow)
+    monkeypatch.setattr(grads_module, "add_into", slow)
     for overlap in (False, True):
         cfg = _cfg(engine_config, "nvme", gas=2)
         cfg["pyinfinity"]["overlap_step"] = overlap
