@@ -639,6 +639,7 @@ class ParameterCoordinator:
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
+        src.record_stream(self.d2h_stream)  # read there: freed memory is not reused before the copy ran
         return ev
 
     def update_resident(self, shard: FlatShard, src: torch.Tensor) -> None:

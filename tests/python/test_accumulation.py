@@ -517,3 +517,59 @@ def test_the_planner_puts_accumulators_on_the_device_first(engine_config):
                 Budgets(device_memory=8 << 30, host_memory=100 << 30, swap=[], device_is_host=True),
                 Rates(h2d=20e9, d2h=20e9, disk_read=1e9, disk_write=1e9, adam=1e9, matmul=1e12, memcpy=20e9))
     assert cpu.accumulator_bytes == 0  # the CPU device: its "device" is RAM already
+
+
+def test_the_accumulation_worker_runs_optimizer_threads_and_leaves_torchs_count_alone(tiny_lm, lm_batches,
+                                                                                     engine_config, monkeypatch):
+    want = torch.get_num_threads()
+    seen = []
+    real = grads_module.add_into
+
+    def add(*a, **kw):
+        if threading.current_thread().name == "pyinfinity-accumulate":
+            seen.append(torch.get_num_threads())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(grads_module, "add_into", add)
+    cfg = _cfg(engine_config, gas=2)
+    cfg["pyinfinity"]["optimizer_threads"] = 1
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+        train_steps(eng, lm_batches(2))
+    assert seen and set(seen) == {1}
+    later = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == want and later == [want]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_device_accumulators_on_a_gpu(overlap, tiny_lm, lm_batches, engine_config):
+    """On a GPU: the micro-batch gradients of units with a device accumulator never leave it; their
+    fp32 sums leave once a step (on the gradient stream, into pinned buffers) and train like the
+    host accumulators (the same sums; the norm is taken on the GPU, so tolerance, not bits)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batches = [(x.cuda(), y.cuda()) for x, y in lm_batches(9)]
+    got = []
+    for dab in (0, "64MiB"):
+        cfg = _cfg(engine_config, gas=3, gradient_clipping=0.05)
+        cfg["pyinfinity"] = {"device": "cuda", "device_memory": "1GiB", "unit_bytes": 0, "resident_bytes": 0,
+                             "device_optimizer_bytes": 0, "device_accumulator_bytes": dab, "overlap_step": overlap}
+        with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+            trainable = [sh for sh in eng.partition.shards if sh.trainable]
+            assert all(sh.grad_on_device for sh in trainable) == bool(dab)
+            if dab:
+                assert all(eng.optimizer.state_of(sh).grad.is_cuda for sh in trainable)
+                assert all(eng.optimizer.state_of(sh).landing.is_pinned() for sh in trainable)
+            losses = train_steps(eng, batches)
+            n = sum(sh.numel for sh in trainable)
+            d2h = [r.bytes_moved.get("device.d2h", 0) for r in eng.history]
+            assert d2h == [4 * n if dab else 3 * 4 * n] * 3  # fp32 model: 4 bytes a gradient element
+            got.append((losses, [r.grad_norm for r in eng.history],
+                        [eng._trained_values(sh).clone() for sh in eng.partition.shards]))
+    (l0, n0, t0), (l1, n1, t1) = got
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(n1), torch.tensor(n0), rtol=1e-5, atol=0)
+    for a, b in zip(t0, t1):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
