@@ -29,16 +29,16 @@ logging.getLogger(__name__).addHandler(_UnconfiguredWarnings())
 
 def __getattr__(name: str):
     # Lazy so that `import pyinfinity` stays cheap and the I/O layer is usable without the engine.
-    if name in ("initialize", "init_empty", "Engine"):
+    if name in ("initialize", "from_pretrained", "Engine"):
         from pyinfinity import engine
 
         return getattr(engine, name)
+    if name == "init_empty":
+        from pyinfinity.zero.partition import init_empty
+
+        return init_empty
     if name == "DeviceBudgetExceeded":
         from pyinfinity.zero.budget import DeviceBudgetExceeded
 
         return DeviceBudgetExceeded
-    if name == "from_pretrained":
-        from pyinfinity import pretrained
-
-        return pretrained.from_pretrained
     raise AttributeError(f"module 'pyinfinity' has no attribute {name!r}")

@@ -7,7 +7,10 @@ written last, ``checksums.json`` (size and CRC-32C of ``meta.json`` and ``rng.pt
 the checksums, then every metadata key and value against this engine, then the RNG states, before
 it changes anything; an error names the checkpoint, the file and the key. Only a ``state.bin``
 entry failing its checksum (or an I/O error) can stop a load part-way: the engine then refuses to
-train, save or export until a load succeeds."""
+train, save or export until a load succeeds.
+
+``save`` and ``load`` work on the engine's training state (``zero.state.TrainingState``, what
+``Engine.save_checkpoint`` and ``load_checkpoint`` hand over) through its public methods."""
 
 from __future__ import annotations
 
@@ -24,11 +27,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from pyinfinity.config import format_size
-from pyinfinity.swap.ownership import clean_checkpoint_leftovers, fsync_path, write_fsynced
+from pyinfinity.swap.manifest import fsync_path, write_fsynced
+from pyinfinity.swap.ownership import clean_checkpoint_leftovers
 from pyinfinity.swap.tensor_swapper import aligned_empty
 
 if TYPE_CHECKING:
-    from pyinfinity.engine import Engine
+    from pyinfinity.zero.state import TrainingState
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +48,18 @@ ALIGN = 4096
 CHECKPOINT_INFLIGHT = 1 << 30  # bytes of checkpoint copies in flight to the disk at most
 
 
-def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
+def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
          client_state: Optional[dict] = None) -> str:
     """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
     written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it."""
-    engine._check_not_in_pass("save_checkpoint()")
-    engine._check_trainable("save_checkpoint()")
-    engine._check_no_overlap("save_checkpoint()")
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    state.check_not_in_pass("save_checkpoint()")
+    state.check_trainable("save_checkpoint()")
+    state.quiesce("save_checkpoint()")
+    if state.micro_steps % state.gradient_accumulation_steps:
         log.warning("save_checkpoint inside a gradient-accumulation window: the partial "
                     "gradients are not saved")
-    engine.coordinator.release_all()
-    tag = tag or f"global_step{engine.global_steps}"
+    state.coordinator.release_all()
+    tag = tag or f"global_step{state.global_steps}"
     os.makedirs(save_dir, exist_ok=True)
     clean_checkpoint_leftovers(save_dir)  # of a save a crash cut short
     final = os.path.join(save_dir, tag)
@@ -63,7 +67,7 @@ def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        offset = _write_tmp(engine, tmp, client_state)
+        offset = _write_tmp(state, tmp, client_state)
     except BaseException:  # ENOSPC, EIO, Ctrl-C: nothing of this save stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -80,10 +84,10 @@ def save(engine: "Engine", save_dir: str, tag: Optional[str] = None,
     return final
 
 
-def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
+def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict]) -> int:
     """Writes the checkpoint's files into ``tmp`` (fsynced); returns the size of state.bin's data."""
     data_path = os.path.join(tmp, "state.bin")
-    io = engine._io()
+    io = state.checkpoint_io()
     entries, offset = [], 0
     pending: collections.deque = collections.deque()  # (request, buffer), oldest first
 
@@ -94,7 +98,7 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
             pending.popleft()[0].wait()
 
     try:
-        for st, flat in engine.optimizer.iter_states(write_back=False):
+        for st, flat in state.optimizer.iter_states(write_back=False):
             n = flat.numel() * 4
             buf = aligned_empty(flat.numel(), torch.float32)
             buf.copy_(flat)
@@ -102,9 +106,9 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
             entries.append({"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step,
                             "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
             offset += -(-n // ALIGN) * ALIGN
-        for sh in engine.partition.shards:
-            if engine.optimizer.state_of(sh) is None:  # frozen: its values are the state
-                buf = engine._shard_param_values(sh)
+        for sh in state.partition.shards:
+            if state.optimizer.state_of(sh) is None:  # frozen: its values are the state
+                buf = state.param_values(sh)
                 n = buf.numel() * buf.element_size()
                 submit(buf, offset)
                 entries.append({"shard": sh.index, "kind": "param", "numel": sh.numel, "dtype": str(sh.dtype),
@@ -119,14 +123,14 @@ def _write_tmp(engine: "Engine", tmp: str, client_state: Optional[dict]) -> int:
             except Exception:  # noqa: BLE001 - the first error is the one raised
                 pass
     meta = {
-        "version": CHECKPOINT_VERSION, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "version": CHECKPOINT_VERSION, "global_steps": state.global_steps, "micro_steps": state.micro_steps,
         "shards": [{"index": s.index, "module": s.module_name, "numel": s.numel, "dtype": str(s.dtype)}
-                   for s in engine.partition.shards],
+                   for s in state.partition.shards],
         "entries": entries, "data_bytes": offset,
-        "scaler": engine.scaler.state_dict(),
-        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "lr": [g["lr"] for g in engine.optimizer.param_groups],
-        "hyperparameters": _hyperparameters(engine),
+        "scaler": state.scaler.state_dict(),
+        "scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
+        "lr": [g["lr"] for g in state.optimizer.param_groups],
+        "hyperparameters": _hyperparameters(state),
         "client_state": client_state or {},
     }
     if os.path.exists(data_path):
@@ -169,17 +173,17 @@ def _rename_into_place(tmp: str, final: str, save_dir: str) -> None:
                       "directory); this save was not kept", final) from exc
 
 
-def _hyperparameters(engine: "Engine") -> dict:
+def _hyperparameters(state: "TrainingState") -> dict:
     """What a resume compares with its config: the optimizer's hyperparameters (lr as configured),
     the accumulation steps, the scheduler's type and parameters."""
-    g, cfg = engine.optimizer.param_groups[0], engine.config
+    g, cfg = state.optimizer.param_groups[0], state.config
     sched = cfg.scheduler
     return {"lr": float(cfg.optimizer.lr), "betas": [float(b) for b in g["betas"]], "eps": float(g["eps"]),
-            "weight_decay": float(g["weight_decay"]), "gradient_accumulation_steps": engine.gradient_accumulation_steps,
+            "weight_decay": float(g["weight_decay"]), "gradient_accumulation_steps": state.gradient_accumulation_steps,
             "scheduler": None if sched is None else {"type": sched.type, "params": dict(sched.params)}}
 
 
-def _apply_hyperparameters(engine: "Engine", path: str, saved: Optional[dict], micro_steps: int) -> int:
+def _apply_hyperparameters(state: "TrainingState", path: str, saved: Optional[dict], micro_steps: int) -> int:
     """A resume under a config that differs from the checkpoint's: as DeepSpeed, the optimizer's
     state (betas, eps, weight decay, the learning rate without a scheduler) comes from the
     checkpoint, the schedule's shape and the accumulation steps from the config (the scheduler's
@@ -187,15 +191,15 @@ def _apply_hyperparameters(engine: "Engine", path: str, saved: Optional[dict], m
     Returns the micro-step count, realigned to the config's accumulation steps."""
     if saved is None:  # a checkpoint from before they were recorded: nothing to compare
         return micro_steps
-    mine = _hyperparameters(engine)
+    mine = _hyperparameters(state)
     diffs = []
-    g = engine.optimizer.param_groups[0]
+    g = state.optimizer.param_groups[0]
     for key in ("betas", "eps", "weight_decay"):
         if saved[key] != mine[key]:
             diffs.append(f"optimizer {key}: config {mine[key]}, checkpoint {saved[key]}: the checkpoint's is used")
             g[key] = tuple(saved[key]) if key == "betas" else saved[key]
     if saved["lr"] != mine["lr"]:
-        used = ("the config's scheduler sets it (at the checkpoint's step)" if engine.lr_scheduler is not None
+        used = ("the config's scheduler sets it (at the checkpoint's step)" if state.lr_scheduler is not None
                 else "the checkpoint's is used")
         diffs.append(f"optimizer lr: config {mine['lr']}, checkpoint {saved['lr']}: {used}")
     if saved["scheduler"] != mine["scheduler"]:
@@ -209,7 +213,7 @@ def _apply_hyperparameters(engine: "Engine", path: str, saved: Optional[dict], m
         micro_steps = realigned
     if diffs:
         log.warning("checkpoint %s: the config differs from the checkpoint's run: %s", path, "; ".join(diffs))
-    engine.optimizer.defaults.update({k: g[k] for k in ("betas", "eps", "weight_decay")})
+    state.optimizer.defaults.update({k: g[k] for k in ("betas", "eps", "weight_decay")})
     return micro_steps
 
 
@@ -231,11 +235,11 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
-def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
+def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
     """Restores a state written by ``save_checkpoint``; returns (path, client_state). Everything
     but state.bin's tensors is read and checked before the engine changes (see the module doc)."""
-    engine._check_open()
-    engine._check_not_in_pass("load_checkpoint()")
+    state.check_open()
+    state.check_not_in_pass("load_checkpoint()")
     clean_checkpoint_leftovers(load_dir)  # puts back a tag a crash left renamed away
     if tag is None:
         try:
@@ -265,7 +269,7 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[st
                               "has one: the save was cut short or the file was removed); nothing was loaded")
     if sums is not None and version != CHECKPOINT_VERSION:
         raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected {CHECKPOINT_VERSION})")
-    entries = _validate_meta(engine, path, meta)
+    entries = _validate_meta(state, path, meta)
     if sums is None:
         unchecked = sum(1 for e in entries if "crc32c" not in e)
         log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified%s", path,
@@ -279,49 +283,49 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str] = None) -> tuple[st
         raise CheckpointError(f"checkpoint {path!r}: state.bin has {have} bytes, {need} expected (torn)")
 
     # from here on the engine changes: a failure part-way leaves it refusing to train until a load succeeds
-    engine.optimizer.cancel()  # the loaded state replaces whatever a pending step did
-    engine._pending_backward = False
-    engine.coordinator.release_all()
+    state.optimizer.cancel()  # the loaded state replaces whatever a pending step did
+    state.pending_backward = False
+    state.coordinator.release_all()
     try:
-        _load_tensors(engine, path, data_path, entries)
+        _load_tensors(state, path, data_path, entries)
     except BaseException as exc:
-        engine._poisoned = (f"load_checkpoint({path!r}) failed part-way ({exc!r}): some shards hold the "
-                            "checkpoint's state, the others the previous one")
-        log.error("%s; load a checkpoint before training on", engine._poisoned)
+        state.mark_partly_loaded(f"load_checkpoint({path!r}) failed part-way ({exc!r}): some shards hold the "
+                                 "checkpoint's state, the others the previous one")
+        log.error("%s; load a checkpoint before training on", state.partly_stepped)
         raise
-    engine.global_steps = meta["global_steps"]
-    engine.scaler.load_state_dict(meta["scaler"])
-    for g, lr in zip(engine.optimizer.param_groups, meta["lr"]):
+    state.global_steps = meta["global_steps"]
+    state.scaler.load_state_dict(meta["scaler"])
+    for g, lr in zip(state.optimizer.param_groups, meta["lr"]):
         g["lr"] = lr
-    engine.micro_steps = _apply_hyperparameters(engine, path, meta.get("hyperparameters"), meta["micro_steps"])
-    if engine.lr_scheduler is not None and meta["scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["scheduler"])
+    state.micro_steps = _apply_hyperparameters(state, path, meta.get("hyperparameters"), meta["micro_steps"])
+    if state.lr_scheduler is not None and meta["scheduler"] is not None:
+        state.lr_scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    engine.optimizer.zero_grad()
-    engine.coordinator.refresh_persistent()
-    engine._poisoned = None  # every shard's state and values are the checkpoint's now
-    log.info("checkpoint loaded: %s (step %d)", path, engine.global_steps)
+    state.optimizer.zero_grad()
+    state.coordinator.refresh_persistent()
+    state.mark_whole()  # every shard's state and values are the checkpoint's now
+    log.info("checkpoint loaded: %s (step %d)", path, state.global_steps)
     return path, meta["client_state"]
 
 
-def _load_tensors(engine: "Engine", path: str, data_path: str, entries: list[dict]) -> None:
-    io = engine._io()
-    shards = engine.partition.shards
+def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: list[dict]) -> None:
+    io = state.checkpoint_io()
+    shards = state.partition.shards
     for e in entries:
         sh = shards[e["shard"]]
         if e["kind"] == "optim":
             buf = aligned_empty(3 * sh.numel, torch.float32)
             io.read(buf, data_path, e["offset"]).wait()
             _check_entry(path, e, buf)
-            engine.optimizer.load_shard_state(sh, buf, e["step"])
-            engine._write_param(sh, buf[:sh.numel]).wait()
+            state.optimizer.load_shard_state(sh, buf, e["step"])
+            state.write_param(sh, buf[:sh.numel]).wait()
         else:
             buf = aligned_empty(sh.numel, sh.dtype)
             io.read(buf, data_path, e["offset"]).wait()
             _check_entry(path, e, buf)
-            engine.param_swapper.write(sh.home, buf).wait()
+            state.param_swapper.write(sh.home, buf).wait()
 
 
 def _read_file(path: str, name: str) -> bytes:
@@ -361,7 +365,7 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
+def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
     """Every key of meta.json checked against this engine before anything is loaded; returns the
     entries (one per shard) in file order."""
     where = f"checkpoint {path!r}: meta.json"
@@ -385,7 +389,7 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
     shards = meta["shards"]
     if not isinstance(shards, list):
         raise bad("shards", f"expected a list, got {type(shards).__name__}")
-    mine = engine.partition.shards
+    mine = state.partition.shards
     for i in range(max(len(shards), len(mine))):
         s = shards[i] if i < len(shards) else None
         if s is not None and not (isinstance(s, dict) and _is_int(s.get("index")) and _is_int(s.get("numel"))
@@ -425,7 +429,7 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
             raise bad(f"{k}.shard", f"shard {e['shard']} is listed twice (entries[{seen[e['shard']]}] too)")
         seen[e["shard"]] = i
         sh = mine[e["shard"]]
-        trainable = engine.optimizer.state_of(sh) is not None
+        trainable = state.optimizer.state_of(sh) is not None
         if e["kind"] not in ("optim", "param") or (e["kind"] == "optim") != trainable:
             raise bad(f"{k}.kind", f"{e['kind']!r}, but shard {sh.index} ({sh.module_name!r}) is "
                       f"{'trainable: expected optim' if trainable else 'frozen: expected param'}")
@@ -451,7 +455,7 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
         if b0 < a1:
             raise bad(f"entries[{bi}].offset", f"{b0} overlaps entries[{ai}] (bytes [{a0}, {a1}))")
     # counters, scaler, scheduler, learning rates, client state
-    scaler, ref = meta["scaler"], engine.scaler.state_dict()
+    scaler, ref = meta["scaler"], state.scaler.state_dict()
     if not isinstance(scaler, dict) or scaler.keys() != ref.keys():
         raise bad("scaler", f"expected keys {sorted(ref)}, got {scaler!r}")
     if not (_is_num(scaler["scale"]) and scaler["scale"] > 0):
@@ -462,15 +466,15 @@ def _validate_meta(engine: "Engine", path: str, meta: dict) -> list[dict]:
     sched = meta["scheduler"]
     if sched is not None and not isinstance(sched, dict):
         raise bad("scheduler", f"expected an object or null, got {type(sched).__name__}")
-    if engine.lr_scheduler is not None and sched is not None:
-        ref = engine.lr_scheduler.state_dict()
+    if state.lr_scheduler is not None and sched is not None:
+        ref = state.lr_scheduler.state_dict()
         if set(sched) != set(ref):
             raise bad("scheduler", f"keys {sorted(sched)}, this engine's scheduler has {sorted(ref)}")
         for key, v in ref.items():
             if _is_num(v) and not _is_num(sched[key]):
                 raise bad(f"scheduler.{key}", f"expected a number, got {sched[key]!r}")
     lrs = meta["lr"]
-    groups = engine.optimizer.param_groups
+    groups = state.optimizer.param_groups
     if not isinstance(lrs, list) or len(lrs) != len(groups):
         raise bad("lr", f"expected a list of {len(groups)} learning rate(s), got {lrs!r}")
     for i, v in enumerate(lrs):

@@ -26,7 +26,7 @@ def check_not_wrapped(model: nn.Module) -> None:
     if ref is None:
         return
     eng = ref()
-    state = "closed" if eng is None or getattr(eng, "_closed", True) else "open"
+    state = "closed" if eng is None or getattr(eng, "closed", True) else "open"
     raise ValueError(f"model: already wrapped by a pyinfinity engine ({state}); its parameters are offloaded "
                      "shards, not weights: pass the engine itself to your training code, or export the weights "
                      "(engine.export(dir)) and load them into a fresh model to wrap again")
@@ -41,7 +41,7 @@ def attach(engine: Any, model: nn.Module) -> None:
         if getattr(_allowed, "on", False):
             return
         eng = ref()
-        when = "after engine.close()" if eng is None or eng._closed else "while a pyinfinity engine trains it"
+        when = "after engine.close()" if eng is None or eng.closed else "while a pyinfinity engine trains it"
         raise RuntimeError(f"state_dict() {when}: the model's parameters are offloaded shards and hold no "
                            "weights (save_pretrained() and torch.save(model.state_dict()) would write empty "
                            "tensors); use engine.export(dir) (before close()) for the trained weights, or "
@@ -49,7 +49,7 @@ def attach(engine: Any, model: nn.Module) -> None:
 
     def forward_pre(module: nn.Module, args: Any) -> None:
         eng = ref()
-        if eng is None or eng._closed:
+        if eng is None or eng.closed:
             raise RuntimeError("model(...) after engine.close(): the engine was closed and the trained values "
                                "went with its swap files; export the weights with engine.export(dir) before "
                                "close() and load them into a fresh model")

@@ -8,8 +8,9 @@ only while it is read, so host memory holds about one module's weights at a time
 
 Everything that can be checked without reading tensor data (files present and complete, names,
 shapes, missing and unexpected keys) is checked when the loader is built, before the engine
-writes anything to its swap directories. ``from_pretrained(path, config)`` builds the
-architecture from the directory's ``config.json`` (transformers, local files only) and loads it.
+writes anything to its swap directories. ``build_empty_model(path)`` builds the architecture
+from a model directory's ``config.json`` (transformers, local files only) without materialising
+it; ``pyinfinity.from_pretrained`` (in ``engine``, above this module) builds and loads it.
 """
 from __future__ import annotations
 
@@ -436,7 +437,7 @@ def build_empty_model(path: Union[str, os.PathLike], config: Any = None,
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pyinfinity.engine import init_empty
+    from pyinfinity.zero.partition import init_empty
 
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -464,15 +465,3 @@ def checkpoint_dtype(path: Union[str, os.PathLike]) -> Optional[torch.dtype]:
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def from_pretrained(path: Union[str, os.PathLike], config: Any, *, dtype: Optional[torch.dtype] = None,
-                    **engine_kwargs: Any) -> Any:
-    """``initialize`` for a transformers model directory: the architecture from its config.json,
-    the weights streamed from its safetensors into the tiers of ``config``. ``dtype``: the
-    dtype the model is built in (and exported in); default fp32, as transformers does.
-    ``engine_kwargs``: the rest of ``initialize``'s (``lr_scheduler``)."""
-    from pyinfinity.engine import initialize
-
-    model = build_empty_model(path, config, dtype)
-    return initialize(model, config, weights=path, **engine_kwargs)

@@ -26,7 +26,7 @@ from pyinfinity.bench.records import (CACHE_CACHED, CACHE_DIRECT, CACHE_DROPPED,
                                       SCHEMA, PeerStatus, Result)
 from pyinfinity.bench.workload import (GiB, KiB, MiB, IoConfig, file_config, small_config,
                                        small_odd_config)
-from pyinfinity.swap.ownership import fsync_path
+from pyinfinity.swap.manifest import fsync_path
 
 log = logging.getLogger(__name__)
 

@@ -15,19 +15,20 @@ host RSS. pyinfinity runs add the engine's own counters (bytes per tier, share o
 hidden behind compute). With ``trace``, one more step runs under a tracer: phase boundaries
 (forward / backward / optimizer step), the device's kernels and host<->device copies from
 ``torch.profiler`` (on a GPU), and disk read/write activity sampled from ``/proc/self/io`` —
-the timeline the plot draws.
+the timeline the plot draws (the measurements: ``run_metrics``).
 """
 from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from typing import Any, Callable, Optional
+
+from pyinfinity.bench.run_metrics import STEP_LABEL, DiskSampler, current_rss, gpu_intervals, peak_rss, proc_io
+from pyinfinity.bench.run_metrics import merge_intervals  # noqa: F401 - importable from here, as before
 
 RESULT_PREFIX = "RESULT "
 SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-nvme-params", "pyinfinity-nvme-all", "pyinfinity-auto",
@@ -46,108 +47,6 @@ TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "
 # 5e8-element buckets, their copy to the CPU overlapped with backward
 ZERO_OFFLOAD = {"overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
                 "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
-
-
-def proc_io() -> tuple[int, int]:
-    """(read_bytes, write_bytes) this process has caused at the storage layer so far."""
-    try:
-        with open("/proc/self/io") as f:
-            d = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-        return int(d["read_bytes"]), int(d["write_bytes"])
-    except (OSError, KeyError, ValueError):
-        return 0, 0
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss() -> int:
-    """The process's resident set now (bytes; 0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-class DiskSampler:
-    """Samples /proc/self/io every ``period`` seconds on a thread: (t, read_bytes, write_bytes)."""
-
-    def __init__(self, period: float = 0.005) -> None:
-        self.period = period
-        self.samples: list[tuple[float, int, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pyinfinity-bench-io-sampler", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            r, w = proc_io()
-            self.samples.append((time.perf_counter(), r, w))
-            self._stop.wait(self.period)
-
-    def __enter__(self) -> "DiskSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        r, w = proc_io()
-        self.samples.append((time.perf_counter(), r, w))
-
-    def intervals(self, t0: float, which: int) -> list[list[float]]:
-        """[start, end, bytes] of each sampling period in which bytes moved (which: 1 read, 2 write),
-        seconds relative to t0, consecutive busy periods merged."""
-        out: list[list[float]] = []
-        for a, b in zip(self.samples, self.samples[1:]):
-            n = b[which] - a[which]
-            if n <= 0:
-                continue
-            s, e = a[0] - t0, b[0] - t0
-            if out and abs(out[-1][1] - s) < 1e-9:
-                out[-1][1] = e
-                out[-1][2] += n
-            else:
-                out.append([s, e, n])
-        return [[round(s, 5), round(e, 5), int(n)] for s, e, n in out]
-
-
-def merge_intervals(iv: list[tuple[float, float]], gap: float = 2e-4) -> list[list[float]]:
-    """Sorted, overlapping or nearly touching intervals merged (keeps a step's trace small)."""
-    out: list[list[float]] = []
-    for s, e in sorted(iv):
-        if out and s <= out[-1][1] + gap:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [[round(s, 5), round(e, 5)] for s, e in out]
-
-
-def gpu_intervals(trace_path: str, label: str = "pyinfinity.bench.step") -> dict[str, list[list[float]]]:
-    """Kernel / H2D / D2H intervals from a torch.profiler chrome trace, in seconds from the start
-    of the host annotation ``label`` (the traced step)."""
-    with open(trace_path) as f:
-        events = json.load(f).get("traceEvents", [])
-    starts = [float(ev["ts"]) for ev in events if ev.get("ph") == "X" and ev.get("name") == label]
-    if not starts:
-        raise ValueError(f"no {label!r} annotation in the trace")
-    t0_us = min(starts)
-    lanes: dict[str, list[tuple[float, float]]] = {"compute": [], "h2d": [], "d2h": []}
-    for ev in events:
-        if ev.get("ph") != "X" or "dur" not in ev:
-            continue
-        cat, name = str(ev.get("cat", "")), str(ev.get("name", ""))
-        lane = None
-        if cat == "kernel":
-            lane = "compute"
-        elif cat == "gpu_memcpy":
-            lane = "h2d" if "HtoD" in name else "d2h" if "DtoH" in name else None
-        if lane is None:
-            continue
-        s = (float(ev["ts"]) - t0_us) / 1e6
-        lanes[lane].append((s, s + float(ev["dur"]) / 1e6))
-    return {k: merge_intervals(v) for k, v in lanes.items()}
 
 
 # ----------------------------------------------------------------------------------- systems
@@ -539,6 +438,7 @@ def run(spec: dict) -> dict:
             plan = getattr(r.engine, "plan", None)
             if plan is not None:
                 res["plan_host_bytes"] = int(plan.host_bytes)
+                res["plan_predicted"] = _plan_prediction(plan, int(spec["seq"]))
         if spec.get("trace"):
             phase = "trace"
             res["trace"] = _traced_step(r, [b.to(device) for b in batches[steps]], device)
@@ -565,7 +465,21 @@ def run(spec: dict) -> dict:
     return res
 
 
-STEP_LABEL = "pyinfinity.bench.step"
+
+
+def _plan_prediction(plan: Any, seq: int) -> dict[str, Any]:
+    """The engine's own prediction of one optimizer step at the run's sequence length (the engine
+    plans before it sees a batch; ``Placement.compare`` redoes it the same way at close), its terms
+    and what bounds it, for the report's plan-versus-measured line."""
+    pred, planned_seq = plan.predicted, None
+    inputs = getattr(plan, "inputs", None)
+    if inputs is not None and seq > 0 and inputs[3].seq_len != seq:
+        planned_seq = inputs[3].seq_len
+        again = plan.at_seq_len(seq)
+        pred = again.predicted if again is not None else pred
+    return {"seconds": pred.total, "bottleneck": pred.bottleneck, "planned_seq": planned_seq,
+            "terms": {"compute": pred.compute, "h2d": pred.h2d, "disk": pred.disk,
+                      "optimizer": pred.optimizer, "visible_optimizer": pred.optimizer_phase}}
 
 
 def _traced_step(r: Run, x: list, device: Any) -> dict[str, Any]:

@@ -33,14 +33,16 @@ class _DefaultToIo(argparse._SubParsersAction):
         super().__call__(parser, namespace, values, option_string)
 
 
-def _csv(conv: Callable[[str], Any]) -> Callable[[str], list]:
+def comma_list(conv: Callable[[str], Any]) -> Callable[[str], list]:
+    """An argparse ``type`` for a comma-separated list, each item converted by ``conv``."""
     def parse(text: str) -> list:
         return [conv(x) for x in text.split(",") if x.strip()]
 
     return parse
 
 
-def _size(text: str) -> int:
+def size_arg(text: str) -> int:
+    """An argparse ``type`` for a size (4096, 256K, 1M, 1G)."""
     from pyinfinity.bench.workload import parse_size
 
     try:
@@ -55,29 +57,29 @@ def add_io_options(p: argparse.ArgumentParser, suppress: bool = False) -> None:
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
     p.add_argument("--quick", action="store_true", default=d(False),
                    help="small preset, finishes in < 30 s (64 MiB file, bs 1M, qd 1/32, 3 reps)")
-    p.add_argument("--file-size", type=_size, default=d(None), help="bytes per file (default 1G; quick 64M)")
-    p.add_argument("--block-sizes", type=_csv(_size), default=d(None), metavar="LIST",
+    p.add_argument("--file-size", type=size_arg, default=d(None), help="bytes per file (default 1G; quick 64M)")
+    p.add_argument("--block-sizes", type=comma_list(size_arg), default=d(None), metavar="LIST",
                    help="e.g. 256K,1M,4M")
-    p.add_argument("--queue-depths", type=_csv(int), default=d(None), metavar="LIST", help="e.g. 1,8,32,128")
-    p.add_argument("--threads", type=_csv(int), default=d(None), metavar="LIST", help="I/O threads, e.g. 1,2")
-    p.add_argument("--io-sizes", type=_csv(_size), default=d(None), metavar="LIST",
+    p.add_argument("--queue-depths", type=comma_list(int), default=d(None), metavar="LIST", help="e.g. 1,8,32,128")
+    p.add_argument("--threads", type=comma_list(int), default=d(None), metavar="LIST", help="I/O threads, e.g. 1,2")
+    p.add_argument("--io-sizes", type=comma_list(size_arg), default=d(None), metavar="LIST",
                    help="bytes per request handed to the engine, e.g. 64M,1G")
     p.add_argument("--reps", type=int, default=d(None), help="repetitions per configuration (median, min, max)")
-    p.add_argument("--backends", type=_csv(str), default=d(None), metavar="LIST",
+    p.add_argument("--backends", type=comma_list(str), default=d(None), metavar="LIST",
                    help="pyinfinity backends: aio,uring,posix and AioHandle (the DeepSpeed-API "
                         "handle); default: all that work on DIR")
-    p.add_argument("--peers", type=_csv(str), default=d(None), metavar="LIST",
+    p.add_argument("--peers", type=comma_list(str), default=d(None), metavar="LIST",
                    help="comparison tools: fio,dd,deepspeed (default all; 'none' for none)")
-    p.add_argument("--fio-engines", type=_csv(str), default=d(None), metavar="LIST",
+    p.add_argument("--fio-engines", type=comma_list(str), default=d(None), metavar="LIST",
                    help="fio ioengines (default libaio,io_uring; quick libaio)")
     p.add_argument("--small", type=str, default=d(None), metavar="NxSIZE",
                    help="many-small-tensors workload, e.g. 4096x256K (0 to skip)")
-    p.add_argument("--small-queue-depths", type=_csv(int), default=d(None), metavar="LIST")
+    p.add_argument("--small-queue-depths", type=comma_list(int), default=d(None), metavar="LIST")
     p.add_argument("--no-odd", action="store_true", default=d(False), help="skip the odd-size tensors")
     p.add_argument("--no-gpu", action="store_true", default=d(False), help="skip host<->GPU and NVMe<->GPU")
     p.add_argument("--gpu-only", action="store_true", default=d(False),
                    help="only host<->GPU and NVMe<->GPU (no file sweep, no peers)")
-    p.add_argument("--gpu-bytes", type=_size, default=d(None), help="bytes per GPU transfer (default 1G)")
+    p.add_argument("--gpu-bytes", type=size_arg, default=d(None), help="bytes per GPU transfer (default 1G)")
     p.add_argument("--deepspeed-build", action="store_true", default=d(False),
                    help="let DeepSpeed JIT-compile its async_io op if it is not built (minutes)")
     p.add_argument("--json", metavar="FILE", default=d(None), help="write every sample + machine info")

@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from pyinfinity.config import ConfigError, load_config
     from pyinfinity.plan import resolve_auto
     from pyinfinity.plan.rates import measure_rates
-    from pyinfinity.plan.resolve import _aio_dict, _compute_dtype, _device, engine_optimizer_threads
+    from pyinfinity.plan.resolve import aio_options, compute_dtype, planned_device, engine_optimizer_threads
     from pyinfinity.plan.sizes import sizes_from_config
 
     from pyinfinity.plan.rates import device_is_here
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     cfg_dict = template(args)
     cfg = load_config(json.loads(json.dumps(cfg_dict)))
-    dev = _device(cfg, None)
+    dev = planned_device(cfg, None)
     here = device_is_here(dev)
     if not here and args.device_memory is None:
         raise ConfigError(f"--gpu-memory: planning for {dev}, which is not on this machine, needs the target's "
@@ -246,8 +246,8 @@ def run(args: argparse.Namespace) -> int:
     tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
     m = sizes.hidden or 1024
     rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
-                          aio=_aio_dict(cfg), matmul_shape=(min(tokens, 8192), m, m),
-                          dtype=_compute_dtype(cfg) or __import__("torch").float32, link=args.link,
+                          aio=aio_options(cfg), matmul_shape=(min(tokens, 8192), m, m),
+                          dtype=compute_dtype(cfg) or __import__("torch").float32, link=args.link,
                           disk=args.disk, matmul=args.tflops * 1e12 if args.tflops else None,
                           # the engine's optimizer threads here; every core when scaled to --cpu-cores
                           optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev)
@@ -266,10 +266,10 @@ def run(args: argparse.Namespace) -> int:
     compute_s = acts = None
     if here and (args.calibrate == "on" or (args.calibrate == "auto" and dev.type == "cuda")):
         from pyinfinity.plan.rates import measure_decoder_compute
-        from pyinfinity.plan.sizes import _load_config_dict, parse_dtype
+        from pyinfinity.plan.sizes import load_model_config, parse_dtype
 
         compute_s, acts = measure_decoder_compute(
-            _load_config_dict(model), dev, cfg.train_micro_batch_size_per_gpu, args.seq_len,
+            load_model_config(model), dev, cfg.train_micro_batch_size_per_gpu, args.seq_len,
             parse_dtype(args.dtype), args.checkpointing)
         acts = acts or None
         print(f"calibrated: forward+backward {compute_s:.3f} s per micro-batch"
@@ -370,9 +370,9 @@ def measure(resolved: dict, args: argparse.Namespace, predicted: float, steps: i
     import transformers
 
     import pyinfinity
-    from pyinfinity.plan.sizes import _load_config_dict
+    from pyinfinity.plan.sizes import load_model_config
 
-    d = _load_config_dict(model_source(args))
+    d = load_model_config(model_source(args))
     hf = transformers.AutoConfig.for_model(d.get("model_type", "llama"),
                                            **{k: v for k, v in d.items() if k != "model_type"})
     hf.use_cache = False

@@ -11,7 +11,7 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
-    from pyinfinity.cli.bench import _csv, _size
+    from pyinfinity.cli.bench import comma_list, size_arg
 
     p = subparsers.add_parser("tune", help="find the best aio settings for a swap directory",
                               description=__doc__)
@@ -22,11 +22,11 @@ def add_parser(subparsers: Any) -> None:
                    help="an existing JSON config whose aio section is replaced (written to -o, "
                         "or in place)")
     p.add_argument("--quick", action="store_true", help="64 MiB, bs 1M, qd 8/32, 1 thread")
-    p.add_argument("--file-size", type=_size, default=None, help="default 256M")
-    p.add_argument("--block-sizes", type=_csv(_size), default=None, metavar="LIST")
-    p.add_argument("--queue-depths", type=_csv(int), default=None, metavar="LIST")
-    p.add_argument("--threads", type=_csv(int), default=None, metavar="LIST")
-    p.add_argument("--backends", type=_csv(str), default=None, metavar="LIST")
+    p.add_argument("--file-size", type=size_arg, default=None, help="default 256M")
+    p.add_argument("--block-sizes", type=comma_list(size_arg), default=None, metavar="LIST")
+    p.add_argument("--queue-depths", type=comma_list(int), default=None, metavar="LIST")
+    p.add_argument("--threads", type=comma_list(int), default=None, metavar="LIST")
+    p.add_argument("--backends", type=comma_list(str), default=None, metavar="LIST")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--read-weight", type=float, default=0.5,
                    help="share of reads in the score, 0..1 (default 0.5)")

@@ -9,6 +9,10 @@ timed here: the engine's one-pass CPU Adam kernel on ADAM_PROBE_NUMEL parameters
 optimizer thread count, a matmul of the model's shape on the compute device, pinned copies (GPU) or
 memcpy (CPU device), each on a few MB.
 Figures are medians of a few repetitions.
+
+One module for the rates (about 610 lines): the record, the probes, the rates files and the named
+presets all fill the same fields and name each one's source, so a figure's every origin reads in
+one place.
 """
 from __future__ import annotations
 
@@ -304,7 +308,7 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
 
     aio: the ``aio`` section to use (block_size, queue_depth, thread_count/intra_op_parallelism, backend).
     """
-    from pyinfinity.swap.ownership import make_swap_dir, remove_created_dirs
+    from pyinfinity.swap.directories import make_swap_dir, remove_created_dirs
 
     made = make_swap_dir(directory, warn=False)  # a swap directory not made yet: timed, then removed
     try:

@@ -97,7 +97,8 @@ def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> Train
                       overlap_step=overlap, norm_first=cfg.gradient_clipping > 0 or cfg.fp16.enabled)
 
 
-def _compute_dtype(cfg: Any) -> Optional[torch.dtype]:
+def compute_dtype(cfg: Any) -> Optional[torch.dtype]:
+    """The dtype a config trains in: fp16 or bf16 when enabled, else None (the model's own)."""
     if cfg.fp16.enabled:
         return torch.float16
     if cfg.bf16.enabled:
@@ -105,7 +106,7 @@ def _compute_dtype(cfg: Any) -> Optional[torch.dtype]:
     return None
 
 
-def _device(cfg: Any, device: Optional[Union[str, torch.device]]) -> torch.device:
+def planned_device(cfg: Any, device: Optional[Union[str, torch.device]]) -> torch.device:
     """The device planned for: ``device`` if given, else ``pyinfinity.device``; ``cuda``/``auto``
     on a GPU machine with its index (a CUDA device not on this machine stays as given)."""
     from pyinfinity.device import resolve_device
@@ -222,8 +223,8 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
     from pyinfinity.config import load_config
 
     cfg = load_config(copy.deepcopy(config_dict))
-    dev = _device(cfg, device)
-    sizes = model_sizes(model_or_sizes, _compute_dtype(cfg))
+    dev = planned_device(cfg, device)
+    sizes = model_sizes(model_or_sizes, compute_dtype(cfg))
     if budgets is None:
         dm, hm = cfg.pyinfinity.device_memory, cfg.pyinfinity.host_memory
         budgets = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
@@ -231,9 +232,9 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
     if rates is None:
         m = sizes.hidden or 1024
         rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=rates_file,
-                              aio=_aio_dict(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
+                              aio=aio_options(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
                                                                                 * (seq_len or DEFAULT_SEQ_LEN))), m, m),
-                              dtype=_compute_dtype(cfg) or torch.float32, cache=True,
+                              dtype=compute_dtype(cfg) or torch.float32, cache=True,
                               optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev))
     fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
     train = _train_shape(cfg, seq_len, checkpointing)
@@ -252,7 +253,8 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
     return out, placement
 
 
-def _aio_dict(cfg: Any) -> dict:
+def aio_options(cfg: Any) -> dict:
+    """A config's ``aio`` section as the keyword arguments the rate probes take."""
     a = cfg.aio
     return {"block_size": a.block_size, "queue_depth": a.queue_depth, "thread_count": a.thread_count,
             "backend": a.backend}
@@ -291,11 +293,11 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         decisions += _threads(c.pyinfinity)
         return c, decisions, None
     ub = c.pyinfinity.unit_bytes
-    sizes = model_sizes(model, _compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
+    sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
     if rates is None:
         m = sizes.hidden or 1024
-        rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=_aio_dict(c),
-                              matmul_shape=(1024, m, m), dtype=_compute_dtype(c) or torch.float32, cache=True,
+        rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=aio_options(c),
+                              matmul_shape=(1024, m, m), dtype=compute_dtype(c) or torch.float32, cache=True,
                               optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev))
     fixed, owned = _fixed_from(c, None)
     train = _train_shape(c, seq_len, checkpointing)
@@ -342,7 +344,7 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     from pyinfinity.config import load_config
 
     cfg = load_config(copy.deepcopy(config)) if isinstance(config, dict) else config
-    sizes = model_sizes(model_or_sizes, _compute_dtype(cfg))
+    sizes = model_sizes(model_or_sizes, compute_dtype(cfg))
     fixed, owned = _fixed_from(cfg, None)
     if owned - UNPLANNED_ALONE:
         raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
@@ -356,4 +358,5 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     return evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
 
 
-__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "plan_config", "Decision", "DEFAULT_SEQ_LEN"]
+__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "plan_config", "Decision", "DEFAULT_SEQ_LEN",
+           "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads"]

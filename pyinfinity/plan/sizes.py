@@ -226,7 +226,9 @@ def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]]
 # --------------------------------------------------------------------------- from a transformers config
 
 
-def _load_config_dict(config: Union[str, os.PathLike, dict]) -> dict:
+def load_model_config(config: Union[str, os.PathLike, dict]) -> dict:
+    """A transformers config as a dict: given as one, or read from config.json (a path to it or to
+    its model directory); ValueError naming the path when it cannot be read."""
     if isinstance(config, dict):
         return dict(config)
     path = os.fspath(config)
@@ -271,7 +273,7 @@ def sizes_from_config(config: Union[str, os.PathLike, dict],
     """Sizes from a transformers config (path to config.json / a model directory / a dict): the
     model is built on the meta device (nothing allocated) so the count is exact; if transformers
     cannot build it, a Llama-style analytic count."""
-    d = _load_config_dict(config)
+    d = load_model_config(config)
     try:
         import transformers
 
@@ -301,4 +303,4 @@ def model_sizes(model: Any, dtype: Optional[Union[str, torch.dtype]] = None,
 
 
 __all__ = ["ModelSizes", "sizes_from_module", "sizes_from_config", "llama_sizes", "model_sizes",
-           "parse_dtype", "SMALL_SHARD_NUMEL"]
+           "parse_dtype", "load_model_config", "SMALL_SHARD_NUMEL"]

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pyinfinity import _C
-from pyinfinity.swap._tensors import as_path, check_offset, check_tensor, nbytes
+from pyinfinity.swap.checks import as_path, check_offset, check_tensor, nbytes
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,9 @@
   exit). Swap files are never reused across runs: training state comes back from a checkpoint.
 
 The swap layer below (``SwapSpace``) knows nothing of this; ``TensorSwapper`` calls ``open_space``
-and ``record``; the engine calls ``claim_swap_dirs``, ``flush``, ``verify`` and ``release``.
+and ``record``; the training state calls ``claim_swap_dirs``, ``flush``, ``verify`` and
+``release``. The owner record, the manifest's format and the durable writes are in
+``swap.manifest``, creating and removing directories in ``swap.directories``.
 """
 from __future__ import annotations
 
@@ -28,22 +30,20 @@ import os
 import re
 import shutil
 import signal
-import socket
-import sys
 import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
 
 from pyinfinity.config import ConfigError
+from pyinfinity.swap.directories import make_swap_dir, mount_of, remove_created_dirs
+from pyinfinity.swap.manifest import (LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileEntry, Owner,
+                                      SwapFileError, fsync_path, pid_running, read_manifest, write_atomic,
+                                      write_fsynced)
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = "pyinfinity.lock"
-MANIFEST_NAME = "pyinfinity-manifest.json"
-MANIFEST_FORMAT = "pyinfinity-swap-manifest"
-MANIFEST_VERSION = 1
 ALIGN = 4096
 GROW_MAX = 256 << 20  # SwapSpace's default preallocation step; smaller when the need is smaller
 STRIPE_MIN = 4 << 20  # SwapSpace's default: slots below this go to one file, round-robin
@@ -64,9 +64,8 @@ class SwapDirBusyError(OSError):
     """The swap directory is locked by another engine (errno EBUSY, filename = the directory)."""
 
 
-class SwapFileError(OSError):
-    """A swap file that cannot be trusted: foreign (EEXIST), stale and unclaimable, or truncated
-    under a running engine (EIO); filename = the file."""
+
+
 
 
 def _fmt(n: float) -> str:
@@ -80,136 +79,6 @@ def _fmt(n: float) -> str:
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
-
-# ----------------------------------------------------------------------------------- owner
-
-
-def _proc_stat(pid: int) -> Optional[tuple[str, int]]:
-    """(state, start time in clock ticks since boot) of a process, None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-        return rest[0], int(rest[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-@dataclass
-class Owner:
-    """Who holds (or held) a swap directory."""
-
-    pid: int
-    host: str
-    started: float  # epoch seconds when the engine took the directory
-    proc_start: Optional[int] = None  # /proc/<pid>/stat start time, tells a reused pid apart
-    boot_id: str = ""  # a pid from before a reboot is gone
-    argv: list[str] = field(default_factory=list)
-
-    @classmethod
-    def current(cls) -> "Owner":
-        st = _proc_stat(os.getpid())
-        return cls(pid=os.getpid(), host=socket.gethostname(), started=time.time(),
-                   proc_start=st[1] if st else None, boot_id=_boot_id(), argv=list(sys.argv[:4]))
-
-    @classmethod
-    def from_dict(cls, d: Any) -> Optional["Owner"]:
-        try:
-            return cls(pid=int(d["pid"]), host=str(d["host"]), started=float(d["started"]),
-                       proc_start=d.get("proc_start"), boot_id=str(d.get("boot_id", "")),
-                       argv=[str(a) for a in d.get("argv", [])])
-        except (KeyError, TypeError, ValueError):
-            return None
-
-    def alive(self) -> Optional[bool]:
-        """Whether the owner process still runs; None when that cannot be told (another host)."""
-        if self.host != socket.gethostname():
-            return None
-        if self.boot_id and self.boot_id != _boot_id():
-            return False
-        st = _proc_stat(self.pid)
-        if st is None or st[0] in ("Z", "X"):
-            return False
-        return self.proc_start is None or st[1] == self.proc_start
-
-    def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
-        cmd = f", {' '.join(self.argv)!r}" if self.argv else ""
-        return f"pid {self.pid} on host {self.host} (started {when}{cmd})"
-
-
-# ----------------------------------------------------------------------------------- manifest
-
-
-@dataclass
-class _FileEntry:
-    name: str  # file name inside the directory (<space>.swp)
-    space: str
-    part: int  # index of this directory among the space's directories
-    parts: int
-    dev: Optional[int] = None
-    ino: Optional[int] = None
-    nbytes: int = 0  # the file must hold at least this many bytes (end of its last extent)
-    slots: list[dict] = field(default_factory=list)
-
-
-def read_manifest(directory: str) -> Optional[dict]:
-    """The manifest of a swap directory, None when there is none; SwapFileError when it is not
-    one pyinfinity can read."""
-    path = os.path.join(directory, MANIFEST_NAME)
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise SwapFileError(errno.EBADMSG, f"swap manifest cannot be read ({exc}); nothing in that directory was "
-                            "removed or used: remove its swap files and the manifest yourself, or use another "
-                            "nvme_path", path) from exc
-    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), list):
-        raise SwapFileError(errno.EBADMSG, "not a pyinfinity swap manifest; nothing in that directory was removed "
-                            "or used: use another nvme_path", path)
-    if not isinstance(m.get("version"), int) or m["version"] > MANIFEST_VERSION:
-        raise SwapFileError(errno.EBADMSG, f"swap manifest version {m.get('version')!r} is newer than this "
-                            f"pyinfinity's ({MANIFEST_VERSION}); its files were left alone: use another nvme_path",
-                            path)
-    return m
-
-
-def write_fsynced(path: str, data: bytes) -> None:
-    """Writes ``data`` to ``path`` (created or truncated) and fsyncs it; short writes are continued."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: str) -> None:
-    """fsyncs a file or a directory (a directory: its entries, e.g. after a rename) by its path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    d = os.path.dirname(path)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
-    write_fsynced(tmp, data)
-    os.rename(tmp, path)
-    fsync_path(d)
 
 
 # ----------------------------------------------------------------------------------- ownership
@@ -248,7 +117,7 @@ class SwapOwnership:
         self.owner = Owner.current()
         self._lock = threading.Lock()
         self._lock_fds: dict[str, int] = {}
-        self._files: dict[str, list[_FileEntry]] = {d: [] for d in self.dirs}  # dir -> entries
+        self._files: dict[str, list[FileEntry]] = {d: [] for d in self.dirs}  # dir -> entries
         self._dirty = False
         self._warned: set[str] = set()
         self.cleaned: list[str] = []  # stale files removed at start (for callers and tests)
@@ -426,7 +295,7 @@ class SwapOwnership:
             entries = []
             for i, d in enumerate(dirs):
                 self._check_no_file(os.path.join(d, f"{name}.swp"))
-                e = _FileEntry(name=f"{name}.swp", space=name, part=i, parts=len(dirs))
+                e = FileEntry(name=f"{name}.swp", space=name, part=i, parts=len(dirs))
                 self._files[d].append(e)
                 entries.append((d, e))
             for d in dirs:
@@ -466,7 +335,7 @@ class SwapOwnership:
     def _write_manifest(self, d: str) -> None:
         m = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "owner": asdict(self.owner), "directory": d,
              "updated": time.time(), "files": [asdict(e) for e in self._files[d]]}
-        _write_atomic(os.path.join(d, MANIFEST_NAME), json.dumps(m, separators=(",", ":")).encode())
+        write_atomic(os.path.join(d, MANIFEST_NAME), json.dumps(m, separators=(",", ":")).encode())
         self._state["manifests"].add(d)
 
     def verify(self) -> None:
@@ -531,78 +400,6 @@ class SwapOwnership:
         remove_created_dirs(state["created"])
 
 
-# ----------------------------------------------------------------------------------- directories
-
-
-def mount_of(path: str) -> tuple[str, str, str]:
-    """(mount point, filesystem type, source) of the filesystem ``path`` (or its nearest existing
-    parent) is on, from /proc/self/mounts; ("/", "unknown", "") when that cannot be read."""
-    probe = os.path.realpath(path)
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    best = ("/", "unknown", "")
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                inside = probe == mnt or probe.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best[0]):
-                    best = (mnt, parts[2], parts[0])
-    except OSError:
-        pass
-    return best
-
-
-def make_swap_dir(path: str, warn: bool = True) -> list[str]:
-    """Creates the swap directory ``path`` and its missing parents, as DeepSpeed does, with a
-    warning naming the filesystem it landed on (a mistyped mount point otherwise fills the root
-    disk unnoticed). Returns the directories made, outermost first (nothing when it existed)."""
-    path = os.path.abspath(path)
-    missing = []
-    p = path
-    while p and not os.path.exists(p):
-        missing.append(p)
-        p = os.path.dirname(p)
-    if not missing:
-        return []
-    made = []
-    try:
-        for d in reversed(missing):
-            try:
-                os.mkdir(d)
-                made.append(d)
-            except FileExistsError:
-                pass
-    except BaseException:
-        remove_created_dirs(made)
-        raise
-    if not warn:
-        return made
-    mnt, fstype, source = mount_of(path)
-    where = f"the filesystem mounted at {mnt} ({fstype}{', ' + source if source else ''})"
-    log.warning("swap directory %s did not exist: created it on %s%s; pyinfinity removes it at close",
-                path, where, " - the root filesystem, not a separate drive" if mnt == "/" else "")
-    return made
-
-
-def remove_created_dirs(made: Sequence[str]) -> None:
-    """Removes the directories ``make_swap_dir`` made (innermost first) when they are empty: what
-    another program put there since is kept, with the directory holding it."""
-    for d in reversed(list(made)):
-        try:
-            os.rmdir(d)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                log.warning("could not remove swap directory %s: %s", d, exc)
-            break
-    if isinstance(made, list):
-        made.clear()
-
 
 # ----------------------------------------------------------------------------------- SIGTERM
 
@@ -657,11 +454,6 @@ _TMP_RE = re.compile(r"^\.(?P<tag>.+)\.tmp-(?P<pid>\d+)$")
 _OLD_RE = re.compile(r"^(?P<tag>.+)\.old-(?P<pid>\d+)$")
 
 
-def _pid_running(pid: int) -> bool:
-    st = _proc_stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
 def clean_checkpoint_leftovers(save_dir: str) -> list[str]:
     """What a save cut short by a crash left in ``save_dir`` (by a process no longer running on
     this host): ``.<tag>.tmp-<pid>`` (a half-written checkpoint, never named by ``latest``) is
@@ -674,7 +466,7 @@ def clean_checkpoint_leftovers(save_dir: str) -> list[str]:
         return done
     for name in names:
         m = _TMP_RE.match(name) or _OLD_RE.match(name)
-        if m is None or int(m["pid"]) == os.getpid() or _pid_running(int(m["pid"])):
+        if m is None or int(m["pid"]) == os.getpid() or pid_running(int(m["pid"])):
             continue
         path = os.path.join(save_dir, name)
         final = os.path.join(save_dir, m["tag"])
@@ -747,5 +539,8 @@ def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
     return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
 
 
-__all__ = ["make_swap_dir", "remove_created_dirs", "mount_of", "SwapOwnership", "SpacePlan", "Owner", "CapacityError", "SwapDirBusyError", "SwapFileError",
-           "claim_swap_dirs", "clean_checkpoint_leftovers", "read_manifest", "LOCK_NAME", "MANIFEST_NAME", "MANIFEST_VERSION"]
+__all__ = ["SwapOwnership", "SpacePlan", "CapacityError", "SwapSpaceTooSmall", "SwapDirBusyError", "claim_swap_dirs",
+           "clean_checkpoint_leftovers",
+           # from swap.manifest and swap.directories, importable from here as before
+           "Owner", "SwapFileError", "read_manifest", "write_fsynced", "fsync_path", "LOCK_NAME", "MANIFEST_NAME",
+           "MANIFEST_FORMAT", "MANIFEST_VERSION", "make_swap_dir", "remove_created_dirs", "mount_of"]

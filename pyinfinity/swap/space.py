@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from pyinfinity import _C
-from pyinfinity.swap._tensors import check_tensor, nbytes as tensor_nbytes
+from pyinfinity.swap.checks import check_tensor, nbytes as tensor_nbytes
 from pyinfinity.swap.engine import SwapEngine
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from pyinfinity import _C
-from pyinfinity.swap._tensors import as_path, check_offset, check_tensor, nbytes
+from pyinfinity.swap.checks import as_path, check_offset, check_tensor, nbytes
 from pyinfinity.swap.engine import FileLike, SwapEngine
 
 

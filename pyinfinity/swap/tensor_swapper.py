@@ -139,6 +139,11 @@ class TensorSwapper:
 
             self._arena = PinnedArena(int(pinned_capacity))
 
+    @property
+    def pin(self) -> bool:
+        """Whether host buffers for this swapper's tensors are page-locked (asked for, and a GPU exists)."""
+        return self._pin
+
     # -- placement ---------------------------------------------------------------------------
     @property
     def space(self) -> Any:

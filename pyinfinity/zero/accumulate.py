@@ -204,6 +204,10 @@ class AccumulateWorker:
             err, self._error, self._reported = self._error, None, False
         return err
 
+    def is_current(self) -> bool:
+        """Whether the calling thread is the worker."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def take_busy(self) -> float:
         with self._cond:
             s, self.busy_s = self.busy_s, 0.0

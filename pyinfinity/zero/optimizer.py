@@ -74,7 +74,7 @@ class OffloadOptimizer:
         self.param_groups = [{"lr": cfg.lr, "initial_lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps,
                               "weight_decay": cfg.weight_decay, "params": []}]
         self.defaults = dict(self.param_groups[0])
-        self._total_numel = 0
+        self.total_numel = 0  # trainable elements in all (plan(), or the engine up front): what ratio splits
         self.background = False  # set by the engine (pyinfinity.overlap_step)
         self.window = StepWindow()
         self.phases = PhaseClock()
@@ -142,14 +142,14 @@ class OffloadOptimizer:
     # ------------------------------------------------------------------------- placement
     def plan(self, shards: Sequence[FlatShard]) -> None:
         """Declares the trainable shards up front so ``ratio`` can split RAM vs NVMe by size."""
-        self._total_numel = sum(s.numel for s in shards if s.trainable)
+        self.total_numel = sum(s.numel for s in shards if s.trainable)
 
     def _tier_for(self, numel: int) -> Tier:
         if self.nvme_ratio <= 0:
             return Tier.CPU
         # the first (1 - ratio) of the state (in order of creation) stays in RAM, the rest on disk
         placed = sum(s.numel for s in self.states)
-        ram_share = (1.0 - self.nvme_ratio) * self._total_numel
+        ram_share = (1.0 - self.nvme_ratio) * self.total_numel
         return Tier.CPU if placed + numel <= ram_share else Tier.NVME
 
     def add_shard(self, shard: FlatShard, flat32: torch.Tensor) -> Optional[ShardOptimState]:

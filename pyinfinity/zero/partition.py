@@ -11,13 +11,16 @@ config enables fp16/bf16, and the fp32 master copy (taken before any cast) goes 
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
+
+from pyinfinity.config import ModelSizes
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +136,36 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
+@contextlib.contextmanager
+def init_empty(config: Any = None) -> Iterator[None]:
+    """Builds models without materialising their parameters: each parameter is moved to the meta
+    device as it is registered (before any initialiser touches its memory).
+
+    ``initialize`` then materialises one module at a time, initialises it (``reset_parameters`` or
+    a transformers model's ``_init_weights``), partitions it and writes the shard straight to its
+    tier, so the whole model never exists in host RAM. Buffers are real (they are small and often
+    computed in ``__init__``, e.g. rotary frequencies). ``config`` (optional, any form
+    ``initialize`` takes) is checked first, so a bad one fails before the model is built.
+    """
+    if config is not None:
+        from pyinfinity.config import load_config
+
+        load_config(config)  # fail early on a bad config
+    orig = nn.Module.register_parameter
+
+    def register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        orig(self, name, param)
+        if param is not None and not param.is_meta:
+            p = self._parameters[name]
+            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = orig  # type: ignore[method-assign]
+
+
 def materialize_module(module: nn.Module, root: Optional[nn.Module],
                        replaced: Optional[dict[int, nn.Parameter]] = None) -> None:
     """Gives a module's own meta parameters real storage on the CPU and initialises them.
@@ -167,6 +200,39 @@ def materialize_module(module: nn.Module, root: Optional[nn.Module],
                         type(module).__name__)
             for _, p in metas:
                 p.data.zero_()
+
+
+def parameter_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> ModelSizes:
+    """The model's parameter counts and bytes in the compute dtype, per module, before it is
+    partitioned: what the config's "auto" values and the swap-space checks need
+    (``config.ModelSizes``). ``threshold``: ``stage3_param_persistence_threshold``."""
+    numel = pbytes = largest = largest_mod = persistent = small = 0
+    seen: set[int] = set()
+    thr = threshold if isinstance(threshold, int) else 0
+    for module in model.modules():
+        by_dtype: dict[torch.dtype, int] = {}
+        mod_bytes = 0
+        for p in module.parameters(recurse=False):
+            dt = compute_dtype_for(p.dtype, fp16, bf16)
+            nb = p.numel() * torch.empty((), dtype=dt).element_size()
+            mod_bytes += nb
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            numel += p.numel()
+            pbytes += nb
+            by_dtype[dt] = by_dtype.get(dt, 0) + p.numel()
+        for dt, n in by_dtype.items():
+            nb = n * torch.empty((), dtype=dt).element_size()
+            largest = max(largest, nb)
+            if n <= thr:
+                persistent += nb
+            if n <= 100_000:
+                small += nb
+        largest_mod = max(largest_mod, mod_bytes)
+    return ModelSizes(numel=numel, param_bytes=pbytes, largest_shard_bytes=largest,
+                      largest_module_bytes=largest_mod, persistent_bytes=persistent,
+                      small_shard_bytes=small)
 
 
 def partition_model(

@@ -191,13 +191,13 @@ def train_steps(eng, batches) -> list[float]:
 def engine_state(eng) -> dict:
     """Every shard's [master | exp_avg | exp_avg_sq], step count and parameter home, as a
     checkpoint sees them (after the background step, with device-stepped units brought home)."""
-    eng._check_no_overlap("reading the training state")
+    eng.state.quiesce("reading the training state")
     out = {}
     for st, flat in eng.optimizer.iter_states(write_back=False):
         out[f"optim.{st.shard.index}"] = flat.clone()
         out[f"step.{st.shard.index}"] = torch.tensor(st.step)
     for sh in eng.partition.shards:
-        out[f"param.{sh.index}"] = eng._shard_param_values(sh).clone()
+        out[f"param.{sh.index}"] = eng.state.param_values(sh).clone()
     return out
 
 

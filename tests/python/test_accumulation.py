@@ -292,7 +292,7 @@ def test_a_failed_add_surfaces_then_blocks_the_step_until_zero_grad(overlap, tin
             eng.step()
         assert all(st.step == 0 for st in eng.optimizer.states)  # nothing was stepped on the partial sums
         eng.zero_grad()  # drops the window: training goes on
-        eng.micro_steps = 0
+        eng.state.micro_steps = 0
         train_steps(eng, batches[4:8])
         assert eng.global_steps == 2 and eng.optimizer.accumulation_failure is None
 
@@ -351,14 +351,14 @@ def test_the_accumulate_time_is_reported(tiny_lm, lm_batches, engine_config):
 def test_the_planner_charges_the_staging_buffers_the_engine_makes(tiny_lm, lm_batches, engine_config):
     """The host RAM plan counts STAGING_SLOTS buffers of the largest trainable unit and the worker's
     chunk: the figures are the engine's own."""
-    from pyinfinity.plan import placement
+    from pyinfinity.plan import evaluation
     from pyinfinity.zero import accumulate
 
-    assert placement.GRAD_STAGING_SLOTS == accumulate.STAGING_SLOTS
-    assert placement.ADD_SCRATCH == 4 * accumulate.ADD_CHUNK
+    assert evaluation.GRAD_STAGING_SLOTS == accumulate.STAGING_SLOTS
+    assert evaluation.ADD_SCRATCH == 4 * accumulate.ADD_CHUNK
     with pyinfinity.initialize(tiny_lm(), _cfg(engine_config, gas=2)) as eng:
         train_steps(eng, lm_batches(2))
-        ring = eng._homes.grad_staging
+        ring = eng.state.homes.grad_staging
         largest = max(sh.nbytes for sh in eng.partition.shards if sh.trainable)
         assert ring.count == accumulate.STAGING_SLOTS and ring.nbytes == largest
         assert ring.allocated_bytes >= ring.count * largest
@@ -463,7 +463,7 @@ def test_giving_the_accumulators_up_mid_window_keeps_the_sums(tiny_lm, lm_batche
                 eng.backward(eng(x, y))
                 eng.step()
                 if give_up and i == 1:
-                    gave = eng._give_up_all()
+                    gave = eng.state.placement.give_up_all()
                     assert any("gradient accumulators" in g for g in gave)
                     assert eng.device_grad_bytes == 0 and not any(sh.grad_on_device for sh in eng.partition.shards)
             got.append(engine_state(eng))
@@ -567,7 +567,7 @@ def test_device_accumulators_on_a_gpu(overlap, tiny_lm, lm_batches, engine_confi
             d2h = [r.bytes_moved.get("device.d2h", 0) for r in eng.history]
             assert d2h == [4 * n if dab else 3 * 4 * n] * 3  # fp32 model: 4 bytes a gradient element
             got.append((losses, [r.grad_norm for r in eng.history],
-                        [eng._trained_values(sh).clone() for sh in eng.partition.shards]))
+                        [eng.state.trained_values(sh).clone() for sh in eng.partition.shards]))
     (l0, n0, t0), (l1, n1, t1) = got
     torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(n1), torch.tensor(n0), rtol=1e-5, atol=0)

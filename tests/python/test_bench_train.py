@@ -201,6 +201,9 @@ def test_bench_train_end_to_end_on_the_cpu(tmp_path):
         r = runs[s]
         assert r["rss_before_build"] > 0 and r["plan_host_bytes"] > 0 and r["peak_rss"] > r["rss_before_build"]
         assert f"tiny {s}: host memory" in p.stdout and "x the plan" in p.stdout
+        # the engine's own prediction at the run's shape, beside what was measured
+        assert r["plan_predicted"]["seconds"] > 0 and r["plan_predicted"]["bottleneck"]
+        assert f"tiny {s}: the engine's plan predicted" in p.stdout and "predicted/measured" in p.stdout
     assert "rss_before_build" in runs["torch"] and "plan_host_bytes" not in runs["torch"]
     assert (tmp_path / "bt.png").stat().st_size > 10_000
     md = (tmp_path / "bt.md").read_text()

@@ -76,7 +76,7 @@ def _worker(cfg: Dict[str, Any]) -> Dict[str, Any]:
     if cfg.get("unpatched_swapper"):  # DeepSpeed's own parameter swapper, pyinfinity's I/O
         from pyinfinity.integrations import deepspeed as pids
 
-        pids._unpatch_param_swapper()
+        pids.unpatch_param_swapper()
 
     def no_build(self: Any, verbose: bool = True) -> None:
         raise RuntimeError(f"test guard: DeepSpeed tried to build its {self.name!r} op")

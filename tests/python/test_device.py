@@ -67,15 +67,15 @@ def test_engine_planner_config_and_cli_resolve_with_the_index(gpus, monkeypatch)
     from pyinfinity.cli.errors import UsageError, check_device_here
     from pyinfinity.config import ConfigError, load_config
     from pyinfinity.engine import _resolve_device
-    from pyinfinity.plan.resolve import _device
+    from pyinfinity.plan.resolve import planned_device
 
     gpus(2, current=1)
     assert _resolve_device("auto") == torch.device("cuda", 1)
     assert _resolve_device("cuda") == torch.device("cuda", 1)
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
     assert cfg.pyinfinity.device == "auto"
-    assert _device(cfg, None) == torch.device("cuda", 1)
-    assert _device(cfg, "cuda") == torch.device("cuda", 1)
+    assert planned_device(cfg, None) == torch.device("cuda", 1)
+    assert planned_device(cfg, "cuda") == torch.device("cuda", 1)
     assert check_device_here("auto") == "cuda:1"
     assert check_device_here("cuda") == "cuda:1"
     assert check_device_here("cpu") == "cpu"

@@ -143,18 +143,19 @@ def test_the_engine_refuses_a_shape_at_the_first_forward_on_a_gpu(tiny_lm, lm_ba
     8 GiB budget and a CUDA device type for the check alone."""
     (x, y), = lm_batches(1)
     with pyinfinity.initialize(tiny_lm(), _cfg(engine_config, resident=0)) as eng:
-        eng._plan_sizes = llama_sizes(dict(LLAMA_7B, model_type="llama"), "bf16")
-        eng.device_memory = 8 * GIB
-        real = eng.device
-        eng.device = type("Cuda", (), {"type": "cuda"})()
+        placement = eng.state.placement  # the device budget's guards
+        placement.plan_sizes = llama_sizes(dict(LLAMA_7B, model_type="llama"), "bf16")
+        placement.device_memory = 8 * GIB
+        real = placement.device
+        placement.device = type("Cuda", (), {"type": "cuda"})()
         with pytest.raises(PlanError, match=r"^micro-batch x sequence 2 x 8192 cannot fit .* the largest that fits is "
                                             r"2 x \d+;") as ei:
-            eng._check_shape((torch.zeros(2, 8192, dtype=torch.long),), {})
-        assert "\n" not in str(ei.value) and eng._shape_checked
-        eng._check_shape((torch.zeros(1, 256, dtype=torch.long),), {})  # fits: no error
-        eng.device = real
-        eng.device_memory = 64 << 20
-        eng._shape_checked = False
+            placement.check_shape((torch.zeros(2, 8192, dtype=torch.long),), {})
+        assert "\n" not in str(ei.value) and placement.shape_checked
+        placement.check_shape((torch.zeros(1, 256, dtype=torch.long),), {})  # fits: no error
+        placement.device = real
+        placement.device_memory = 64 << 20
+        placement.shape_checked = False
         train_steps(eng, [(x, y)])  # on the CPU device the first forward checks nothing more
 
 
@@ -301,7 +302,7 @@ def test_a_peak_under_the_budget_changes_nothing(tiny_lm, lm_batches, engine_con
     with pyinfinity.initialize(tiny_lm(), _cfg(engine_config)) as eng:
         before = eng.resident_bytes
         train_steps(eng, lm_batches(2))
-        assert eng.resident_bytes == before and not eng._gave_up
+        assert eng.resident_bytes == before and not eng.state.placement.gave_up
 
 
 # ----------------------------------------------------------------------------- on a GPU

@@ -64,7 +64,7 @@ def test_parity_with_torch_adamw(tier, persistent, step_device, tiny_lm, lm_batc
             assert all(r.bytes_moved["device.d2h"] == gas * n * 4 for r in eng.history)
         trained = {}
         for sh in eng.partition.shards:
-            vals = eng._trained_values(sh)
+            vals = eng.state.trained_values(sh)
             for sl in sh.slices:
                 trained[sl.name] = vals[sl.offset:sl.offset + sl.numel].view(sl.shape).clone()
     for name, p in ref.named_parameters():

@@ -136,7 +136,7 @@ def test_gpu_checkpoint_resume_and_export(tiny_lm, lm_batches, tmp_path):
 def _outcome(eng, losses: list[float]) -> tuple:
     """A run's losses, trained values (every shard's fp32 master) and gradient norms."""
     eng.synchronize()
-    return losses, [eng._trained_values(sh).clone() for sh in eng.partition.shards], [r.grad_norm for r in eng.history]
+    return losses, [eng.state.trained_values(sh).clone() for sh in eng.partition.shards], [r.grad_norm for r in eng.history]
 
 
 def _assert_exact_and_like_torch(got: dict, model, batches, clip: float) -> None:

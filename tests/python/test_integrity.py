@@ -32,7 +32,7 @@ def _snapshot(eng):
     """What a load changes: counters, learning rates, scaler, RNG, trained values of every shard."""
     return (eng.global_steps, eng.micro_steps, [g["lr"] for g in eng.optimizer.param_groups],
             dict(eng.scaler.state_dict()), torch.get_rng_state().clone(),
-            [eng._trained_values(sh).clone() for sh in eng.partition.shards])
+            [eng.state.trained_values(sh).clone() for sh in eng.partition.shards])
 
 
 def _same(a, b):

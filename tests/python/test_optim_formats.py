@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pyinfinity
-import pyinfinity.engine
+import pyinfinity.zero.state
 from pyinfinity.config import OptimizerConfig
 from pyinfinity.swap.tensor_swapper import TensorSwapper, Tier
 from pyinfinity.zero.optim.formats import DEVICE_CHUNK, AdamFp32, OptimStateFormat
@@ -133,7 +133,7 @@ def test_another_layout_trains_the_engine_bit_for_bit(tiny_lm, lm_batches, engin
     batches = lm_batches(8)
     got = []
     for fmt_cls in (AdamFp32, MasterLast):
-        monkeypatch.setattr(pyinfinity.engine, "AdamFp32", fmt_cls)  # the format the engine builds its optimizer with
+        monkeypatch.setattr(pyinfinity.zero.state, "AdamFp32", fmt_cls)  # the training state builds its optimizer with it
         cfg = engine_config("nvme", gradient_accumulation_steps=2)
         cfg["pyinfinity"].update(resident_bytes="64MiB", unit_bytes=0, device_optimizer_bytes="6KiB",
                                  overlap_step=True)
@@ -141,7 +141,7 @@ def test_another_layout_trains_the_engine_bit_for_bit(tiny_lm, lm_batches, engin
             assert isinstance(eng.optimizer.format, fmt_cls)
             assert any(sh.device_step for sh in eng.partition.shards)
             losses = train_steps(eng, batches)
-            trained = [eng._trained_values(sh).clone() for sh in eng.partition.shards]
+            trained = [eng.state.trained_values(sh).clone() for sh in eng.partition.shards]
             got.append((losses, [r.grad_norm for r in eng.history], trained))
             if fmt_cls is MasterLast:
                 calls = eng.optimizer.format.calls

@@ -268,7 +268,7 @@ def test_a_layer_reused_under_reentrant_checkpointing_steps_once_its_last_gradie
             for _ in range(3):
                 eng.backward(eng(x))
                 eng.step()
-            return [eng._trained_values(sh).clone() for sh in eng.partition.shards]
+            return [eng.state.trained_values(sh).clone() for sh in eng.partition.shards]
 
     got, want = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(got, want))

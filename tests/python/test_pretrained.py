@@ -177,7 +177,7 @@ def test_missing_and_unexpected_keys_are_reported(model_dirs, tmp_path, caplog):
             assert eng.weights.report.missing == ["model.norm.weight"]
             assert eng.weights.report.unexpected == ["extra.bias"]
             sh, sl = eng.partition.param_slice[id(eng.module.model.norm.weight)]
-            assert torch.equal(eng._trained_values(sh)[sl.offset:sl.offset + sl.numel], torch.ones(32))  # RMSNorm init
+            assert torch.equal(eng.state.trained_values(sh)[sl.offset:sl.offset + sl.numel], torch.ones(32))  # RMSNorm init
     text = caplog.text
     assert "were not used" in text and "extra.bias" in text
     assert "newly initialized" in text and "model.norm.weight" in text

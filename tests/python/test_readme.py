@@ -124,7 +124,7 @@ def run_readme(tmp_path, monkeypatch) -> dict:
             exec(compile(substitute(block, swap_dirs), README, "exec"), ns)
     finally:
         eng = ns.get("engine")
-        if eng is not None and not getattr(eng, "_closed", True):
+        if eng is not None and not getattr(eng, "closed", True):
             eng.close()
     return ns
 

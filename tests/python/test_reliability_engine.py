@@ -121,7 +121,7 @@ def test_second_run_is_refused_then_a_crashed_runs_files_are_cleaned(tiny_lm, en
     try:
         msg = " ".join(r.getMessage() for r in caplog.records)
         assert f"pid {proc.pid}" in msg and "has exited" in msg and "params.swp" in msg, msg
-        assert len(eng._ownership.cleaned) == 2
+        assert len(eng.state.ownership.cleaned) == 2
         assert read_manifest(str(swap))["owner"]["pid"] == os.getpid()
     finally:
         eng.close()
@@ -414,11 +414,11 @@ def test_impossible_budgets_say_what_is_missing_and_where(tiny_lm, engine_config
 def test_misuse_of_the_training_calls(tiny_lm, lm_batches, engine_config):
     (x, y), = lm_batches(1)
     with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
-        before = eng._trained_values(eng.partition.shards[1]).clone()
+        before = eng.state.trained_values(eng.partition.shards[1]).clone()
         with pytest.raises(RuntimeError, match=r"step\(\): no backward\(\)"):
             eng.step()
         assert eng.global_steps == 0 and eng.micro_steps == 0
-        torch.testing.assert_close(eng._trained_values(eng.partition.shards[1]), before, rtol=0, atol=0)
+        torch.testing.assert_close(eng.state.trained_values(eng.partition.shards[1]), before, rtol=0, atol=0)
         with pytest.raises(TypeError, match="loss: .*got float"):
             eng.backward(3.0)
         with torch.no_grad():

@@ -107,7 +107,7 @@ class CpuStep:
             if biggest:
                 n = self.buffer_count if self.pipeline else 1
                 numel, dtype = self.format.home_spec(biggest)
-                self._staging = [aligned_empty(numel, dtype, pin=self.swapper._pin) for _ in range(n)]
+                self._staging = [aligned_empty(numel, dtype, pin=self.swapper.pin) for _ in range(n)]
         return self._staging
 
     def iter_states(self, write_back: bool, states: Sequence[ShardOptimState]

@@ -291,7 +291,7 @@ class GradientIntake:
             self._epoch += 1
 
     def on_adder(self) -> bool:
-        return self._adder is not None and threading.current_thread() is self._adder._thread
+        return self._adder is not None and self._adder.is_current()
 
     # ------------------------------------------------------------------------- windows and norms
     def zero_grad(self) -> None:

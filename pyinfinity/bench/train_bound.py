@@ -1,0 +1,132 @@
+"""The analytic lower bound of a `pyinfinity bench train` run's optimizer step, from rates measured
+in the same invocation:
+
+    bound = max(compute, PCIe, disk, CPU Adam)
+      compute  = matmul FLOPs of the step / the device's measured matmul rate (model's shape, dtype)
+      PCIe     = max(2 x parameter bytes / H2D, gradient bytes / D2H)   (GPU only; full duplex;
+                 parameters kept on the GPU cross once, as the updated values: parameter bytes / H2D)
+      disk     = max(bytes read / disk read rate, bytes written / disk write rate): the disk serves
+                 reads and writes at once (their sum is reported beside it), where the bytes are
+                 what the run's tiers force: optimizer on disk = 12 B/param read and written
+                 (fp32 master, m, v; for pyinfinity only the state its run steps from disk, as units
+                 stepped on the GPU never cross it); parameters on disk = read twice (forward,
+                 backward), written once; the rates are the best of probes taken right before and
+                 right after the run (a shared disk's rate moves)
+      CPU Adam = parameters / the CPU Adam rate measured on the engine's kernel (offloaded optimizer only)
+
+per optimizer step (with --grad-accum N, N micro-batches' compute), and the run's measured step
+time over it is printed (1.0 = at the bound). A run faster than its bound shows the bound wrong:
+it is flagged, and its figure is left out of every ratio.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from pyinfinity.bench.train_matrix import base_system
+from pyinfinity.bench.train_worker import TIERS
+
+log = logging.getLogger(__name__)
+
+
+def tier_fractions(system: str, placement: Optional[dict]) -> tuple[float, float]:
+    """(share of parameters on disk, share of optimizer state on disk) of a run."""
+    ptier, otier = TIERS[base_system(system)]
+    if ptier != "auto":
+        return float(ptier == "nvme"), float(otier == "nvme")
+
+    def share(d: Optional[dict], homes: tuple[str, ...]) -> float:
+        d = {k: v for k, v in (d or {}).items() if k in homes}
+        total = sum(d.values())
+        return d.get("nvme", 0) / total if total else 0.0
+
+    placement = placement or {}
+    # the optimizer's "device" bytes are copies of homes in RAM or on disk, not homes of their own
+    return share(placement.get("params"), ("gpu", "cpu", "nvme")), share(placement.get("optimizer"), ("cpu", "nvme"))
+
+
+def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: bool,
+          placement: Optional[dict] = None) -> dict[str, Any]:
+    """The analytic lower bound of one optimizer step (see the module's docstring), term by term.
+    ``facts["flops_per_step"]`` is the whole optimizer step's (every micro-batch)."""
+    system = base_system(system)
+    n, pb = facts["params"], facts["param_bytes"]
+    terms: dict[str, float] = {"compute": facts["flops_per_step"] / rates["matmul"]}
+    offloaded = not system.startswith("torch")
+    if offloaded and cuda:
+        if TIERS[system][0] == "device":  # parameters live on the GPU: gradients out, new values in
+            terms["pcie"] = max(pb / rates["h2d"], pb / rates["d2h"])
+        else:
+            terms["pcie"] = max(2 * pb / rates["h2d"], pb / rates["d2h"])
+    f_par, f_opt = tier_fractions(system, placement) if offloaded else (0.0, 0.0)
+    opt_disk = 12 * n * f_opt
+    if placement and placement.get("optimizer_disk_per_step") is not None:
+        opt_disk = placement["optimizer_disk_per_step"]  # the run's own: state stepped on the GPU stays off the disk
+    read = 2 * pb * f_par + opt_disk
+    write = pb * f_par + opt_disk
+    serial = None
+    if read or write:
+        if rates.get("disk_read", 0) <= 0 or rates.get("disk_write", 0) <= 0:
+            terms["disk"] = float("nan")
+        else:
+            # the disk serves reads and writes at once: the slower of the two bounds the step;
+            # their sum (one after the other) is kept beside it
+            terms["disk"] = max(read / rates["disk_read"], write / rates["disk_write"])
+            serial = round(read / rates["disk_read"] + write / rates["disk_write"], 5)
+    if offloaded:
+        terms["cpu_adam"] = n / rates["adam"]
+    finite = {k: v for k, v in terms.items() if v == v}
+    name = max(finite, key=lambda k: finite[k])
+    out = {"seconds": finite[name], "bound_by": name, "terms": {k: round(v, 5) for k, v in terms.items()},
+           "disk_bytes": {"read": int(read), "write": int(write)}, "disk_share": {"params": f_par, "optimizer": f_opt}}
+    if serial is not None:
+        out["disk_serial_seconds"] = serial
+    return out
+
+
+def measure_bound_rates(device: str, nvme_dir: str) -> dict[str, Any]:
+    """Host<->device copies, disk, CPU Adam (measured once per invocation); matmul per size later."""
+    from pyinfinity.plan.rates import measure_adam, measure_copies
+
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"adam": measure_adam(8_000_000, 5)}
+    h2d, d2h, _ = measure_copies(device, 256 << 20 if device.startswith("cuda") else 64 << 20, 5)
+    out.update(h2d=h2d, d2h=d2h)
+    out.update(probe_disk(nvme_dir))
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def probe_disk(nvme_dir: str) -> dict[str, Any]:
+    """One probe of the swap directory's disk: read and write bytes/s (0 when it cannot be measured)."""
+    from pyinfinity.plan.rates import measure_disk
+
+    try:
+        r, w, lat = measure_disk(nvme_dir, 256 << 20, 3)
+        return {"disk_read": r, "disk_write": w, "disk_latency": lat}
+    except OSError as exc:
+        log.warning("disk rates at %s could not be measured (%s); disk bounds will be missing", nvme_dir, exc)
+        return {"disk_read": 0.0, "disk_write": 0.0, "disk_error": str(exc)}
+
+
+def best_disk_rates(*probes: dict[str, Any]) -> dict[str, float]:
+    """The best read and the best write rate of several probes of one disk (a bound takes the
+    fastest the disk was seen to go)."""
+    return {k: max(float(p.get(k) or 0.0) for p in probes) for k in ("disk_read", "disk_write")}
+
+
+def uses_disk(system: str) -> bool:
+    """Whether a run of ``system`` may put state on the disk (its bound then has a disk term)."""
+    return any(t in ("nvme", "auto") for t in TIERS[base_system(system)])
+
+
+def measure_matmul_rate(device: str, dtype: str, fields: dict[str, Any], tokens: int) -> float:
+    """FLOP/s of the model's biggest matmul shape (tokens x hidden @ hidden x intermediate)."""
+    import torch
+
+    from pyinfinity.plan.rates import measure_matmul
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    m = min(tokens, 8192)
+    return measure_matmul(device, m, int(fields["hidden_size"]), int(fields["intermediate_size"]), dt, reps=5)

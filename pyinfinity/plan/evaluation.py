@@ -1,0 +1,557 @@
+"""Evaluating one candidate placement (:class:`Knobs`): :func:`evaluate` places the model's shards
+the way the engine will (the same greedy rules: ``max_in_cpu`` elements of parameter shards in
+creation order stay in RAM; the first ``1 - ratio`` of the optimizer state stays in RAM), charges
+every budget (the device through ``charges``) and predicts the step time from the measured rates
+(:func:`predict`), into a :class:`Placement`.
+
+The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the optimizer):
+  * micro-batch: matmul and attention FLOPs / matmul rate, plus ELEMENTWISE_SHARE of it for the
+    non-matmul kernels (norms, rotary, activations, the loss); every non-persistent shard is fetched twice (forward
+    and backward; the recompute of checkpointing re-fetches instead of the backward); fetches
+    from RAM are host->device copies (on the CPU device: memcpys the compute thread does itself,
+    so they add to compute), fetches from disk are SwapEngine reads that prefetch overlaps with
+    compute; gradients leave the device and are accumulated in fp32 on the host by a worker
+    thread (overlapping the GPU's backward; on the CPU device it adds to the compute).
+    With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
+    without prefetch: the sum.
+  * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made,
+    under accumulation by the boundary micro-batch's adds), the one-pass Adam kernel over every
+    parameter the CPU steps at the measured rate (which includes writing bf16 weights into a home
+    in RAM; a home on disk or on the device, or another dtype, adds a cast pass from the fp32
+    master); the RAM part first, then the disk part pipelined (read k+1 || step k || write k-1)
+    with the parameter write-back. Serial after the last backward, unless the step overlaps it
+    (``pyinfinity.overlap_step``, :attr:`TrainShape.overlap_step`): then the boundary
+    micro-batch's backward (and recompute) hides up to its own length of it (on the CPU device
+    only the disk part: Adam would compete for the cores), and at least the largest shard's share
+    stays visible (it is often the embedding, the last to get its gradient). With gradient
+    clipping or fp16 loss scaling (:attr:`TrainShape.norm_first`) no unit can step before the
+    global norm, known when the backward ends: the step then runs in model order behind the next
+    forward, which waits for each unit's new values, so only that forward's share of a
+    micro-batch hides it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Optional, Sequence
+
+import torch
+
+from pyinfinity.plan.budgets import Budgets
+from pyinfinity.plan.charges import (DEVICE_STEP_SCRATCH, GRAD_BYTES_PER_PARAM, OPT_BYTES_PER_PARAM, DeviceCharges,
+                                     TrainShape, device_charges, device_state_cost, fmt)
+from pyinfinity.plan.rates import Rates
+from pyinfinity.plan.sizes import ModelSizes
+
+SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
+SWAP_SLOT_ALIGN = 4096
+FETCH_PASSES = 2  # forward + backward (or recompute) fetch of every non-persistent shard
+# share of a micro-batch's compute after its forward: backward (2 passes of 3), with checkpointing
+# recompute + backward (3 of 4); an overlapped optimizer step can hide behind it (one that waits for
+# the global norm: behind the rest, the next forward)
+BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
+# non-matmul kernels of a decoder layer (norms, rotary, SiLU, residual adds, softmax and the loss)
+# as a share of its matmul time: the matmul-only prediction was 0.76-0.80x the measured step at
+# 1.1B and 7B on an H200 (BENCHMARKS.md), where the step is compute-bound
+ELEMENTWISE_SHARE = 0.25
+# under accumulation: the host staging buffers gradients land in, taken in turn while the worker adds
+# the last ones (zero.accumulate.STAGING_SLOTS, each of the largest trainable unit), and the worker's
+# fp32 chunk (zero.accumulate.ADD_CHUNK)
+GRAD_STAGING_SLOTS = 3
+ADD_SCRATCH = 4 * (1 << 20)
+
+
+@dataclass
+class Knobs:
+    """One configuration the engine can realise (the config keys in brackets)."""
+
+    param_device: str = "cpu"  # none | cpu | nvme          [offload_param.device]
+    max_in_cpu: int = 0  # elements kept in RAM with nvme   [offload_param.max_in_cpu]
+    optimizer_device: str = "cpu"  # cpu | nvme             [offload_optimizer.device]
+    ratio: float = 1.0  # share of optimizer state on nvme  [offload_optimizer.ratio]
+    persistence_threshold: int = 0  # elements               [stage3_param_persistence_threshold]
+    prefetch_bytes: int = 0  #                              [stage3_prefetch_bucket_size]
+    max_live: int = 0  # elements                           [stage3_max_live_parameters]
+    param_buffer_count: int = 2  # NVMe reads in flight      [offload_param.buffer_count]
+    param_buffer_size: int = 0  # bytes (largest shard)     [offload_param.buffer_size]
+    optimizer_buffer_count: int = 4  # staging buffers       [offload_optimizer.buffer_count]
+    prefetch: bool = True  #                                [pyinfinity.prefetch]
+    optimizer_step_device: str = "cpu"  # cpu | device      [pyinfinity.optimizer_step_device]
+    pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
+    resident_bytes: int = 0  # units kept on the device      [pyinfinity.resident_bytes]
+    device_optimizer_bytes: int = 0  # their state there     [pyinfinity.device_optimizer_bytes]
+    device_accumulator_bytes: int = 0  # fp32 grad sums there [pyinfinity.device_accumulator_bytes]
+
+
+@dataclass
+class Share:
+    """Bytes of one tensor class on the device, in RAM and on disk."""
+
+    device: int = 0
+    ram: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.ram + self.disk
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds per optimizer step. compute/h2d/disk/optimizer are each resource's busy
+    time (not additive: they overlap as the model says); total is the prediction."""
+
+    compute: float
+    h2d: float
+    disk: float
+    optimizer: float
+    micro_batch: float  # one forward+backward, overlap included
+    optimizer_phase: float  # the optimizer step, overlap included
+    total: float
+    bottleneck: str
+
+    def breakdown(self) -> str:
+        return (f"{self.total:.3f} s/step (compute {self.compute:.3f}, host<->device {self.h2d:.3f}, "
+                f"disk {self.disk:.3f}, optimizer {self.optimizer:.3f}; bound by {self.bottleneck})")
+
+
+@dataclass
+class Placement:
+    """A plan: the knobs, where each tensor class lives, memory charged to each budget, the
+    predicted step time, and any budget it violates (empty for a plan ``solve`` returns)."""
+
+    knobs: Knobs
+    params: Share
+    grads: Share
+    optimizer: Share
+    device_bytes: int  # peak on the device: persistent + working set + prefetch + activations
+    host_bytes: int  # RAM: homes + gradients + staging (+ the device pool on the CPU device)
+    pinned_bytes: int  # of host_bytes, the pinned pool (homes in RAM + staging)
+    swap_bytes: int  # on disk over all swap directories
+    swap_per_dir: dict[str, int]
+    activation_bytes: int
+    predicted: StepTime
+    optimizer_step_device: str = "cpu"
+    device_memory: int = 0  # the budget the config caps the engine at
+    host_memory: int = 0
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    device_state_bytes: int = 0  # of device_bytes, resident units' optimizer state (a copy of its host home)
+    accumulator_bytes: int = 0  # of device_bytes, fp32 gradient accumulators on the device
+    charges: Optional[DeviceCharges] = None  # device_bytes by kind
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+    @property
+    def disk_traffic(self) -> int:
+        return self.params.disk + 2 * self.optimizer.disk
+
+    def config_values(self) -> dict[str, Any]:
+        """Dotted config key -> value for every knob the plan decides."""
+        k = self.knobs
+        out: dict[str, Any] = {
+            "zero_optimization.offload_param.device": k.param_device,
+            "zero_optimization.offload_param.max_in_cpu": int(k.max_in_cpu),
+            "zero_optimization.offload_param.buffer_count": int(k.param_buffer_count),
+            "zero_optimization.offload_param.buffer_size": int(max(1, k.param_buffer_size)),
+            "zero_optimization.offload_optimizer.device": k.optimizer_device,
+            "zero_optimization.offload_optimizer.ratio": float(k.ratio),
+            "zero_optimization.offload_optimizer.buffer_count": int(k.optimizer_buffer_count),
+            "zero_optimization.stage3_prefetch_bucket_size": int(k.prefetch_bytes),
+            "zero_optimization.stage3_max_live_parameters": int(k.max_live),
+            "zero_optimization.stage3_param_persistence_threshold": int(k.persistence_threshold),
+            "pyinfinity.optimizer_step_device": k.optimizer_step_device,
+            "pyinfinity.resident_bytes": int(k.resident_bytes),
+            # the streamed device step steps everything there already (the config refuses both)
+            "pyinfinity.device_optimizer_bytes": int(k.device_optimizer_bytes) if k.optimizer_step_device != "device"
+            else 0,
+            "pyinfinity.device_accumulator_bytes": int(k.device_accumulator_bytes),
+            "pyinfinity.device_memory": int(self.device_memory),
+            "pyinfinity.host_memory": int(self.host_memory),
+        }
+        return out
+
+    def table(self) -> str:
+        """The plan as a text table: tiers per tensor class, buffers, budgets, predicted time."""
+        k, p = self.knobs, self.predicted
+
+        def row(name: str, s: Share, extra: str = "") -> str:
+            return f"  {name:<18}{fmt(s.device):>10}{fmt(s.ram):>10}{fmt(s.disk):>10}  {extra}"
+
+        opt_tier = "cpu" if k.optimizer_device == "cpu" else f"nvme, ratio {k.ratio:.3f}"
+        par_tier = k.param_device + (f", max_in_cpu {k.max_in_cpu:,}" if k.param_device == "nvme" else "")
+        lines = [f"  {'tensor class':<18}{'device':>10}{'RAM':>10}{'disk':>10}  tier",
+                 row("parameters", self.params, par_tier),
+                 row("gradients (fp32)", self.grads, "accumulators (on the device: pyinfinity.device_accumulator_bytes)"
+                     if self.grads.device else "host accumulator"),
+                 row("optimizer states", self.optimizer, opt_tier),
+                 "",
+                 f"  device peak {fmt(self.device_bytes)} of {fmt(self.device_memory)} (activations "
+                 f"{fmt(self.activation_bytes)}, prefetch {fmt(k.prefetch_bytes)}, persistent <= "
+                 f"{k.persistence_threshold:,} elements"
+                 + (f", optimizer state {fmt(self.device_state_bytes)}" if self.device_state_bytes else "") + ")",
+                 f"  host RAM {fmt(self.host_bytes)} of {fmt(self.host_memory)} (pinned pool {fmt(self.pinned_bytes)})",
+                 f"  swap: {fmt(self.swap_bytes)} of state on disk"
+                 + (f"; swap files up to {fmt(max(self.swap_per_dir.values()))} per directory (grown in steps): "
+                    + ", ".join(self.swap_per_dir) if self.swap_per_dir else ""),
+                 f"  buffers: {k.param_buffer_count} parameter reads in flight of <= {fmt(k.param_buffer_size)}, "
+                 f"{k.optimizer_buffer_count} optimizer staging buffers; optimizer steps on {self.optimizer_step_device}",
+                 f"  predicted: {p.breakdown()}"]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  VIOLATES: {v}" for v in self.violations]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def at_seq_len(self, seq_len: int) -> Optional["Placement"]:
+        """The same knobs re-predicted at another sequence length (the engine plans before it sees
+        a batch, at DEFAULT_SEQ_LEN); None when the planner's inputs were not kept."""
+        inputs = getattr(self, "inputs", None)
+        if inputs is None or seq_len <= 0:
+            return None
+        sizes, budgets, rates, train, paths = inputs
+        return evaluate(sizes, replace(train, seq_len=int(seq_len)), budgets, rates, self.knobs, paths)
+
+    def compare(self, step_seconds: Sequence[float], warmup: int = 2,
+                tokens_per_micro_batch: Optional[int] = None, parts: Optional[dict[str, float]] = None) -> str:
+        """Plan vs measured, for the end of a run: the median step after ``warmup`` steps against
+        the prediction, and the ratio. With ``tokens_per_micro_batch`` (what the run really fed),
+        the prediction is redone at that sequence length when it differs from the planned one.
+        ``parts``: measured seconds per step of named parts (e.g. the optimizer's busy time), printed
+        beside the predicted terms so a ratio far from 1 says which term is off."""
+        steady = list(step_seconds[warmup:]) or list(step_seconds)
+        if not steady:
+            return f"plan: predicted {self.predicted.total:.3f} s/step; no step measured"
+        steady.sort()
+        med = steady[len(steady) // 2] if len(steady) % 2 else 0.5 * (steady[len(steady) // 2 - 1]
+                                                                         + steady[len(steady) // 2])
+        pred, shape = self.predicted, ""
+        inputs = getattr(self, "inputs", None)
+        if tokens_per_micro_batch and inputs is not None:
+            train = inputs[3]
+            seq = max(1, round(tokens_per_micro_batch / max(1, train.micro_batch)))
+            if seq != train.seq_len:
+                again = self.at_seq_len(seq)
+                if again is not None:
+                    shape = (f" at the run's {seq} tokens per sequence (planned at {train.seq_len}: "
+                             f"{pred.total:.3f} s/step)")
+                    pred = again.predicted
+        measured = "".join(f", {k} {v:.3f}" for k, v in (parts or {}).items())
+        terms = (f" [terms: compute {pred.compute:.3f}, host<->device {pred.h2d:.3f}, disk {pred.disk:.3f}, "
+                 f"optimizer {pred.optimizer:.3f}, visible optimizer {pred.optimizer_phase:.3f}"
+                 + (f"; measured {measured[2:]}" if measured else "") + "]")
+        return (f"plan: predicted {pred.total:.3f} s/step{shape} (bound by {pred.bottleneck}), "
+                f"measured {med:.3f} s/step (median of {len(steady)}){terms}, predicted/measured "
+                f"{pred.total / med:.2f}")
+
+
+def on_cuda(rates: Rates, budgets: Budgets) -> bool:
+    """Whether the rates and budgets are those of a CUDA device (not the CPU device)."""
+    return not budgets.device_is_host and rates.device.startswith("cuda")
+
+
+def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, knobs: Knobs,
+             nvme_paths: Sequence[str] = ()) -> Placement:
+    """Places the shards as the engine will under ``knobs``, charges the budgets and predicts the
+    step time. Budget violations are listed in ``violations`` (not raised)."""
+    isz = sizes.itemsize
+    cuda = on_cuda(rates, budgets)
+    k = knobs
+    # -- parameters: the engine's greedy rules, shard by shard
+    params = Share()
+    persistent = fetch_ram = fetch_disk = 0
+    fetch_disk_s = 0.0  # seconds of one read of every disk-homed shard
+    left = k.max_in_cpu if k.param_device == "nvme" else 0
+    param_tier: list[str] = []
+    resident_left = k.resident_bytes if k.param_device != "none" else 0
+    resident = set()  # units kept on the device: whole units from the end of the model
+    for i in range(len(sizes.shard_numels) - 1, -1, -1):
+        nb = sizes.shard_numels[i] * isz
+        if 0 < sizes.shard_numels[i] <= k.persistence_threshold or nb > resident_left:
+            continue
+        resident_left -= nb
+        resident.add(i)
+    resident_bytes = 0
+    for i, n in enumerate(sizes.shard_numels):
+        nb = n * isz
+        if k.param_device == "none":
+            tier = "device"
+        elif k.param_device == "cpu":
+            tier = "ram"
+        else:
+            tier = "ram" if left >= n else "disk"
+            if tier == "ram":
+                left -= n
+        param_tier.append(tier)
+        setattr(params, tier, getattr(params, tier) + nb)
+        if tier == "device":
+            continue
+        if i in resident:
+            resident_bytes += nb
+        elif 0 < n <= k.persistence_threshold:
+            persistent += nb
+        elif tier == "ram":
+            fetch_ram += nb
+        else:
+            fetch_disk += nb
+            fetch_disk_s += rates.read_time(nb)
+    # -- resident units whose optimizer state also lives on the device (stepped there): whole
+    # units from the front of the model within device_optimizer_bytes, as the engine picks them
+    dev_state: set[int] = set()
+    dev_state_numel = 0
+    per_param = device_state_cost(isz, train.grad_accum)
+    if k.device_optimizer_bytes > 0 and k.optimizer_step_device != "device":
+        dleft = k.device_optimizer_bytes
+        for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
+            on_device = k.param_device == "none" or i in resident or 0 < n <= k.persistence_threshold
+            if on_device and trainable and n and per_param * n <= dleft:
+                dleft -= per_param * n
+                dev_state.add(i)
+                dev_state_numel += n
+    # -- under accumulation, units whose fp32 gradient accumulator lives on the device: whole units
+    # from the front within device_accumulator_bytes (those stepped there accumulate there anyway)
+    dev_acc_numel = 0
+    if train.grad_accum > 1 and k.device_accumulator_bytes > 0:
+        aleft = k.device_accumulator_bytes
+        for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
+            if trainable and n and i not in dev_state and GRAD_BYTES_PER_PARAM * n <= aleft:
+                aleft -= GRAD_BYTES_PER_PARAM * n
+                dev_acc_numel += n
+    accumulator_bytes = GRAD_BYTES_PER_PARAM * dev_acc_numel
+    # -- optimizer states: the first (1 - ratio) of the trainable elements in RAM
+    total_train = sizes.trainable_numel
+    ram_share = total_train * (1.0 - (k.ratio if k.optimizer_device == "nvme" else 0.0))
+    optim = Share()
+    placed = 0
+    # optimizer state in RAM (segment a, stepped first), on disk (b); *_s: seconds of disk I/O
+    seg_a = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0}
+    seg_b = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0,
+             "state": 0, "state_s": 0.0}
+    biggest_disk_state = 0
+    first_disk_state = 0
+    # the one-pass CPU kernel writes the new bf16 weights into a home in RAM itself (its measured
+    # rate includes it); other homes and dtypes get a cast pass from the fp32 master
+    kernel_writes_home = sizes.dtype == torch.bfloat16 and k.optimizer_step_device != "device"
+    for i, (n, trainable, ptier) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable, param_tier)):
+        if not trainable:
+            continue
+        ram = placed + n <= ram_share
+        placed += n
+        seg = seg_a if ram else seg_b
+        if ram:
+            optim.ram += OPT_BYTES_PER_PARAM * n
+        else:
+            optim.disk += OPT_BYTES_PER_PARAM * n
+            seg_b["state"] += OPT_BYTES_PER_PARAM * n
+            seg_b["state_s"] += rates.read_time(OPT_BYTES_PER_PARAM * n) + rates.write_time(OPT_BYTES_PER_PARAM * n)
+            biggest_disk_state = max(biggest_disk_state, n)
+            first_disk_state = first_disk_state or n
+        if i in dev_state:  # stepped on the device: no CPU Adam, no cast into the home
+            continue
+        seg["adam"] += n
+        if not (ptier == "ram" and kernel_writes_home):  # a cast pass into the home or a write buffer
+            seg["cast"] += n
+        if ptier == "device":
+            seg["param_dev"] += n * isz
+        elif ptier == "disk":
+            seg["param_disk_s"] += rates.write_time(n * isz)
+    # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
+    # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation (with
+    # the staging buffers they land in, pinned on a GPU; a device accumulator's sum lands in a
+    # pinned fp32 buffer of its own instead)
+    grad_staging = 0
+    if train.grad_accum > 1:
+        if total_train - dev_state_numel - dev_acc_numel > 0:
+            largest_trainable = max((n for n, t in zip(sizes.shard_numels, sizes.shard_trainable) if t), default=0)
+            grad_staging = GRAD_STAGING_SLOTS * isz * largest_trainable + ADD_SCRATCH
+        grads = Share(device=accumulator_bytes,
+                      ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
+    else:
+        grads = Share(ram=sum(n * isz for i, (n, t, pt) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable,
+                                                                           param_tier))
+                              if t and pt != "ram" and i not in dev_state))
+    device_state_bytes = per_param * dev_state_numel
+    # -- device: the charges of one step (DeviceCharges: shards, activations, gradients, state, headroom)
+    everything = k.param_device == "none" or resident_bytes + persistent >= params.total
+    charges = device_charges(sizes, train, budgets.device_memory, device_is_host=budgets.device_is_host,
+                             resident=params.device if k.param_device == "none" else resident_bytes,
+                             persistent=0 if k.param_device == "none" else persistent,
+                             prefetch=k.prefetch_bytes if k.prefetch else 0,
+                             device_state=device_state_bytes + DEVICE_STEP_SCRATCH if dev_state else 0,
+                             accumulators=accumulator_bytes, all_resident=everything)
+    acts = charges.activations
+    shard_peak = charges.resident + charges.persistent + charges.working_set + charges.prefetch
+    device_bytes = charges.total
+    if k.optimizer_step_device == "device":  # two sets of [master|m|v] + grad buffers, after release_all
+        device_bytes = max(device_bytes, persistent + 2 * 16 * sizes.largest_shard_numel)
+    # -- host: homes in RAM, gradients, staging, write-back temporaries (+ the device pool on the CPU)
+    staging = 0
+    if optim.disk:
+        staging += (k.optimizer_buffer_count if k.pipeline else 1) * OPT_BYTES_PER_PARAM * biggest_disk_state
+    if cuda and fetch_disk:
+        staging += k.param_buffer_count * sizes.largest_shard_bytes  # pinned read staging
+    writeback = (sizes.largest_shard_numel * isz * k.optimizer_buffer_count) if isz != 4 else 0
+    # pinned: what crosses PCIe (parameter homes, read staging); the optimizer state only when the
+    # optimizer steps on the device (a CPU step reads it in place)
+    pinned = params.ram + staging + (optim.ram if k.optimizer_step_device == "device" else 0)
+    host_bytes = pinned + (optim.ram if k.optimizer_step_device != "device" else 0) + grads.ram + writeback + (device_bytes if budgets.device_is_host else 0)
+    # -- swap: striped equally over the directories, each file grows in SWAP_GROW steps
+    n_shards = len(sizes.shard_numels)
+    swap_bytes = params.disk + optim.disk
+    swap_per_dir: dict[str, int] = {}
+    dirs = list(nvme_paths) or budgets.swap_paths
+    if swap_bytes and dirs:
+        spaces = (1 if params.disk else 0) + (1 if optim.disk else 0)
+        per = math.ceil(swap_bytes / len(dirs)) + spaces * SWAP_GROW + 2 * n_shards * SWAP_SLOT_ALIGN
+        swap_per_dir = {d: per for d in dirs}
+    violations: list[str] = []
+    if device_bytes > budgets.device_memory:
+        violations.append(
+            f"device memory: needs {fmt(device_bytes)} (parameters resident/in flight {fmt(shard_peak)}, "
+            f"activations {fmt(acts)} for micro-batch {train.micro_batch} x {train.seq_len} tokens"
+            f"{' with checkpointing' if train.checkpointing else ''}; {charges.describe()}), "
+            f"budget {fmt(budgets.device_memory)}")
+    if host_bytes > budgets.host_memory:
+        violations.append(
+            f"host RAM: needs {fmt(host_bytes)} (parameters {fmt(params.ram)}, optimizer states {fmt(optim.ram)}, "
+            f"fp32 gradients {fmt(grads.ram)}, staging {fmt(staging + writeback)}"
+            f"{', device pool ' + fmt(device_bytes) if budgets.device_is_host else ''}), budget {fmt(budgets.host_memory)}")
+    if swap_bytes and not dirs:
+        violations.append(f"swap: needs {fmt(swap_bytes)} on disk but no nvme_path is given")
+    elif swap_bytes:
+        by_fs: dict[int, tuple[list[str], int, int]] = {}
+        for i, d in enumerate(budgets.swap):
+            if d.path in swap_per_dir:
+                paths, need, free = by_fs.get(d.fs_id or -(i + 1), ([], 0, d.free))
+                by_fs[d.fs_id or -(i + 1)] = (paths + [d.path], need + swap_per_dir[d.path], free)
+        for paths, need, free in by_fs.values():
+            if need > free:
+                violations.append(f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; "
+                                  f"add {fmt(need - free)}, or a second path")
+    if resident_bytes:
+        notes_resident = (f"{fmt(resident_bytes)} of parameters stay on the device: the whole units that fit "
+                          f"pyinfinity.resident_bytes: {int(k.resident_bytes)} ({fmt(k.resident_bytes)})")
+    pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
+                   fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state,
+                   device_stepped=dev_state_numel, device_accumulated=dev_acc_numel)
+    notes = [notes_resident] if resident_bytes else []
+    if dev_state:
+        notes.append(f"the optimizer state of {len(dev_state)} resident units ({dev_state_numel / 1e6:,.0f}M "
+                     f"parameters, {fmt(device_state_bytes)} with their gradients) lives on the device too and steps there "
+                     "(pyinfinity.device_optimizer_bytes)")
+    if dev_acc_numel:
+        notes.append(f"the fp32 gradient accumulators of {dev_acc_numel / 1e6:,.0f}M parameters "
+                     f"({fmt(accumulator_bytes)}) live on the device: their micro-batch gradients are added there and "
+                     "leave it once a step (pyinfinity.device_accumulator_bytes)")
+    return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
+                     host_bytes=host_bytes,
+                     # of host_bytes: the gradient staging and the buffers device accumulators land in are pinned too
+                     pinned_bytes=pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + accumulator_bytes
+                                            if cuda else 0),
+                     swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
+                     activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
+                     optimizer_step_device=k.optimizer_step_device,
+                     host_memory=budgets.host_memory, violations=violations, notes=notes,
+                     device_state_bytes=device_state_bytes, accumulator_bytes=accumulator_bytes, charges=charges)
+
+
+def _div(a: float, b: float) -> float:
+    if a <= 0:
+        return 0.0
+    return a / b if b > 0 else math.inf
+
+
+def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *, cuda: bool, fetch_ram: int,
+            fetch_disk: int, fetch_disk_s: float, seg_a: dict, seg_b: dict, first_disk_state: int,
+            device_stepped: int = 0, device_accumulated: int = 0) -> StepTime:
+    """Seconds per optimizer step from the byte flows ``evaluate`` worked out (see the module doc)."""
+    isz = sizes.itemsize
+    train_numel = sizes.trainable_numel
+    # -- one micro-batch
+    if train.compute_seconds is not None:
+        compute = train.compute_seconds
+    else:
+        compute = (sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
+                   * (1 + ELEMENTWISE_SHARE))
+    passes = FETCH_PASSES
+    ram_copy = _div(passes * fetch_ram, rates.h2d)
+    disk_read = passes * fetch_disk_s
+    # gradients off the device (those of units stepped on the device stay there; a device
+    # accumulator's fp32 sum leaves once a step, counted here per micro-batch)
+    g = train.grad_accum
+    host_acc = train_numel - device_stepped - device_accumulated if g > 1 else train_numel
+    grads_off = (_div((train_numel - device_stepped - device_accumulated) * isz, rates.d2h)
+                 + _div(device_accumulated * GRAD_BYTES_PER_PARAM / g, rates.d2h)) if cuda else 0.0
+    # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
+    # the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
+    # bytes touched), later ones add to it (isz + 8)
+    touched = ((isz + 4) + (g - 1) * (isz + 8)) / g
+    # host work per micro-batch: accumulating gradients (the accumulation worker's), and the engine's
+    # per-shard bookkeeping
+    accumulate = _div(host_acc * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
+    overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
+    latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
+    if cuda:
+        # copies run on the swap stream, host accumulation in the grad hooks: both overlap the
+        # GPU's compute; without prefetch every fetch (disk read, then H2D) is waited for
+        disk_h2d = _div(passes * fetch_disk, rates.h2d)
+        link = ram_copy + disk_h2d + grads_off
+        serial = 0.0 if overlap else ram_copy + disk_h2d + disk_read
+        micro = max(compute + serial, link, disk_read, accumulate) + latency
+        h2d_busy = link
+    else:
+        # the CPU device: fetches from RAM and the accumulation are memcpys of the compute thread
+        cpu_side = compute + ram_copy + accumulate
+        micro = (max(cpu_side, disk_read) if overlap else cpu_side + disk_read) + latency
+        h2d_busy = ram_copy + accumulate
+    # -- the optimizer step: norm, RAM part, then the disk part pipelined. The global norm is
+    # combined from per-unit norms taken as the gradients were made (under accumulation by the
+    # accumulation worker in the boundary micro-batch's add, chunk by chunk while it is in cache)
+    host = sum(sizes.shard_trainable) * rates.shard_step_overhead
+
+    pageable = rates.h2d_pageable or rates.h2d  # gradients and write-back sources are pageable
+
+    def adam_time(numel: int) -> float:
+        if knobs.optimizer_step_device == "device" and cuda:
+            # streamed: state + grad to the device, state back, one shard at a time (the copy back waits)
+            return _div(12 * numel, rates.h2d) + _div(4 * numel, pageable) + _div(12 * numel, rates.d2h)
+        return _div(numel, rates.adam)
+
+    def cpu_time(seg: dict) -> float:
+        # Adam, the cast pass from the fp32 master straight into the home (or the write buffer of a
+        # home on disk or on the device), and a device home's copy from that pageable buffer
+        return (adam_time(seg["adam"]) + _div(seg["cast"] * (4 + isz), 2 * rates.memcpy)
+                + _div(seg["param_dev"], pageable))
+
+    a = cpu_time(seg_a)
+    b = cpu_time(seg_b)
+    first_read = rates.read_time(OPT_BYTES_PER_PARAM * first_disk_state) if first_disk_state else 0.0
+    disk_a = seg_a["param_disk_s"] + first_read
+    disk_b = seg_b["state_s"] + seg_b["param_disk_s"] - first_read
+    if knobs.pipeline:
+        backlog = max(0.0, disk_a - a)
+        opt_phase = host + a + max(b, backlog + disk_b)
+    else:
+        opt_phase = host + a + disk_a + b + disk_b
+    visible = opt_phase
+    overlapped = train.overlap_step == "on" or (train.overlap_step == "auto" and (
+        cuda or (knobs.optimizer_device == "nvme" and knobs.ratio > 0)))
+    if overlapped and knobs.optimizer_step_device != "device":
+        back = BACKWARD_SHARE[train.checkpointing]
+        window = micro * ((1.0 - back) if train.norm_first else back)
+        hideable = opt_phase if cuda else max(0.0, opt_phase - (host + a + b))
+        tail = hideable * sizes.largest_shard_numel / max(1, sizes.numel)
+        visible = opt_phase - hideable + max(hideable - window, tail)
+    total = g * micro + visible
+    disk_busy = g * disk_read + disk_a + disk_b
+    busy = {"compute": g * compute, "host<->device": g * h2d_busy, "disk": disk_busy, "optimizer": host + a + b}
+    bottleneck = max(busy, key=busy.get)
+    return StepTime(compute=busy["compute"], h2d=busy["host<->device"], disk=disk_busy, optimizer=busy["optimizer"],
+                    micro_batch=micro, optimizer_phase=visible, total=total, bottleneck=bottleneck)
+
+
+__all__ = ["Knobs", "Share", "StepTime", "Placement", "evaluate", "predict", "on_cuda", "FETCH_PASSES",
+           "BACKWARD_SHARE", "ELEMENTWISE_SHARE", "SWAP_GROW", "SWAP_SLOT_ALIGN"]

@@ -1,0 +1,314 @@
+"""What of the training state stays on the compute device between steps, and the guards that keep
+it within ``pyinfinity.device_memory``.
+
+Resident units (whole units from the end of the model, ``pyinfinity.resident_bytes``), the
+optimizer state of some of them (from the front, ``pyinfinity.device_optimizer_bytes``) and,
+under gradient accumulation, the fp32 gradient accumulators of units stepped on the CPU (from the
+front, ``pyinfinity.device_accumulator_bytes``) are placed once, at construction. Three guards back the planner's estimate of a step's charges
+(``plan.charges.DeviceCharges``): the first training forward refuses a micro-batch x sequence
+that cannot fit even with nothing resident; after each step a measured peak past ``SHRINK_AT`` of
+the budget gives up prefetch, device optimizer state, device accumulators and resident units until the charges are back
+under the planner's target; an out-of-memory error in forward or backward gives all of it up.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from pyinfinity.config import AUTO, format_size
+from pyinfinity.swap.tensor_swapper import Tier
+from pyinfinity.zero.budget import DeviceBudgetExceeded
+from pyinfinity.zero.coordinator import ParameterCoordinator
+from pyinfinity.zero.homes import ParamHomes
+from pyinfinity.zero.optimizer import OffloadOptimizer
+from pyinfinity.zero.partition import FlatShard, Partition
+
+log = logging.getLogger(__name__)
+
+# a step whose measured device peak passes this share of the budget gives up part of the placement
+# (prefetch, device optimizer state, device accumulators, resident units) until the charges are back under the
+# planner's target (1 - DEVICE_HEADROOM of the budget)
+SHRINK_AT = 0.95
+
+
+class DevicePlacement:
+    """The resident units, the device optimizer state and the device gradient accumulators of one
+    training state, and giving them up.
+
+    ``drain(what)`` waits until the optimizer's worker has written every new value home (the
+    training state's own, which marks the state partly stepped when that fails): the homes must
+    hold the current values before a unit or its state leaves the device."""
+
+    def __init__(self, partition: Partition, optimizer: OffloadOptimizer, homes: ParamHomes, device: torch.device,
+                 device_memory: Optional[int], *, resident_bytes: Any, device_optimizer_bytes: Any,
+                 accumulation: int, device_accumulator_bytes: Any = 0, drain: Callable[[str], None], plan_sizes: Any = None,
+                 checkpointing: bool = False) -> None:
+        self.partition = partition
+        self.optimizer = optimizer
+        self.homes = homes
+        self.device = device
+        self.device_memory = device_memory
+        self.accumulation = accumulation
+        self.coordinator: Optional[ParameterCoordinator] = None  # set by watch()
+        self._resident_budget = resident_bytes
+        self._state_budget = device_optimizer_bytes
+        self._accumulator_budget = device_accumulator_bytes
+        self._drain = drain
+        # for the shape check at the first forward: the planner's sizes, or the model's own
+        self.plan_sizes = plan_sizes
+        self.checkpointing = checkpointing
+        self.shape_checked = False
+        self.resident_units: list[FlatShard] = []  # what a budget overflow may give up, in unit order
+        self.resident_bytes = 0
+        self.device_state_bytes = 0
+        self.device_grad_bytes = 0  # the fp32 gradient accumulators on the device
+        self.gave_up: list[str] = []  # what budget overflows took from the placement, in order
+        self.grad_buffers = 0
+
+    # ------------------------------------------------------------------------- placing
+    def keep_resident(self, shards: Optional[list[FlatShard]] = None) -> None:
+        """Marks the units that stay on the compute device between steps: ``shards`` (all of them
+        when parameters are not offloaded), else whole units from the end of the model (backward
+        needs them first) within ``pyinfinity.resident_bytes``."""
+        if shards is None:
+            left = int(self._resident_budget) if self._resident_budget != AUTO else 0
+            shards = []
+            for sh in reversed(self.partition.shards):
+                if sh.persistent or sh.nbytes > left:
+                    continue
+                left -= sh.nbytes
+                shards.append(sh)
+        for sh in shards:
+            sh.persistent = True
+        # what a budget overflow may give up (not the units whose home is the device)
+        self.resident_units = sorted((sh for sh in shards if sh.home.tier != Tier.GPU), key=lambda sh: sh.index)
+        self.resident_bytes = sum(sh.nbytes for sh in self.partition.shards if sh.persistent)
+
+    def place_device_states(self) -> None:
+        """Resident units whose optimizer state also lives on the device, within
+        ``pyinfinity.device_optimizer_bytes``: whole units from the front of the model (their
+        gradients come last in backward, when a CPU step would have the least time left)."""
+        from pyinfinity.plan.charges import device_state_cost
+
+        budget = self._state_budget
+        left = 0 if budget == AUTO else int(budget)
+        self.device_state_bytes = 0
+        if left <= 0 or self.optimizer.step_device is not None:
+            return
+        units = numel = 0
+        for sh in self.partition.shards:
+            cost = device_state_cost(sh.dtype.itemsize, self.accumulation) * sh.numel
+            if not (sh.persistent and sh.trainable and sh.numel) or cost > left:
+                continue
+            left -= cost
+            self.device_state_bytes += self.optimizer.to_device(sh, self.device)
+            units += 1
+            numel += sh.numel
+        if units:
+            log.info("optimizer state of %d resident units (%s parameters, %s) on %s: they step there", units,
+                     f"{numel:,}", format_size(self.device_state_bytes), self.device)
+
+    def place_device_accumulators(self) -> None:
+        """Under gradient accumulation, units whose fp32 gradient accumulator lives on the device
+        within ``pyinfinity.device_accumulator_bytes`` (4 bytes a parameter): whole units from the
+        front of the model (their gradients come last in backward, when host adds would have the
+        least time left), besides those stepped on the device (which accumulate there anyway)."""
+        budget = self._accumulator_budget
+        left = 0 if budget == AUTO else int(budget)
+        self.device_grad_bytes = 0
+        if left <= 0 or self.accumulation <= 1:
+            return
+        units = numel = 0
+        for sh in self.partition.shards:
+            if not (sh.trainable and sh.numel) or sh.device_step or 4 * sh.numel > left:
+                continue
+            n = self.optimizer.accumulate_on_device(sh, self.device)
+            left -= n
+            self.device_grad_bytes += n
+            units += 1
+            numel += sh.numel
+        if units:
+            log.info("gradient accumulators of %d units (%s parameters, %s) on %s: their micro-batch gradients are "
+                     "added there", units, f"{numel:,}", format_size(self.device_grad_bytes), self.device)
+
+    def watch(self, coordinator: ParameterCoordinator) -> None:
+        """Starts watching ``coordinator``'s device budget: the prefetch reserve (the planner's charges
+        for gradient buffers and headroom) and the step's peak."""
+        from pyinfinity.plan.charges import DEVICE_HEADROOM, grad_buffer_bytes
+
+        self.coordinator = coordinator
+        trainable = [sh for sh in self.partition.shards if sh.trainable]
+        params = [sl.numel * sh.dtype.itemsize for sh in trainable for sl in sh.slices if sl.requires_grad]
+        self.grad_buffers = grad_buffer_bytes(max((sh.nbytes for sh in trainable), default=0), max(params, default=0))
+        if self.device_memory:
+            headroom = int(self.device_memory * DEVICE_HEADROOM)
+            coordinator.budget.reserve = headroom + (self.grad_buffers if self.device.type == "cuda" else 0)
+        coordinator.budget.reset_step_peak()
+
+    # ------------------------------------------------------------------------- the guards
+    def check_shape(self, args: tuple, kwargs: dict) -> None:
+        """At the first training forward, when the micro-batch x sequence is known: refuses a shape
+        that cannot fit the device budget even with nothing resident (PlanError, one line naming the
+        largest that fits)."""
+        self.shape_checked = True
+        t = kwargs.get("input_ids")
+        if t is None:
+            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or self.device_memory is None:
+            return
+        sizes = self.plan_sizes
+        if sizes is None or not sizes.hidden:
+            return  # the activation estimate is for transformers' decoders; the allocator has the last word
+        from pyinfinity.plan.charges import PlanError, TrainShape, shape_refusal
+
+        train = TrainShape(micro_batch=int(t.shape[0]), seq_len=int(t.shape[1]),
+                           grad_accum=self.accumulation, checkpointing=self.checkpointing)
+        if self.device.type != "cuda":
+            return  # the CPU device's pool holds shards only: the coordinator checks each fetch
+        small = sum(sh.nbytes for sh in self.partition.shards if sh.persistent) - self.resident_bytes
+        why = shape_refusal(sizes, train, self.device_memory, persistent=max(0, small))
+        if why is not None:
+            raise PlanError(why)
+
+    def after_step(self) -> None:
+        """After each optimizer step: the measured device peak (torch's allocator on a GPU, since
+        the last shrink; the engine's own count of the step on the CPU device); past SHRINK_AT of
+        the budget, the placement gives up what the peak exceeds the planner's target by (a unit
+        given up is fetched again when used, so the next step may give up more), with a warning
+        the first time."""
+        from pyinfinity.plan.charges import DEVICE_HEADROOM
+
+        cap = self.device_memory
+        coord = self._coordinator()
+        budget = coord.budget
+        cuda = self.device.type == "cuda"
+        if cuda:  # torch's peak since the last shrink (reset only then: tools read it at the end of a run)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+        else:
+            peak, reserved = budget.step_peak, budget.step_peak
+        budget.reset_step_peak()
+        if not cap or peak <= SHRINK_AT * cap:
+            coord.prefetch_high = 0
+            return
+        gave = self.give_up(peak - int((1 - DEVICE_HEADROOM) * cap))
+        coord.prefetch_high = 0
+        if gave and cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if gave:  # a warning the first time; the steps after it may give up a little more (INFO)
+            first = len(self.gave_up) == len(gave)
+            log.log(logging.WARNING if first else logging.INFO,
+                    "device budget: the step's peak was %s of %s (allocator reserved %s): gave up %s%s",
+                    format_size(peak), format_size(cap), format_size(reserved), "; ".join(gave),
+                    "" if first else f" (in all: {'; '.join(self.gave_up)})")
+
+    def budget_exceeded(self, where: str, oom: str) -> DeviceBudgetExceeded:
+        """After an out-of-memory error in forward or backward with no unit stepped: the step's
+        buffers freed, the placement moved to the host homes. The error to raise."""
+        coord = self._coordinator()
+        coord.release_all()
+        if where == "backward":  # this micro-batch's gradients are dropped (a home holding one was restored)
+            for st in self.optimizer.states:
+                if not st.busy:
+                    st.src = st.event = st.norm = None
+        gave = self.give_up_all()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        what = "; ".join(gave) or "nothing was left to give up"
+        msg = (f"{where} ran out of device memory ({oom}) within pyinfinity.device_memory "
+               f"{format_size(self.device_memory) if self.device_memory else 'none'}, before any unit was stepped; "
+               f"gave up: {what}. The micro-batch may be run again")
+        log.warning("%s", msg)
+        return DeviceBudgetExceeded(msg, what)
+
+    # ------------------------------------------------------------------------- giving up
+    def give_up(self, need: int, prefetch: bool = True) -> list[str]:
+        """Frees at least ``need`` device bytes of the placement if it can: the prefetch it used
+        (with ``prefetch``), then the optimizer state on the device (from the back: the units
+        stepped there last), then the gradient accumulators on the device (from the back), then
+        resident units (from the front: backward needs the back first).
+        Returns what was given up."""
+        gave: list[str] = []
+        coord = self._coordinator()
+        used = min(coord.prefetch_high, coord.prefetch_bytes)  # what prefetch held at most in the last step
+        if prefetch and need > 0 and used > 0:
+            before = coord.prefetch_bytes
+            coord.prefetch_bytes = max(0, used - need)
+            coord.prefetch_enabled = coord.prefetch_enabled and coord.prefetch_bytes > 0
+            need -= used - coord.prefetch_bytes
+            gave.append(f"prefetch {format_size(before)} -> {format_size(coord.prefetch_bytes)}")
+        if need > 0 and (self.device_state_bytes or self.device_grad_bytes or self.resident_units):
+            self._drain("giving up device memory")  # the homes must hold the current values
+        units = freed = 0
+        for sh in reversed(self.partition.shards):  # small persistent shards may step there too
+            if need <= 0:
+                break
+            if sh.device_step:
+                n = self._state_to_host(sh)
+                need -= n
+                freed += n
+                units += 1
+        if units:
+            gave.append(f"the optimizer state of {units} units ({format_size(freed)}) back to the host")
+        units = freed = 0
+        for sh in reversed(self.partition.shards):
+            if need <= 0:
+                break
+            if sh.grad_on_device:
+                n = self._accumulator_to_host(sh)
+                need -= n
+                freed += n
+                units += 1
+        if units:
+            gave.append(f"the gradient accumulators of {units} units ({format_size(freed)}) to the host")
+        units = freed = 0
+        if need > 0 and self.resident_units and all(sh.persistent for sh in self.partition.shards):
+            # nothing was fetched in the last step: from now on a working set is (the unit in use and the next)
+            need += 2 * max(sh.nbytes for sh in self.partition.shards)
+        for sh in list(self.resident_units):
+            if need <= 0:
+                break
+            if sh.device_step:
+                need -= self._state_to_host(sh)
+            n = coord.give_up_resident(sh)
+            self.resident_units.remove(sh)
+            self.resident_bytes -= n
+            need -= n
+            freed += n
+            units += 1
+        if units:
+            gave.append(f"{units} resident units ({format_size(freed)}) back to their homes")
+        self.gave_up += gave
+        return gave
+
+    def give_up_all(self) -> list[str]:
+        """Every resident unit, all device optimizer state and every device accumulator back to the
+        host (an out-of-memory error)."""
+        return self.give_up(1 << 62, prefetch=False)
+
+    def _state_to_host(self, sh: FlatShard) -> int:
+        """Moves one shard's optimizer state from the device to its host home (it is stepped on
+        the CPU from now on); returns the device bytes freed."""
+        coord = self._coordinator()
+        n = self.optimizer.to_host(sh, self.homes.write_home)
+        coord.budget.sub(n)
+        coord.budget.fixed -= n
+        self.device_state_bytes -= n
+        return n
+
+    def _accumulator_to_host(self, sh: FlatShard) -> int:
+        """Moves one unit's gradient accumulator from the device to the host (the window's sum so
+        far with it); returns the device bytes freed."""
+        coord = self._coordinator()
+        n = self.optimizer.accumulator_to_host(sh)
+        coord.budget.sub(n)
+        coord.budget.fixed -= n
+        self.device_grad_bytes -= n
+        return n
+
+    def _coordinator(self) -> ParameterCoordinator:
+        if self.coordinator is None:
+            raise RuntimeError("DevicePlacement: watch(coordinator) was not called")
+        return self.coordinator

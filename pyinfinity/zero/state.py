@@ -1,0 +1,406 @@
+"""The training state of one model on one device, below the engine.
+
+``TrainingState`` builds and holds what training changes: the partition (``partition``), each
+shard's home in its tier (the swappers, ``homes``), the coordinator that moves units to the
+compute device, the offloaded optimizer, the device placement (``device_placement``), the loss
+scaler, the lr scheduler and the step counters, with the swap engines and the swap-directory claim
+under them. It also keeps the checks that say whether the state may be read or trained on:
+
+* open or closed;
+* partly stepped: some shards hold a step's (or a checkpoint's) values and others not, after a
+  failure part-way; training, saving and exporting refuse until a checkpoint is loaded;
+* a boundary backward's gradients waiting for ``step()`` (``pending_backward``), and the
+  optimizer's worker stepping in the background: what reads the whole state first waits for the
+  worker and refuses in between (``quiesce``);
+* a forward or backward running (``in_pass``): a save or load from a signal handler refuses.
+
+The ``Engine`` is the user's facade over it (``engine.state``); ``checkpoint`` and ``export`` read
+and write it through the methods here. It holds no reference to the engine, and nothing it hands
+out (hooks, the worker) holds a strong reference to it, so an engine dropped without ``close()``
+is collected and the finalizer removes the swap files.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import time
+import weakref
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from pyinfinity.config import AUTO, Config, ModelSizes, default_optimizer_threads
+from pyinfinity.swap.ownership import claim_swap_dirs
+from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
+from pyinfinity.zero.coordinator import ParameterCoordinator
+from pyinfinity.zero.device_placement import DevicePlacement
+from pyinfinity.zero.homes import ParamHomes
+from pyinfinity.zero.lr_schedules import build_scheduler
+from pyinfinity.zero.optim.formats import AdamFp32
+from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
+from pyinfinity.zero.partition import FlatShard, partition_model
+
+log = logging.getLogger(__name__)
+
+
+def _weakly(method: Any) -> Any:
+    """A callable for the state's parts (hooks, the device placement) that does not keep the state
+    alive: an engine dropped without close() is collected (its finalizer removes the swap files
+    and the hooks)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        m = ref()
+        if m is None:
+            raise RuntimeError("the pyinfinity Engine this belongs to was garbage-collected without close(); "
+                               "build a new engine")
+        return m(*args, **kwargs)
+    return call
+
+
+class TrainingState:
+    """The partition, homes, coordinator, optimizer, device placement, scaler, scheduler and step
+    counters of one model, and the checks on them (see the module docstring).
+
+    Built from a config whose "auto" values are decided (``plan_engine_config``): ``sizes`` are the
+    model's (for the swap-space checks), ``materialize`` the partitioner's materializer for meta
+    parameters (``pretrained.WeightLoader``; None: their initialisers), ``background`` whether the
+    optimizer steps in a worker thread, ``plan_sizes``/``checkpointing`` what the first forward's
+    shape check needs. On failure everything built so far is closed again.
+    """
+
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device, sizes: ModelSizes, *,
+                 device_memory: Optional[int] = None, lr_scheduler: Any = None, materialize: Any = None,
+                 background: bool = False, plan_sizes: Any = None, checkpointing: bool = False) -> None:
+        self._closed = True
+        self._finalizer: Any = None
+        self.config = cfg
+        self.device = device
+        self.model = model
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.pending_backward = False  # a boundary backward's gradients wait for step()
+        self._partly_stepped: Optional[str] = None  # why some shards hold a step's values and others not
+        self._in_pass = 0  # forwards/backwards running now (a save from a signal handler refuses)
+        z = cfg.zero_optimization
+
+        # the swap layer: one engine per state class so I/O time can be told apart
+        self._swap_engines: dict[str, Any] = {}
+        op, oo = z.offload_param, z.offload_optimizer
+        param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * max(1, sizes.param_bytes // max(1, sizes.numel)))
+        self.state_format = AdamFp32(cfg.optimizer.adam_w_mode)  # how each shard's optimizer state is kept
+        optim_ram = sizes.numel * self.state_format.bytes_per_param * (1.0 - (oo.ratio if oo.device == "nvme"
+                                                                              else 0.0))
+        # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
+        self.ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
+        try:
+            self.param_swapper = TensorSwapper("params", device, op.nvme_path,
+                                               self._swap_engine("params") if op.device == "nvme" else None,
+                                               pin=op.pin_memory, pinned_capacity=param_ram + (1 << 20),
+                                               checksums=cfg.pyinfinity.checksums, ownership=self.ownership)
+            self.optim_swapper = TensorSwapper("optimizer", device, oo.nvme_path,
+                                               self._swap_engine("optimizer") if oo.device == "nvme" else None,
+                                               pin=oo.pin_memory and cfg.pyinfinity.optimizer_step_device == "device",
+                                               pinned_capacity=int(optim_ram) + (1 << 20),
+                                               checksums=cfg.pyinfinity.checksums, ownership=self.ownership)
+        except BaseException:  # e.g. pinned memory refused: give the swap directories back
+            for e in self._swap_engines.values():
+                e.close()
+            self.ownership.release()
+            raise
+        self.homes = ParamHomes(self.param_swapper, device, cfg.gradient_accumulation_steps)
+        self.optimizer = OffloadOptimizer(cfg.optimizer, self.optim_swapper,
+                                          nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
+                                          buffer_count=oo.buffer_count,
+                                          pipeline=oo.pipeline_read or oo.pipeline_write,
+                                          write_param=self.homes.write_param,
+                                          step_device=device if cfg.pyinfinity.optimizer_step_device
+                                          == "device" else None,
+                                          accumulate_steps=cfg.gradient_accumulation_steps,
+                                          state_format=self.state_format)
+        self.optimizer.background = background
+        self.optimizer.param_out = self.homes.param_out
+        self.optimizer.release_grad = self.homes.release_grad
+        ot = cfg.pyinfinity.optimizer_threads
+        # on the CPU device backward has the cores (see engine.AUTO_OVERLAP_ON_CPU)
+        self.optimizer.threads = int(ot) if ot != AUTO else default_optimizer_threads(str(device))
+        self.optimizer.total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
+                                                             if p.requires_grad}.values())
+        self._cpu_params_left = int(op.max_in_cpu) if op.device == "nvme" else 0
+        self._param_tier = {"none": Tier.GPU, "cpu": Tier.CPU, "nvme": Tier.NVME}[op.device]
+
+        # buffers go to the device and stay (counted against the budget)
+        buf_bytes = 0
+        for mod in model.modules():
+            for name, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[name] = b.to(device)
+                    buf_bytes += b.numel() * b.element_size()
+        self.coordinator: Optional[ParameterCoordinator] = None
+        self._closed = False
+        self._held: list[Any] = [self.optimizer]  # what the finalizer stops: the worker, later the hooks
+        self._finalizer = weakref.finalize(self, TrainingState._cleanup, self.param_swapper, self.optim_swapper,
+                                           self._swap_engines, self.ownership, self._held)
+        atexit.register(self._finalizer)
+        try:
+            t0 = time.perf_counter()
+            self.partition = partition_model(model, fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled,
+                                             persistence_threshold=int(z.stage3_param_persistence_threshold),
+                                             on_shard=self._place_shard, device=device,
+                                             unit_bytes=int(cfg.pyinfinity.unit_bytes),
+                                             **({"materialize": materialize} if materialize is not None else {}))
+            log.info("placed %d units (%d shards) in %.2fs", self.partition.units, len(self.partition.shards),
+                     time.perf_counter() - t0)
+            self.ownership.flush()  # the manifest lists every slot
+            self.placement = DevicePlacement(self.partition, self.optimizer, self.homes, device, device_memory,
+                                             resident_bytes=cfg.pyinfinity.resident_bytes,
+                                             device_optimizer_bytes=cfg.pyinfinity.device_optimizer_bytes,
+                                             device_accumulator_bytes=cfg.pyinfinity.device_accumulator_bytes,
+                                             accumulation=self.gradient_accumulation_steps,
+                                             drain=_weakly(self.drain), plan_sizes=plan_sizes,
+                                             checkpointing=checkpointing)
+            self.placement.keep_resident(self.partition.shards if self._param_tier == Tier.GPU else None)
+            self.placement.place_device_states()
+            self.placement.place_device_accumulators()
+            self.coordinator = ParameterCoordinator(
+                model, self.partition, self.param_swapper, device,
+                device_memory=device_memory,
+                prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
+                on_grad=self.optimizer.grad_ready, grad_dest=self.homes.grad_dest, wait_home=_weakly(self.wait_home),
+                master_values=self.optimizer.master_values,
+                fixed_bytes=buf_bytes + self.placement.device_state_bytes + self.placement.device_grad_bytes,
+                max_live_elements=int(z.stage3_max_live_parameters),
+                max_inflight_reads=int(op.buffer_count) if op.device == "nvme" else None)
+        except BaseException:
+            self.close()
+            raise
+        self._held.append(self.coordinator)  # a dropped engine takes its hooks off the model
+        self.optimizer.copy_to_host = self.coordinator.copy_to_host  # device accumulators' sums to the host
+        self.placement.watch(self.coordinator)
+        self.homes.partition, self.homes.coordinator = self.partition, self.coordinator
+        self.scaler = DynamicLossScaler(cfg.fp16)
+        if lr_scheduler is not None:
+            self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
+                lr_scheduler, "step") else lr_scheduler
+        elif cfg.scheduler is not None:
+            self.lr_scheduler = build_scheduler(cfg.scheduler.type, self.optimizer, cfg.scheduler.params)
+        else:
+            self.lr_scheduler = None
+
+    # ------------------------------------------------------------------------- construction
+    def _swap_engine(self, name: str) -> Any:
+        if name not in self._swap_engines:
+            from pyinfinity.swap import SwapEngine
+
+            a = self.config.aio
+            self._swap_engines[name] = SwapEngine(backend=a.backend, block_size=a.block_size,
+                                                  queue_depth=a.queue_depth, threads=a.thread_count)
+        return self._swap_engines[name]
+
+    def _place_shard(self, shard: FlatShard, flat: torch.Tensor, flat32: torch.Tensor) -> None:
+        tier = self._param_tier
+        if tier == Tier.NVME and self._cpu_params_left >= shard.numel:
+            self._cpu_params_left -= shard.numel
+            tier = Tier.CPU
+        shard.home = self.param_swapper.put(f"param.{shard.index}", flat, tier)
+        self.optimizer.add_shard(shard, flat32)
+
+    # ------------------------------------------------------------------------- the checks
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called (or construction failed)."""
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine: used after close()")
+
+    @property
+    def partly_stepped(self) -> Optional[str]:
+        """Why some shards hold a step's (or a checkpoint's) values and others not, or None."""
+        return self._partly_stepped
+
+    def check_trainable(self, what: str) -> None:
+        """Open and not partly stepped: ``what`` may train, save or export."""
+        self.check_open()
+        if self._partly_stepped is not None:
+            raise self.partly_stepped_error(what)
+
+    def partly_stepped_error(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{what}: the training state is partly stepped ({self._partly_stepped}); "
+                            "load_checkpoint() or build a new engine")
+
+    def mark_partly_stepped(self, why: str) -> None:
+        """Records that some shards hold a step's results and others not (the first reason is kept):
+        backward/step/save refuse (``check_trainable``) until load_checkpoint() succeeds."""
+        if self._partly_stepped is None:
+            self._partly_stepped = why
+            log.error("%s: the optimizer state is partly stepped; load_checkpoint() before training on", why)
+
+    def mark_partly_accumulated(self, why: str) -> None:
+        """Part of a micro-batch's gradient was added into the accumulators before its backward
+        failed: a retry would add it twice, so training refuses like a partly stepped state (the
+        first reason is kept)."""
+        if self._partly_stepped is None:
+            self._partly_stepped = why
+
+    def mark_partly_loaded(self, why: str) -> None:
+        """A checkpoint load stopped part-way: some shards hold the checkpoint's state, the others
+        the previous one (replaces an earlier reason)."""
+        self._partly_stepped = why
+
+    def mark_whole(self) -> None:
+        """Every shard's state and values belong together again (a checkpoint load completed)."""
+        self._partly_stepped = None
+
+    @contextlib.contextmanager
+    def in_pass(self) -> Iterator[None]:
+        """Counts a forward or backward in progress (``check_not_in_pass``)."""
+        self._in_pass += 1
+        try:
+            yield
+        finally:
+            self._in_pass -= 1
+
+    def check_not_in_pass(self, what: str) -> None:
+        """A save or load re-entering a forward or backward (a signal handler runs between two
+        bytecodes of it) would read or replace shards the pass holds half-fetched: refused."""
+        if self._in_pass:
+            raise RuntimeError(f"{what}: called while a forward or backward of this engine is running (from a signal "
+                               "handler?), whose shards are in flight; set a flag in the handler and save after "
+                               "step() returns")
+
+    def quiesce(self, what: str) -> None:
+        """Before reading the whole training state: no boundary backward may be waiting for its
+        step(), and the optimizer's worker must have written everything home."""
+        if self.pending_backward or self.optimizer.overlap_open:
+            raise RuntimeError(f"{what}: called between the boundary backward() and step() (the parameter homes "
+                               "hold gradients, part of the model may already be stepped); call step() first")
+        self.drain(what)
+        self.optimizer.sync_homes(self.homes.write_home)  # units stepped on the device: their homes
+
+    # ------------------------------------------------------------------------- the optimizer's worker
+    def drain(self, what: str) -> None:
+        """Waits until the optimizer's worker has written every new value home (for anything that
+        reads the whole training state); a failure there marks the state partly stepped."""
+        try:
+            self.optimizer.drain()
+        except BaseException as exc:
+            self.mark_partly_stepped(f"the background optimizer step failed: {exc!r}")
+            self.optimizer.cancel()
+            raise
+
+    def wait_home(self, shard: FlatShard) -> float:
+        """A fetch waits for the worker to write a unit's new values; a failure there (of any step
+        still running in the background) leaves the state partly stepped: the failure is raised
+        once, every later fetch gets the partly-stepped refusal."""
+        if self._partly_stepped is not None and self.optimizer.failure is not None:
+            raise self.partly_stepped_error(f"fetching {shard.module_name or '<root>'}")
+        try:
+            return self.optimizer.wait_shard(shard)
+        except BaseException as exc:
+            if self._partly_stepped is not None:
+                raise self.partly_stepped_error(f"fetching {shard.module_name or '<root>'}") from exc
+            self.mark_partly_stepped(f"the background optimizer step failed: {exc!r}")
+            raise
+
+    def abandon_step(self, why: str) -> None:
+        """A step that cannot complete: waits for what the worker was handed, puts the parameter
+        homes that hold gradients back to the current weights. If any shard was stepped, or the
+        background step of this or an earlier step failed, the training state is partly stepped:
+        backward/step/save refuse until load_checkpoint()."""
+        self.pending_backward = False
+        failed = self.optimizer.failure  # cancel() forgets it
+        try:
+            stepped = self.optimizer.cancel()
+            self.optimizer.restore_homes()
+        except BaseException:
+            self.mark_partly_stepped(f"{why}; the optimizer step could not be stopped cleanly")
+            raise
+        if failed is not None:
+            self.mark_partly_stepped(f"{why}: the background optimizer step had failed ({failed!r})")
+        elif stepped:
+            self.mark_partly_stepped(f"{why} after {stepped} shards had been stepped")
+
+    # ------------------------------------------------------------------------- reading and writing it whole
+    def checkpoint_io(self) -> Any:
+        """The swap engine checkpoint files are read and written through (one of its own)."""
+        return self._swap_engine("checkpoint")
+
+    def io_stats(self) -> dict[str, Any]:
+        """Each swap engine's counters, by state class ("params", "optimizer", "checkpoint")."""
+        return {name: e.stats() for name, e in self._swap_engines.items()}
+
+    def param_values(self, shard: FlatShard) -> torch.Tensor:
+        """A copy of a shard's values from its home (in the compute dtype)."""
+        buf = aligned_empty(shard.numel, shard.dtype)
+        self.param_swapper.read(shard.home, buf).wait()
+        return buf
+
+    def trained_values(self, shard: FlatShard) -> torch.Tensor:
+        """A shard's trained values: its fp32 master when it has one, else its home's values."""
+        self.quiesce("reading the trained values")
+        st = self.optimizer.state_of(shard)
+        if st is None:
+            return self.param_values(shard)
+        out = torch.empty(shard.numel, dtype=torch.float32)
+        self.optimizer.master_values(shard, out)  # the fp32 master, in whatever format the state is kept
+        return out
+
+    def write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
+        """New fp32 values of a shard, written home (``ParamHomes.write_param``); returns the request."""
+        return self.homes.write_param(shard, master)
+
+    # ------------------------------------------------------------------------- life
+    @property
+    def released(self) -> bool:
+        """Whether the swap files are gone (close() ran, or construction failed)."""
+        return self._finalizer is None or not self._finalizer.alive
+
+    @staticmethod
+    def _cleanup(param_swapper: TensorSwapper, optim_swapper: TensorSwapper, engines: dict,
+                 ownership: Any = None, held: Optional[list] = None) -> None:
+        for obj in reversed(held or []):  # the coordinator's hooks off the model, the optimizer's worker stopped
+            try:
+                obj.close()
+            except Exception as exc:  # noqa: BLE001 - best effort: the swap files still go
+                log.warning("closing %s: %r", type(obj).__name__, exc)
+        for sw in (param_swapper, optim_swapper):
+            try:
+                sw.close()
+            except Exception as exc:  # noqa: BLE001 - best effort at exit
+                log.warning("closing %s swap: %s", sw.name, exc)
+        for e in engines.values():
+            try:
+                e.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("closing swap engine: %s", exc)
+        if ownership is not None:
+            ownership.release()  # manifest and lock (after the swap files)
+
+    def close(self) -> None:
+        """Removes the hooks, stops the optimizer's worker, frees device/pinned memory and removes
+        the swap files. Idempotent."""
+        if self.released:
+            self._closed = True
+            return
+        self._closed = True
+        coord = self.__dict__.get("coordinator")
+        if coord is not None:
+            try:
+                coord.close()
+            except Exception as exc:  # noqa: BLE001 - e.g. a failed read left a shard in flight:
+                log.warning("closing the parameter coordinator: %r", exc)  # the swap files still go
+        try:
+            self.optimizer.close()  # stops the background step thread first
+        except Exception as exc:  # noqa: BLE001 - the swap files still go
+            log.warning("closing the optimizer: %r", exc)
+        fin, self._finalizer = self._finalizer, None
+        atexit.unregister(fin)
+        fin()
+
+
+__all__ = ["TrainingState"]
