@@ -311,7 +311,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         if seq_len is not None or train.activation_bytes == 0:
             raise
         # the shape is not known yet: plan at the longest sequence that fits with nothing resident;
-        # the first forward refuses a longer one in one line (Engine._check_shape)
+        # the first forward refuses a longer one in one line (DevicePlacement.check_shape)
         mb, seq = largest_shape(sizes, train, budgets.device_memory)
         if mb != train.micro_batch or seq >= train.seq_len:
             raise
