@@ -501,7 +501,8 @@ class Engine:
             device=str(self.device), device_budget=self.device_memory,
             device_resident=self.coordinator.budget.resident, device_peak=self.coordinator.budget.peak,
             device_allocated_peak=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
-            params=params, optimizer=self.optimizer.bytes_by_tier, grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
+            params=params, optimizer=self.optimizer.bytes_by_tier,
+            grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
             swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss())
 
     # ------------------------------------------------------------------------- checkpoints

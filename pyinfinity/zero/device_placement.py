@@ -4,11 +4,12 @@ it within ``pyinfinity.device_memory``.
 Resident units (whole units from the end of the model, ``pyinfinity.resident_bytes``), the
 optimizer state of some of them (from the front, ``pyinfinity.device_optimizer_bytes``) and,
 under gradient accumulation, the fp32 gradient accumulators of units stepped on the CPU (from the
-front, ``pyinfinity.device_accumulator_bytes``) are placed once, at construction. Three guards back the planner's estimate of a step's charges
-(``plan.charges.DeviceCharges``): the first training forward refuses a micro-batch x sequence
-that cannot fit even with nothing resident; after each step a measured peak past ``SHRINK_AT`` of
-the budget gives up prefetch, device optimizer state, device accumulators and resident units until the charges are back
-under the planner's target; an out-of-memory error in forward or backward gives all of it up.
+front, ``pyinfinity.device_accumulator_bytes``) are placed once, at construction. Three guards
+back the planner's estimate of a step's charges (``plan.charges.DeviceCharges``): the first
+training forward refuses a micro-batch x sequence that cannot fit even with nothing resident;
+after each step a measured peak past ``SHRINK_AT`` of the budget gives up prefetch, device
+optimizer state, device accumulators and resident units until the charges are back under the
+planner's target; an out-of-memory error in forward or backward gives all of it up.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class DevicePlacement:
 
     def __init__(self, partition: Partition, optimizer: OffloadOptimizer, homes: ParamHomes, device: torch.device,
                  device_memory: Optional[int], *, resident_bytes: Any, device_optimizer_bytes: Any,
-                 accumulation: int, device_accumulator_bytes: Any = 0, drain: Callable[[str], None], plan_sizes: Any = None,
+                 accumulation: int, device_accumulator_bytes: Any = 0, drain: Callable[[str], None],
+                 plan_sizes: Any = None,
                  checkpointing: bool = False) -> None:
         self.partition = partition
         self.optimizer = optimizer

@@ -133,7 +133,8 @@ def test_another_layout_trains_the_engine_bit_for_bit(tiny_lm, lm_batches, engin
     batches = lm_batches(8)
     got = []
     for fmt_cls in (AdamFp32, MasterLast):
-        monkeypatch.setattr(pyinfinity.zero.state, "AdamFp32", fmt_cls)  # the training state builds its optimizer with it
+        # the format the training state builds its optimizer with
+        monkeypatch.setattr(pyinfinity.zero.state, "AdamFp32", fmt_cls)
         cfg = engine_config("nvme", gradient_accumulation_steps=2)
         cfg["pyinfinity"].update(resident_bytes="64MiB", unit_bytes=0, device_optimizer_bytes="6KiB",
                                  overlap_step=True)

@@ -425,8 +425,8 @@ def test_a_long_module_must_say_why_it_is_one(tmp_path):
         "vague.py": '"""This is one big module, about 600 lines, on purpose."""\n' + body,
         "stale.py": '"""The store.\n\nOne class in one module (about 300 lines): it is one state machine."""\n' + body,
         "said.py": '"""The store.\n\nOne class in one\nmodule (about 600 lines): it is one state machine."""\n' + body,
-        "commented.py": "# The store.\n# One module for the schema and its parser (about 1,000 lines): read side by side.\n"
-                        + "x = 1\n" * 1000,
+        "commented.py": "# The store.\n# One module for the schema and its parser (about 1,000 lines): read side "
+                        "by side.\n" + "x = 1\n" * 1000,
     })
     bad = oversized(mods)
     assert [b.split(":")[0] for b in bad] == ["pyinfinity.silent", "pyinfinity.stale", "pyinfinity.vague"], bad
