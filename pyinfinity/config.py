@@ -186,7 +186,7 @@ class EngineConfig:
     checksums: a CRC-32C of every 64 KiB written to the swap files (computed in the I/O thread),
     verified on every read: a changed byte raises OSError(EBADMSG) naming file, offset and slot
     instead of being trained on (cost: RELIABILITY.md).
-    overlap_step: step the optimizer in a background thread (``zero.optimizer``): without clipping
+    overlap_step: step the optimizer in a background thread (``zero.optim.worker``): without clipping
     or fp16 loss scaling each unit as soon as its gradient is complete in the boundary backward,
     with them each unit after backward (the global norm known) while the next forward runs, that
     forward waiting for each unit's new values. Exact in every case. "auto" = on, except with
@@ -203,9 +203,16 @@ class EngineConfig:
     gradients come last in backward). Their host homes are brought up to date before a
     checkpoint or an export. "auto" = what the device budget leaves after the resident units,
     activations and headroom (on a GPU; 0 on the CPU device); 0 = none.
-    optimizer_threads: threads of the CPU Adam step when the background worker runs it ("auto" =
-    every CPU this process may run on with a GPU compute device, 1 on the CPU device, where
-    backward has the cores).
+    device_accumulator_bytes: under gradient accumulation, device memory for the fp32 gradient
+    accumulators (4 bytes a parameter) of units stepped on the CPU: their micro-batch gradients
+    are added on the device and leave it once per optimizer step (in fp32, into a pinned host
+    buffer), instead of every micro-batch (then added on the host); whole units from the front of
+    the model. The sums are bit for bit the host's. "auto" = with accumulation on a GPU, the
+    device room left after the resident units, activations and headroom goes to these first
+    (then to device_optimizer_bytes); 0 on the CPU device and without accumulation.
+    optimizer_threads: threads of the CPU Adam step when the background worker runs it, and of the
+    gradient adds under accumulation ("auto" = every CPU this process may run on with a GPU
+    compute device, 1 on the CPU device, where backward has the cores).
     optimizer_state: "fp32" (exact, 12 bytes a parameter of master and moments) or "8bit" (the fp32
     master, Adam's moments block-wise quantised to a byte each: 6.03 bytes; docs/optimizer_state.md).
     A bf16 master with bf16 moments is DeepSpeed's ``bf16.bf16_master_weights_and_grads`` +
@@ -223,6 +230,7 @@ class EngineConfig:
     resident_bytes: SizeOrAuto = AUTO
     unit_bytes: SizeOrAuto = AUTO
     device_optimizer_bytes: SizeOrAuto = AUTO
+    device_accumulator_bytes: SizeOrAuto = AUTO
     optimizer_threads: Union[int, str] = AUTO
     optimizer_state: str = "fp32"  # fp32 | 8bit
 
@@ -530,7 +538,7 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
-    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes"):
+    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes", "device_accumulator_bytes"):
         if key in d:
             v = d[key]
             setattr(e, key, AUTO if v == AUTO else parse_size(v, f"pyinfinity.{key}"))

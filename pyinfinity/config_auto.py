@@ -210,6 +210,9 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
     if e.device_optimizer_bytes == AUTO:
         e.device_optimizer_bytes = 0
         out.append(AutoDecision("pyinfinity.device_optimizer_bytes", 0, "no unit is resident"))
+    if e.device_accumulator_bytes == AUTO:
+        e.device_accumulator_bytes = 0
+        out.append(AutoDecision("pyinfinity.device_accumulator_bytes", 0, "the heuristic leaves no device room"))
     if e.unit_bytes == AUTO:
         from pyinfinity.units import auto_unit_bytes
 

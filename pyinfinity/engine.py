@@ -271,6 +271,11 @@ class Engine:
         """Device bytes of the optimizer state kept there (``pyinfinity.device_optimizer_bytes``)."""
         return self._state().placement.device_state_bytes
 
+    @property
+    def device_grad_bytes(self) -> int:
+        """Device bytes of the fp32 gradient accumulators kept there (``pyinfinity.device_accumulator_bytes``)."""
+        return self._state().placement.device_grad_bytes
+
     def _state(self) -> TrainingState:
         state = self.__dict__.get("state")
         if state is None:
@@ -391,6 +396,7 @@ class Engine:
                                "first (a step on zero gradients would still apply weight decay and momentum)")
         self.state.micro_steps += 1
         if not boundary:
+            self.optimizer.check_accumulation("step()")  # a failed gradient add surfaces here at the latest
             return None
         fp16 = self.config.fp16.enabled
         try:
@@ -511,7 +517,8 @@ class Engine:
             device=str(self.device), device_budget=self.device_memory,
             device_resident=self.coordinator.budget.resident, device_peak=self.coordinator.budget.peak,
             device_allocated_peak=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
-            params=params, optimizer=self.optimizer.bytes_by_tier, grads={"cpu": self.optimizer.grad_bytes},
+            params=params, optimizer=self.optimizer.bytes_by_tier,
+            grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
             swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss())
 
     # ------------------------------------------------------------------------- checkpoints

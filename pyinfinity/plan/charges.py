@@ -10,10 +10,11 @@ from typing import Optional
 from pyinfinity.config_values import STATE_FORMATS, StateFormat
 from pyinfinity.plan.sizes import ModelSizes
 
-OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq (the fp32 state; STATE_FORMATS has the others)
+OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq (zero.optim.formats.AdamFp32.bytes_per_param;
+# the fp32 state: STATE_FORMATS has the others)
 GRAD_BYTES_PER_PARAM = 4  # fp32 accumulator on the host
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
-DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optimizer.DEVICE_CHUNK)
+DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optim.formats.DEVICE_CHUNK)
 # the torch step of a compressed state on the device: zero.state_formats.DEVICE_CHUNK elements at a
 # time, DEVICE_SCRATCH_PER_ELEMENT bytes of temporaries each
 FORMAT_STEP_SCRATCH = 40 * (1 << 22)
@@ -83,12 +84,13 @@ class DeviceCharges:
     activations: int = 0  # saved activations of one micro-batch and the loss's logits
     grad_buffers: int = 0  # flat unit gradients being collected and the largest parameter's own gradient
     device_state: int = 0  # optimizer state of device-stepped units, their gradients, the step's fp32 chunk
+    accumulators: int = 0  # fp32 gradient accumulators on the device (pyinfinity.device_accumulator_bytes)
     headroom: int = 0  # the allocator's fragmentation and kernel workspaces (DEVICE_HEADROOM of the budget)
 
     @property
     def total(self) -> int:
         return (self.persistent + self.resident + self.working_set + self.prefetch + self.activations
-                + self.grad_buffers + self.device_state + self.headroom)
+                + self.grad_buffers + self.device_state + self.accumulators + self.headroom)
 
     @property
     def reserve(self) -> int:
@@ -97,7 +99,7 @@ class DeviceCharges:
 
     def describe(self) -> str:
         parts = [(n, getattr(self, n)) for n in ("resident", "persistent", "working_set", "prefetch", "activations",
-                                                 "grad_buffers", "device_state", "headroom")]
+                                                 "grad_buffers", "device_state", "accumulators", "headroom")]
         return ", ".join(f"{n.replace('_', ' ')} {fmt(v)}" for n, v in parts if v)
 
 
@@ -126,7 +128,8 @@ def activation_charge(sizes: ModelSizes, train: TrainShape) -> int:
 
 
 def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, resident: int = 0,
-                   persistent: int = 0, prefetch: int = 0, device_state: int = 0, all_resident: bool = False,
+                   persistent: int = 0, prefetch: int = 0, device_state: int = 0, accumulators: int = 0,
+                   all_resident: bool = False,
                    activations: Optional[int] = None, device_is_host: bool = False) -> DeviceCharges:
     """The device charges of one step (see :class:`DeviceCharges`). ``device_is_host``: the CPU
     device, whose pool (the engine's own count) holds the shards only: gradients are host tensors
@@ -140,6 +143,7 @@ def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, 
                          prefetch=0 if all_resident else prefetch,
                          activations=activation_charge(sizes, train) if activations is None else activations,
                          grad_buffers=0 if device_is_host else grads, device_state=device_state,
+                         accumulators=accumulators,
                          headroom=0 if device_is_host else int(device_memory * DEVICE_HEADROOM))
 
 

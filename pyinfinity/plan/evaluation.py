@@ -10,11 +10,12 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     and backward; the recompute of checkpointing re-fetches instead of the backward); fetches
     from RAM are host->device copies (on the CPU device: memcpys the compute thread does itself,
     so they add to compute), fetches from disk are SwapEngine reads that prefetch overlaps with
-    compute; gradients leave the device and are accumulated in fp32 on the host.
+    compute; gradients leave the device and are accumulated in fp32 on the host by a worker
+    thread (overlapping the GPU's backward; on the CPU device it adds to the compute).
     With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
     without prefetch: the sum.
-  * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made;
-    under accumulation a read of the fp32 accumulators), the one-pass Adam kernel over every
+  * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made,
+    under accumulation by the boundary micro-batch's adds), the one-pass Adam kernel over every
     parameter the CPU steps at the measured rate of the optimizer state's format's kernel (which
     includes writing bf16 weights into a home in RAM; a home on disk or on the device, or another
     dtype, adds a cast pass from the fp32 master); the RAM part first, then the disk part
@@ -53,6 +54,11 @@ BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
 # as a share of its matmul time: the matmul-only prediction was 0.76-0.80x the measured step at
 # 1.1B and 7B on an H200 (BENCHMARKS.md), where the step is compute-bound
 ELEMENTWISE_SHARE = 0.25
+# under accumulation: the host staging buffers gradients land in, taken in turn while the worker adds
+# the last ones (zero.accumulate.STAGING_SLOTS, each of the largest trainable unit), and the worker's
+# fp32 chunk (zero.accumulate.ADD_CHUNK)
+GRAD_STAGING_SLOTS = 3
+ADD_SCRATCH = 4 * (1 << 20)
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Knobs:
     pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
     resident_bytes: int = 0  # units kept on the device      [pyinfinity.resident_bytes]
     device_optimizer_bytes: int = 0  # their state there     [pyinfinity.device_optimizer_bytes]
+    device_accumulator_bytes: int = 0  # fp32 grad sums there [pyinfinity.device_accumulator_bytes]
 
 
 @dataclass
@@ -130,6 +137,7 @@ class Placement:
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     device_state_bytes: int = 0  # of device_bytes, resident units' optimizer state (a copy of its host home)
+    accumulator_bytes: int = 0  # of device_bytes, fp32 gradient accumulators on the device
     charges: Optional[DeviceCharges] = None  # device_bytes by kind
     state: str = "fp32"  # the optimizer state's format (TrainShape.optimizer_state)
 
@@ -160,6 +168,7 @@ class Placement:
             # the streamed device step steps everything there already (the config refuses both)
             "pyinfinity.device_optimizer_bytes": int(k.device_optimizer_bytes) if k.optimizer_step_device != "device"
             else 0,
+            "pyinfinity.device_accumulator_bytes": int(k.device_accumulator_bytes),
             "pyinfinity.device_memory": int(self.device_memory),
             "pyinfinity.host_memory": int(self.host_memory),
         }
@@ -176,7 +185,8 @@ class Placement:
         par_tier = k.param_device + (f", max_in_cpu {k.max_in_cpu:,}" if k.param_device == "nvme" else "")
         lines = [f"  {'tensor class':<18}{'device':>10}{'RAM':>10}{'disk':>10}  tier",
                  row("parameters", self.params, par_tier),
-                 row("gradients", self.grads, "host (fp32 under accumulation)"),
+                 row("gradients", self.grads, "fp32 accumulators (on the device: pyinfinity.device_accumulator_bytes)"
+                     if self.grads.device else "host (fp32 under accumulation)"),
                  row("optimizer states", self.optimizer, opt_tier),
                  "",
                  f"  device peak {fmt(self.device_bytes)} of {fmt(self.device_memory)} (activations "
@@ -303,6 +313,16 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                 dleft -= per_param * n
                 dev_state.add(i)
                 dev_state_numel += n
+    # -- under accumulation, units whose fp32 gradient accumulator lives on the device: whole units
+    # from the front within device_accumulator_bytes (those stepped there accumulate there anyway)
+    dev_acc_numel = 0
+    if train.grad_accum > 1 and k.device_accumulator_bytes > 0:
+        aleft = k.device_accumulator_bytes
+        for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
+            if trainable and n and i not in dev_state and GRAD_BYTES_PER_PARAM * n <= aleft:
+                aleft -= GRAD_BYTES_PER_PARAM * n
+                dev_acc_numel += n
+    accumulator_bytes = GRAD_BYTES_PER_PARAM * dev_acc_numel
     # -- optimizer states: the first (1 - ratio) of the trainable elements in RAM
     total_train = sizes.trainable_numel
     ram_share = total_train * (1.0 - (k.ratio if k.optimizer_device == "nvme" else 0.0))
@@ -345,9 +365,15 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                                                                else 0.0)
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
     # it from the fp32 master), a buffer of their own for homes on disk or on the device, or when the
-    # weights are the master; fp32 under accumulation
+    # weights are the master; fp32 under accumulation (with the staging buffers they land in, pinned
+    # on a GPU; a device accumulator's sum lands in a pinned fp32 buffer of its own instead)
+    grad_staging = 0
     if train.grad_accum > 1:
-        grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + isz * sizes.largest_shard_numel)
+        if total_train - dev_state_numel - dev_acc_numel > 0:
+            largest_trainable = max((n for n, t in zip(sizes.shard_numels, sizes.shard_trainable) if t), default=0)
+            grad_staging = GRAD_STAGING_SLOTS * isz * largest_trainable + ADD_SCRATCH
+        grads = Share(device=accumulator_bytes,
+                      ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
     else:
         grads = Share(ram=sum(n * isz for i, (n, t, pt) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable,
                                                                            param_tier))
@@ -360,7 +386,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                              persistent=0 if k.param_device == "none" else persistent,
                              prefetch=k.prefetch_bytes if k.prefetch else 0,
                              device_state=device_state_bytes + step_scratch(state_fmt.name) if dev_state else 0,
-                             all_resident=everything)
+                             accumulators=accumulator_bytes, all_resident=everything)
     acts = charges.activations
     shard_peak = charges.resident + charges.persistent + charges.working_set + charges.prefetch
     device_bytes = charges.total
@@ -416,18 +442,27 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                           f"pyinfinity.resident_bytes: {int(k.resident_bytes)} ({fmt(k.resident_bytes)})")
     pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
                    fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state,
-                   device_stepped=dev_state_numel)
+                   device_stepped=dev_state_numel, device_accumulated=dev_acc_numel)
     notes = [notes_resident] if resident_bytes else []
     if dev_state:
         notes.append(f"the optimizer state of {len(dev_state)} resident units ({dev_state_numel / 1e6:,.0f}M "
                      f"parameters, {fmt(device_state_bytes)} with their gradients) lives on the device too and steps there "
                      "(pyinfinity.device_optimizer_bytes)")
+    if dev_acc_numel:
+        notes.append(f"the fp32 gradient accumulators of {dev_acc_numel / 1e6:,.0f}M parameters "
+                     f"({fmt(accumulator_bytes)}) live on the device: their micro-batch gradients are added there and "
+                     "leave it once a step (pyinfinity.device_accumulator_bytes)")
     return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
-                     host_bytes=host_bytes, pinned_bytes=pinned, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
+                     host_bytes=host_bytes,
+                     # of host_bytes: the gradient staging and the buffers device accumulators land in are pinned too
+                     pinned_bytes=pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + accumulator_bytes
+                                            if cuda else 0),
+                     swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=k.optimizer_step_device,
                      host_memory=budgets.host_memory, violations=violations, notes=notes,
-                     device_state_bytes=device_state_bytes, charges=charges, state=state_fmt.name)
+                     device_state_bytes=device_state_bytes, accumulator_bytes=accumulator_bytes, charges=charges,
+                     state=state_fmt.name)
 
 
 def _div(a: float, b: float) -> float:
@@ -438,7 +473,7 @@ def _div(a: float, b: float) -> float:
 
 def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *, cuda: bool, fetch_ram: int,
             fetch_disk: int, fetch_disk_s: float, seg_a: dict, seg_b: dict, first_disk_state: int,
-            device_stepped: int = 0) -> StepTime:
+            device_stepped: int = 0, device_accumulated: int = 0) -> StepTime:
     """Seconds per optimizer step from the byte flows ``evaluate`` worked out (see the module doc)."""
     isz = sizes.itemsize
     train_numel = sizes.trainable_numel
@@ -451,15 +486,19 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     passes = FETCH_PASSES
     ram_copy = _div(passes * fetch_ram, rates.h2d)
     disk_read = passes * fetch_disk_s
-    # gradients off the device (those of units stepped on the device stay there)
-    grads_off = _div((train_numel - device_stepped) * isz, rates.d2h) if cuda else 0.0
+    # gradients off the device (those of units stepped on the device stay there; a device
+    # accumulator's fp32 sum leaves once a step, counted here per micro-batch)
+    g = train.grad_accum
+    host_acc = train_numel - device_stepped - device_accumulated if g > 1 else train_numel
+    grads_off = (_div((train_numel - device_stepped - device_accumulated) * isz, rates.d2h)
+                 + _div(device_accumulated * GRAD_BYTES_PER_PARAM / g, rates.d2h)) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
     # the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
     # bytes touched), later ones add to it (isz + 8)
-    g = train.grad_accum
     touched = ((isz + 4) + (g - 1) * (isz + 8)) / g
-    # host-thread work per micro-batch: accumulating gradients, and the engine's per-shard bookkeeping
-    accumulate = _div(train_numel * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
+    # host work per micro-batch: accumulating gradients (the accumulation worker's), and the engine's
+    # per-shard bookkeeping
+    accumulate = _div(host_acc * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
     overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
     latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
     if cuda:
@@ -476,10 +515,9 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         micro = (max(cpu_side, disk_read) if overlap else cpu_side + disk_read) + latency
         h2d_busy = ram_copy + accumulate
     # -- the optimizer step: norm, RAM part, then the disk part pipelined. The global norm is
-    # combined from per-unit norms taken as the gradients were made, except under accumulation,
-    # where it reads the fp32 accumulators once
-    host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy) if g > 1 else 0.0
-    host += sum(sizes.shard_trainable) * rates.shard_step_overhead
+    # combined from per-unit norms taken as the gradients were made (under accumulation by the
+    # accumulation worker in the boundary micro-batch's add, chunk by chunk while it is in cache)
+    host = sum(sizes.shard_trainable) * rates.shard_step_overhead
 
     pageable = rates.h2d_pageable or rates.h2d  # gradients and write-back sources are pageable
 

@@ -20,8 +20,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
-from pyinfinity.plan.budgets import Budgets
 from pyinfinity.config_values import STATE_FORMATS, StateFormat
+from pyinfinity.plan.budgets import Budgets
 from pyinfinity.plan.charges import (DEVICE_HEADROOM, GRAD_BYTES_PER_PARAM, DeviceCharges, PlanError, TrainShape,
                                      activation_charge, device_charges, device_state_cost, fmt, grad_buffer_bytes,
                                      largest_shape, shape_refusal, step_scratch, working_set_bytes)
@@ -54,6 +54,7 @@ class Fixed:
     optimizer_step_device: Optional[str] = None
     resident_bytes: Optional[int] = None
     device_optimizer_bytes: Optional[int] = None
+    device_accumulator_bytes: Optional[int] = None
 
 
 def _optimizer_split(sizes: ModelSizes, ram_bytes: int, state: StateFormat = STATE_FORMATS["fp32"]) -> float:
@@ -95,12 +96,12 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
             k.resident_bytes, k.prefetch_bytes = offloaded, 0 if fixed.prefetch_bytes is None else k.prefetch_bytes
         else:
             k.resident_bytes = max(0, room - k.prefetch_bytes)
-    if fixed.device_optimizer_bytes is None:
+    if fixed.device_optimizer_bytes is None or fixed.device_accumulator_bytes is None:
         res = fixed.resident_bytes if fixed.resident_bytes is not None else k.resident_bytes
         step_on = fixed.optimizer_step_device or k.optimizer_step_device
-        k.device_optimizer_bytes = _device_state_room(sizes, train, budgets, rates,
-                                                      replace(k, resident_bytes=res, optimizer_step_device=step_on),
-                                                      persistent, acts)
+        k.device_accumulator_bytes, k.device_optimizer_bytes = _split_device_room(
+            sizes, train, budgets, rates, replace(k, resident_bytes=res, optimizer_step_device=step_on), fixed,
+            persistent, acts)
     if fixed.max_live is None:
         k.max_live = max(1, (persistent + working + k.prefetch_bytes) // isz)
     if fixed.param_buffer_size is None:
@@ -112,20 +113,54 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
     return k
 
 
-def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
-                       persistent: int, acts: int) -> int:
-    """Device bytes for resident units' optimizer state: what the budget leaves (less headroom)
-    after the shards ``k`` keeps there, their working set and prefetch, and the activations. None
-    on the CPU device (the state is in RAM already) or with the streamed device step."""
-    if budgets.device_is_host or not on_cuda(rates, budgets) or k.optimizer_step_device == "device":
-        return 0
-    if k.resident_bytes <= 0:
+def _device_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                 persistent: int, acts: int) -> int:
+    """What the device budget leaves after the shards ``k`` keeps there, their working set and
+    prefetch, the activations, the gradient buffers and the headroom (0 on the CPU device)."""
+    if budgets.device_is_host or not on_cuda(rates, budgets):
         return 0
     offloaded = sizes.param_bytes - persistent
-    c = device_charges(sizes, train, budgets.device_memory, resident=min(k.resident_bytes, offloaded),
+    c = device_charges(sizes, train, budgets.device_memory, resident=min(max(0, k.resident_bytes), offloaded),
                        persistent=persistent, prefetch=k.prefetch_bytes if k.prefetch else 0,
                        all_resident=k.resident_bytes >= offloaded, activations=acts)
-    return max(0, budgets.device_memory - c.total - step_scratch(train.optimizer_state))
+    return max(0, budgets.device_memory - c.total)
+
+
+def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                       persistent: int, acts: int) -> int:
+    """Device bytes for resident units' optimizer state: ``_device_room`` less the device step's
+    scratch (``step_scratch``: the fp32 chunk, or a compressed format's temporaries). None on the
+    CPU device (the state is in RAM already), without resident units or with the streamed device
+    step."""
+    if k.optimizer_step_device == "device" or k.resident_bytes <= 0:
+        return 0
+    return max(0, _device_room(sizes, train, budgets, rates, k, persistent, acts)
+               - step_scratch(train.optimizer_state))
+
+
+def _split_device_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                       fixed: Fixed, persistent: int, acts: int) -> tuple[int, int]:
+    """(device_accumulator_bytes, device_optimizer_bytes) for what the config leaves "auto". Under
+    accumulation the fp32 accumulators come first: at 4 bytes a parameter they take the host's
+    add and the copy off the device of every micro-batch but the last, where optimizer state
+    (``device_state_cost``, 18 bytes at bf16) takes one CPU step; the room they leave goes to
+    optimizer state, each unit stepped there freeing its own accumulator. Without accumulation
+    all of it goes to optimizer state."""
+    state_room = _device_state_room(sizes, train, budgets, rates, k, persistent, acts)
+    acc_room = _device_room(sizes, train, budgets, rates, k, persistent, acts) if train.grad_accum > 1 else 0
+    need = GRAD_BYTES_PER_PARAM * sizes.trainable_numel
+    if fixed.device_optimizer_bytes is not None:
+        acc_room = max(0, acc_room - fixed.device_optimizer_bytes)
+    acc = fixed.device_accumulator_bytes if fixed.device_accumulator_bytes is not None else min(acc_room, need)
+    if fixed.device_optimizer_bytes is not None:
+        return acc, fixed.device_optimizer_bytes
+    if train.grad_accum <= 1:
+        return acc, state_room
+    left = max(0, state_room - min(acc, need))
+    if acc >= need and left:  # every accumulator is on the device: a unit stepped there frees its own
+        per = device_state_cost(sizes.itemsize, train.grad_accum, train.optimizer_state)
+        left = int(left * per // (per - GRAD_BYTES_PER_PARAM))
+    return acc, left
 
 
 def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
@@ -135,7 +170,7 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
     base = _fill(sizes, train, budgets, rates, Knobs(), fixed)
     for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
                  "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device", "resident_bytes",
-                 "device_optimizer_bytes"):
+                 "device_optimizer_bytes", "device_accumulator_bytes"):
         v = getattr(fixed, name)
         if v is not None:
             setattr(base, name, v)

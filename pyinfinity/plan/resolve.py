@@ -40,9 +40,10 @@ KEYS = {
     "optimizer_step_device": "pyinfinity.optimizer_step_device",
     "resident_bytes": "pyinfinity.resident_bytes",
     "device_optimizer_bytes": "pyinfinity.device_optimizer_bytes",
+    "device_accumulator_bytes": "pyinfinity.device_accumulator_bytes",
 }
 # planned only when something else is: left "auto" in an otherwise fixed config, they become 0
-UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes"}
+UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes", "device_accumulator_bytes"}
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
 
 
@@ -128,6 +129,7 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
         "optimizer_step_device": cfg.pyinfinity.optimizer_step_device,
         "resident_bytes": cfg.pyinfinity.resident_bytes,
         "device_optimizer_bytes": cfg.pyinfinity.device_optimizer_bytes,
+        "device_accumulator_bytes": cfg.pyinfinity.device_accumulator_bytes,
     }
     owned = {name for name, v in values.items() if v == AUTO}
     for split, dev in SPLIT_OF.items():
@@ -282,6 +284,8 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
             c.pyinfinity.resident_bytes = 0
         if c.pyinfinity.device_optimizer_bytes == AUTO:
             c.pyinfinity.device_optimizer_bytes = 0
+        if c.pyinfinity.device_accumulator_bytes == AUTO:
+            c.pyinfinity.device_accumulator_bytes = 0
         if dm in (AUTO, None):
             c.pyinfinity.device_memory = budgets.device_memory
             decisions.append(Decision("pyinfinity.device_memory", budgets.device_memory, "measured device budget"))
@@ -310,7 +314,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         if seq_len is not None or train.activation_bytes == 0:
             raise
         # the shape is not known yet: plan at the longest sequence that fits with nothing resident;
-        # the first forward refuses a longer one in one line (Engine._check_shape)
+        # the first forward refuses a longer one in one line (DevicePlacement.check_shape)
         mb, seq = largest_shape(sizes, train, budgets.device_memory)
         if mb != train.micro_batch or seq >= train.seq_len:
             raise
