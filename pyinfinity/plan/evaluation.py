@@ -19,8 +19,9 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     parameter the CPU steps at the measured rate of the optimizer state's format's kernel (which
     includes writing bf16 weights into a home in RAM; a home on disk or on the device, or another
     dtype, adds a cast pass from the fp32 master); the RAM part first, then the disk part
-    pipelined (read k+1 || step k || write k-1) with the parameter write-back. Serial after the last backward, unless the step overlaps it
-    (``pyinfinity.overlap_step``, :attr:`TrainShape.overlap_step`): then the boundary
+    pipelined (read k+1 || step k || write k-1) with the parameter write-back. Serial after the
+    last backward, unless the step overlaps it (``pyinfinity.overlap_step``,
+    :attr:`TrainShape.overlap_step`): then the boundary
     micro-batch's backward (and recompute) hides up to its own length of it (on the CPU device
     only the disk part: Adam would compete for the cores), and at least the largest shard's share
     stays visible (it is often the embedding, the last to get its gradient). With gradient

@@ -307,5 +307,5 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
 __all__ = ["solve", "candidates", "Fixed", "PERSISTENT_SHARE", "TIE",
            # from charges and evaluation, importable from here as before
            "DeviceCharges", "device_charges", "grad_buffer_bytes", "largest_shape", "shape_refusal", "device_state_cost",
-           "step_scratch", "PlanError", "TrainShape", "fmt", "DEVICE_HEADROOM", "Placement", "Knobs", "Share", "StepTime",
-           "evaluate", "predict", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]
+           "step_scratch", "PlanError", "TrainShape", "fmt", "DEVICE_HEADROOM", "Placement", "Knobs", "Share",
+           "StepTime", "evaluate", "predict", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]

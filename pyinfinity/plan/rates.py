@@ -6,8 +6,9 @@ written by :meth:`Rates.save`; a ``pyinfinity tune`` output holds only the chose
 which the probe then uses), else from a short probe through ``pyinfinity.swap.SwapEngine`` in the
 swap directory (O_DIRECT where the filesystem allows, as the engine does). Everything else is
 timed here: the engine's one-pass CPU Adam kernel on ADAM_PROBE_NUMEL parameters with the engine's
-optimizer thread count (and the kernel of the optimizer-state format planned, when it is not fp32), a matmul of the model's shape on the compute device, pinned copies (GPU) or
-memcpy (CPU device), each on a few MB.
+optimizer thread count (and the kernel of the optimizer-state format planned, when it is not
+fp32), a matmul of the model's shape on the compute device, pinned copies (GPU) or memcpy (CPU
+device), each on a few MB.
 Figures are medians of a few repetitions.
 
 One module for the rates (about 610 lines): the record, the probes, the rates files and the named
