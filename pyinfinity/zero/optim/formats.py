@@ -8,7 +8,7 @@ export), turns a home into what a checkpoint stores and back, and steps a home o
 the compute device. :class:`AdamFp32` is the one in use: fp32 master weights and Adam/AdamW
 moments, ``[master | exp_avg | exp_avg_sq]`` in one flat fp32 home (one read and one write per
 shard per step). A compressed format (8-bit block-quantised moments beside an fp32 master, or a
-bf16 master and moments) is another subclass; the planner's ``plan.placement.OPT_BYTES_PER_PARAM``
+bf16 master and moments) is another subclass; the planner's ``plan.charges.OPT_BYTES_PER_PARAM``
 charges ``bytes_per_param`` of the format in use.
 """
 from __future__ import annotations
