@@ -3,8 +3,8 @@ ZeRO stage 3 offload) parsed into dataclasses and validated, with errors that na
 
 ``load_config(dict | path)`` parses and validates; ``"auto"`` stays a marker (``AUTO``) until the
 planner (``pyinfinity.plan.resolve_auto``) decides it. The values below the config (``AUTO``,
-``ConfigError``, sizes) are in ``config_values``, what ``"auto"`` means without the planner in
-``config_auto``; both are importable from here.
+``ConfigError``, sizes, the optimizer state's formats) are in ``config_values``, what ``"auto"``
+means without the planner in ``config_auto``; both are importable from here.
 
 One module for the schema and its parser (about 650 lines): each section's dataclass, its
 parser and its checks read side by side, and a key is added in one place.
@@ -23,7 +23,8 @@ from typing import Any, Optional, Union
 
 from pyinfinity.config_auto import (AutoDecision, Budgets, ModelSizes, default_optimizer_threads, measure_budgets,
                                     overlap_step_blocker, resolve_auto)
-from pyinfinity.config_values import AUTO, ConfigError, format_size, parse_size
+from pyinfinity.config_values import (AUTO, MIN_QUANTIZED_NUMEL, OPTIMIZER_STATES, QUANT_BLOCK, STATE_FORMATS,
+                                      ConfigError, StateFormat, format_size, parse_size)
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +160,17 @@ class FP16Config:
 
 @dataclass
 class BF16Config:
-    """``bf16``: bfloat16 compute, fp32 master weights."""
+    """``bf16``: bfloat16 compute, fp32 master weights; DeepSpeed's two keys for a bf16 state.
+
+    bf16_master_weights_and_grads: the master weights are the bf16 weights themselves (no fp32
+    copy) and the gradients stay bf16. bf16_optimizer_states: Adam's moments in bf16 too (DeepSpeed
+    allows it only with bf16_master_weights_and_grads). pyinfinity supports the two together, the
+    ``"bf16"`` optimizer state (6 bytes a parameter with the weights): see :data:`STATE_FORMATS`.
+    """
 
     enabled: bool = False
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
 
 
 @dataclass
@@ -177,7 +186,7 @@ class EngineConfig:
     checksums: a CRC-32C of every 64 KiB written to the swap files (computed in the I/O thread),
     verified on every read: a changed byte raises OSError(EBADMSG) naming file, offset and slot
     instead of being trained on (cost: RELIABILITY.md).
-    overlap_step: step the optimizer in a background thread (``zero.optimizer``): without clipping
+    overlap_step: step the optimizer in a background thread (``zero.optim.worker``): without clipping
     or fp16 loss scaling each unit as soon as its gradient is complete in the boundary backward,
     with them each unit after backward (the global norm known) while the next forward runs, that
     forward waiting for each unit's new values. Exact in every case. "auto" = on, except with
@@ -194,9 +203,20 @@ class EngineConfig:
     gradients come last in backward). Their host homes are brought up to date before a
     checkpoint or an export. "auto" = what the device budget leaves after the resident units,
     activations and headroom (on a GPU; 0 on the CPU device); 0 = none.
-    optimizer_threads: threads of the CPU Adam step when the background worker runs it ("auto" =
-    every CPU this process may run on with a GPU compute device, 1 on the CPU device, where
-    backward has the cores).
+    device_accumulator_bytes: under gradient accumulation, device memory for the fp32 gradient
+    accumulators (4 bytes a parameter) of units stepped on the CPU: their micro-batch gradients
+    are added on the device and leave it once per optimizer step (in fp32, into a pinned host
+    buffer), instead of every micro-batch (then added on the host); whole units from the front of
+    the model. The sums are bit for bit the host's. "auto" = with accumulation on a GPU, the
+    device room left after the resident units, activations and headroom goes to these first
+    (then to device_optimizer_bytes); 0 on the CPU device and without accumulation.
+    optimizer_threads: threads of the CPU Adam step when the background worker runs it, and of the
+    gradient adds under accumulation ("auto" = every CPU this process may run on with a GPU
+    compute device, 1 on the CPU device, where backward has the cores).
+    optimizer_state: "fp32" (exact, 12 bytes a parameter of master and moments) or "8bit" (the fp32
+    master, Adam's moments block-wise quantised to a byte each: 6.03 bytes; docs/optimizer_state.md).
+    A bf16 master with bf16 moments is DeepSpeed's ``bf16.bf16_master_weights_and_grads`` +
+    ``bf16.bf16_optimizer_states``.
     """
 
     device: str = AUTO
@@ -210,7 +230,9 @@ class EngineConfig:
     resident_bytes: SizeOrAuto = AUTO
     unit_bytes: SizeOrAuto = AUTO
     device_optimizer_bytes: SizeOrAuto = AUTO
+    device_accumulator_bytes: SizeOrAuto = AUTO
     optimizer_threads: Union[int, str] = AUTO
+    optimizer_state: str = "fp32"  # fp32 | 8bit
 
 
 @dataclass
@@ -228,6 +250,14 @@ class Config:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     pyinfinity: EngineConfig = field(default_factory=EngineConfig)
+
+    @property
+    def optimizer_state_format(self) -> str:
+        """The optimizer state's format (a key of :data:`STATE_FORMATS`): "bf16" under DeepSpeed's
+        bf16 master and moments, else ``pyinfinity.optimizer_state``."""
+        if self.bf16.bf16_master_weights_and_grads:
+            return "bf16"
+        return self.pyinfinity.optimizer_state
 
     @property
     def nvme_paths(self) -> list[str]:
@@ -464,6 +494,21 @@ def _parse_zero(d: dict) -> ZeroConfig:
     return z
 
 
+def _check_bf16_state(b: BF16Config, key: str) -> None:
+    """DeepSpeed's constraints on its bf16 state keys, and the combination pyinfinity lacks."""
+    if b.bf16_optimizer_states and not b.bf16_master_weights_and_grads:
+        raise ConfigError(f"{key}.bf16_optimizer_states: requires {key}.bf16_master_weights_and_grads (as in "
+                          "DeepSpeed: the moments are kept in the master's precision)")
+    if b.bf16_master_weights_and_grads and not b.enabled:
+        raise ConfigError(f"{key}.bf16_master_weights_and_grads: requires {key}.enabled (the bf16 weights are "
+                          "the master)")
+    if b.bf16_master_weights_and_grads and not b.bf16_optimizer_states:
+        raise ConfigError(f"{key}.bf16_master_weights_and_grads without {key}.bf16_optimizer_states (a bf16 "
+                          "master with fp32 moments) is not supported: set bf16_optimizer_states too (bf16 "
+                          "moments, 6 bytes a parameter) or use pyinfinity.optimizer_state \"8bit\" (an fp32 "
+                          "master, 8 bytes)")
+
+
 def _parse_engine(d: dict) -> EngineConfig:
     _check_keys(d, _names(EngineConfig), set(), "pyinfinity")
     e = EngineConfig()
@@ -493,7 +538,7 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
-    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes"):
+    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes", "device_accumulator_bytes"):
         if key in d:
             v = d[key]
             setattr(e, key, AUTO if v == AUTO else parse_size(v, f"pyinfinity.{key}"))
@@ -502,6 +547,13 @@ def _parse_engine(d: dict) -> EngineConfig:
         if v != AUTO and not isinstance(v, bool):
             raise ConfigError(f"pyinfinity.overlap_step: expected true, false or \"auto\", got {v!r}")
         e.overlap_step = v
+    if "optimizer_state" in d:
+        v = d["optimizer_state"]
+        if isinstance(v, str) and v.lower() == "bf16":
+            raise ConfigError("pyinfinity.optimizer_state: a bf16 state is DeepSpeed's \"bf16\": "
+                              "{\"enabled\": true, \"bf16_master_weights_and_grads\": true, "
+                              "\"bf16_optimizer_states\": true}")
+        e.optimizer_state = _choice(v, "pyinfinity.optimizer_state", OPTIMIZER_STATES)
     return e
 
 
@@ -550,8 +602,10 @@ def load_config(config: Union[dict, str, os.PathLike, Config]) -> Config:
         )
     for key in ("bf16", "bfloat16"):
         if key in d:
-            _check_keys(d[key], ["enabled"], {"immediate_grad_update", "check_grad_overflow"}, key)
-            c.bf16 = BF16Config(enabled=_bool(d[key].get("enabled", False), f"{key}.enabled"))
+            _check_keys(d[key], _names(BF16Config), {"immediate_grad_update", "check_grad_overflow"}, key)
+            c.bf16 = BF16Config(**{f.name: _bool(d[key].get(f.name, False), f"{key}.{f.name}")
+                                   for f in fields(BF16Config)})
+            _check_bf16_state(c.bf16, key)
     if c.fp16.enabled and c.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled: at most one of them may be true")
     if "optimizer" in d:
@@ -602,6 +656,9 @@ def _reconcile_batch(c: Config, d: dict) -> None:
 
 def _validate(c: Config) -> None:
     z = c.zero_optimization
+    if c.pyinfinity.optimizer_state == "8bit" and c.bf16.bf16_master_weights_and_grads:
+        raise ConfigError("pyinfinity.optimizer_state: \"8bit\" keeps an fp32 master, which "
+                          "bf16.bf16_master_weights_and_grads drops: set one of them")
     if c.pyinfinity.overlap_step is True:
         why = overlap_step_blocker(c)
         if why is not None:
@@ -658,4 +715,5 @@ def check_swap_dir(path: str, key: str = "nvme_path") -> None:
 
 __all__ = ["AUTO", "Config", "ConfigError", "load_config", "resolve_auto", "ModelSizes", "Budgets",
            "AutoDecision", "parse_size", "format_size", "measure_budgets", "check_swap_dir", "replace",
-           "overlap_step_blocker", "default_optimizer_threads"]
+           "overlap_step_blocker", "default_optimizer_threads", "OPTIMIZER_STATES", "STATE_FORMATS",
+           "StateFormat", "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from pyinfinity.config_values import AUTO, ConfigError, format_size
+from pyinfinity.config_values import AUTO, STATE_FORMATS, ConfigError, format_size
 
 if TYPE_CHECKING:
     from pyinfinity.config import Config
@@ -115,8 +115,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
       * device_memory: the budget given, else ``budgets.device_memory``.
       * offload_param.device: "cpu" if the parameters (compute dtype) fit in half the host budget
         after the optimizer states placed in RAM, else "nvme" (needs nvme_path).
-      * offload_optimizer.device: "cpu" if master + Adam moments + fp32 grads (16 B/param) fit in
-        the host budget, else "nvme".
+      * offload_optimizer.device: "cpu" if master + Adam moments + fp32 grads (16 B/param with the
+        fp32 state, 10.03 with 8bit, 8 with bf16) fit in the host budget, else "nvme".
       * stage3_prefetch_bucket_size: what the device budget leaves after the persistent shards and
         two of the largest module working sets, at most 4x the largest module.
       * stage3_max_live_parameters: the device budget, in elements of the compute dtype.
@@ -151,7 +151,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
         out.append(AutoDecision("pyinfinity.overlap_step", e.overlap_step,
                                 blocker or "no clipping, no fp16 loss scaling, optimizer steps on the CPU"))
     dev_budget = int(e.device_memory)
-    opt_bytes = sizes.numel * 16  # fp32 master + exp_avg + exp_avg_sq + fp32 grad
+    state = STATE_FORMATS[c.optimizer_state_format]
+    opt_bytes = int(sizes.trainable_numel * (state.state_bytes + 4))  # master and moments + an fp32 gradient
     host = budgets.host_memory
     nvme_ok = bool(c.nvme_paths)
     if z.offload_optimizer.device == AUTO:
@@ -163,7 +164,7 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
             z.offload_optimizer.device = "nvme"
             why = f"optimizer states {format_size(opt_bytes)} exceed host budget {format_size(host)}"
         out.append(AutoDecision("zero_optimization.offload_optimizer.device", z.offload_optimizer.device, why))
-    host_left = host - (opt_bytes if z.offload_optimizer.device == "cpu" else sizes.numel * 4)
+    host_left = host - (opt_bytes if z.offload_optimizer.device == "cpu" else sizes.trainable_numel * 4)
     if z.offload_param.device == AUTO:
         if sizes.param_bytes <= max(0, host_left) // 2 or not nvme_ok:
             z.offload_param.device = "cpu"
@@ -214,6 +215,9 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
     if e.device_optimizer_bytes == AUTO:
         e.device_optimizer_bytes = 0
         out.append(AutoDecision("pyinfinity.device_optimizer_bytes", 0, "no unit is resident"))
+    if e.device_accumulator_bytes == AUTO:
+        e.device_accumulator_bytes = 0
+        out.append(AutoDecision("pyinfinity.device_accumulator_bytes", 0, "the heuristic leaves no device room"))
     if e.unit_bytes == AUTO:
         from pyinfinity.units import auto_unit_bytes
 
@@ -221,8 +225,8 @@ def resolve_auto(cfg: Config, sizes: ModelSizes, budgets: Budgets) -> tuple[Conf
         out.append(AutoDecision("pyinfinity.unit_bytes", e.unit_bytes, "a quarter of the model, an eighth of the device"))
     if z.offload_param.device == "nvme" or z.offload_optimizer.device == "nvme":
         need = (sizes.param_bytes if z.offload_param.device == "nvme" else 0) + \
-               (int(sizes.trainable_numel * 12 * z.offload_optimizer.ratio) if z.offload_optimizer.device == "nvme"
-                else 0)
+               (int(sizes.trainable_numel * state.state_bytes * z.offload_optimizer.ratio)
+                if z.offload_optimizer.device == "nvme" else 0)
         if budgets.nvme_free and need > budgets.nvme_free:
             raise ConfigError(f"nvme_path: needs {format_size(need)} of swap, {format_size(budgets.nvme_free)} "
                               f"free at {', '.join(c.nvme_paths)}; add {format_size(need - budgets.nvme_free)} "

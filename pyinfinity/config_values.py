@@ -1,10 +1,13 @@
 """The values a config holds, below the config itself: the ``AUTO`` marker, ``ConfigError`` (a value
-that cannot be used, naming its key) and sizes (``parse_size`` reads ``"8GiB"``, ``1e9`` or
-``512MB``; ``format_size`` writes one). ``pyinfinity.config`` re-exports them."""
+that cannot be used, naming its key), sizes (``parse_size`` reads ``"8GiB"``, ``1e9`` or
+``512MB``; ``format_size`` writes one) and the optimizer state's formats (``STATE_FORMATS``: the
+bytes each keeps a parameter, which the config's "auto" rules, the planner and the state's numerics
+read). ``pyinfinity.config`` re-exports them."""
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 AUTO = "auto"
@@ -48,4 +51,61 @@ def format_size(n: float) -> str:
     return f"{n} B"
 
 
-__all__ = ["AUTO", "ConfigError", "parse_size", "format_size"]
+# ----------------------------------------------------------------------------- optimizer-state formats
+
+
+OPTIMIZER_STATES = ("fp32", "8bit")
+"""Values of ``pyinfinity.optimizer_state`` (the bf16 state is asked for with DeepSpeed's ``bf16`` keys)."""
+
+QUANT_BLOCK = 256
+"""Parameters per quantisation block of the 8-bit state (one fp32 scale per moment each; the C++
+core's ``kQuantBlock``, ``pyinfinity._C.QUANT_BLOCK``)."""
+
+MIN_QUANTIZED_NUMEL = 4096
+"""Shards with fewer trainable elements keep the exact fp32 state under ``"8bit"`` (bitsandbytes'
+``min_8bit_size``): a unit holding only a norm or a few biases saves nothing worth its error."""
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """One format of the optimizer state: what it keeps for each trainable parameter.
+
+    state_bytes: host RAM or disk bytes a parameter of the optimizer state (master, moments and
+    scales; not the parameter's weights, which every format keeps in the compute dtype).
+    weights_are_master: the weights are the master copy (no fp32 master): a gradient cannot land in
+    the weights' home and needs a buffer of its own.
+    """
+
+    name: str
+    state_bytes: float
+    weights_are_master: bool
+    description: str
+
+    def shard_format(self, numel: int) -> "StateFormat":
+        """The format a shard of ``numel`` trainable elements is kept in: the 8-bit state keeps shards
+        below :data:`MIN_QUANTIZED_NUMEL` in fp32."""
+        return STATE_FORMATS["fp32"] if self.name == "8bit" and numel < MIN_QUANTIZED_NUMEL else self
+
+    def shard_bytes(self, numel: int) -> float:
+        """Optimizer-state bytes of a shard of ``numel`` trainable elements (without the alignment of
+        the home's sections, at most a few hundred bytes a shard)."""
+        fmt = self.shard_format(numel)
+        if fmt.name == "8bit":
+            return 6 * numel + 8 * -(-numel // QUANT_BLOCK)
+        return fmt.state_bytes * numel
+
+
+STATE_FORMATS: dict[str, StateFormat] = {
+    "fp32": StateFormat("fp32", 12.0, False, "fp32 master weights and fp32 Adam moments (exact; the default)"),
+    "8bit": StateFormat("8bit", 6.0 + 8.0 / QUANT_BLOCK, False,
+                        "fp32 master weights; Adam's moments block-wise quantised to a byte each "
+                        "(pyinfinity.optimizer_state \"8bit\")"),
+    "bf16": StateFormat("bf16", 4.0, True,
+                        "the bf16 weights are the master; bf16 Adam moments (bf16.bf16_master_weights_and_grads "
+                        "+ bf16.bf16_optimizer_states)"),
+}
+"""The optimizer-state formats by name (``Config.optimizer_state_format``)."""
+
+
+__all__ = ["AUTO", "ConfigError", "parse_size", "format_size", "OPTIMIZER_STATES", "STATE_FORMATS", "StateFormat",
+           "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

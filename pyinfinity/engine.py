@@ -10,6 +10,10 @@ around every module's use and moves gradients off it as they are produced
 ``engine.backward(loss)``, ``engine.step()`` once per micro-batch, records each step
 (``telemetry``), and hands saving, loading and exporting to ``checkpoint`` and ``export``, which
 work on the training state (``engine.state``).
+
+One module for the facade (about 630 lines): the config's reading, the planning, the training
+calls and their records are the user's one surface, and each of them hands its work to the
+training state below it.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.device_placement import SHRINK_AT
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import Partition, init_empty, parameter_sizes
-from pyinfinity.zero.state import TrainingState
+from pyinfinity.zero.state import TrainingState, check_state_format
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +152,7 @@ class Engine:
         self.state: Optional[TrainingState] = None
         guards.check_not_wrapped(model)
         cfg = load_config(config)
+        check_state_format(cfg)  # before the weights are read and the run is planned
         self.weights: Any = None  # pretrained.WeightLoader: names, shapes checked before anything is written
         from pyinfinity import adapters
 
@@ -274,6 +279,11 @@ class Engine:
         """Device bytes of the optimizer state kept there (``pyinfinity.device_optimizer_bytes``)."""
         return self._state().placement.device_state_bytes
 
+    @property
+    def device_grad_bytes(self) -> int:
+        """Device bytes of the fp32 gradient accumulators kept there (``pyinfinity.device_accumulator_bytes``)."""
+        return self._state().placement.device_grad_bytes
+
     def _state(self) -> TrainingState:
         state = self.__dict__.get("state")
         if state is None:
@@ -394,6 +404,7 @@ class Engine:
                                "first (a step on zero gradients would still apply weight decay and momentum)")
         self.state.micro_steps += 1
         if not boundary:
+            self.optimizer.check_accumulation("step()")  # a failed gradient add surfaces here at the latest
             return None
         fp16 = self.config.fp16.enabled
         try:
@@ -514,7 +525,8 @@ class Engine:
             device=str(self.device), device_budget=self.device_memory,
             device_resident=self.coordinator.budget.resident, device_peak=self.coordinator.budget.peak,
             device_allocated_peak=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
-            params=params, optimizer=self.optimizer.bytes_by_tier, grads={"cpu": self.optimizer.grad_bytes},
+            params=params, optimizer=self.optimizer.bytes_by_tier,
+            grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
             swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss())
 
     # ------------------------------------------------------------------------- checkpoints

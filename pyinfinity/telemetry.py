@@ -33,7 +33,8 @@ class StepRecord:
     optimizer_busy_seconds: float = 0.0  # optimizer time in all threads (with overlap_step: hidden part included)
     overlapped_shards: int = 0  # shards stepped in the background during the boundary backward
     # seconds of the optimizer's per-shard work since the last record, by part: gradient (wait for its
-    # copy + convert to fp32), adam, write (new values home and to resident units), read_wait (NVMe)
+    # copy + convert to fp32), adam, write (new values home and to resident units), read_wait (NVMe),
+    # accumulate (the gradient adds of this step's micro-batches, on their worker)
     optimizer_phases: Optional[dict] = None
     step_wait_seconds: float = 0.0  # time forward/backward waited for the optimizer to write a unit's values
 

@@ -12,6 +12,7 @@
 
 #include "pyinfinity/checksum.hpp"
 #include "pyinfinity/cpu_adam.hpp"
+#include "pyinfinity/cpu_isa.hpp"
 #include "pyinfinity/cuda_runtime.hpp"
 #include "pyinfinity/cuda_stager.hpp"
 #include "pyinfinity/defaults.hpp"
@@ -291,32 +292,135 @@ PYBIND11_MODULE(_C, m) {
     return pyinfinity::crc32c(info.ptr, n, crc);
   }, py::arg("data"), py::arg("crc") = 0);
   m.def("crc32c_hardware", &crc32c_hardware);
+  // The CPU optimizer steps: addresses of contiguous host arrays (no torch type in the core), the
+  // hyperparameters, the threads and the instruction set ("auto": PYINFINITY_CPU_ISA, else the best).
+  auto hyper = [](float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw, std::int64_t step,
+                  float grad_scale) {
+    pyinfinity::AdamHyper h;
+    h.lr = lr;
+    h.beta1 = beta1;
+    h.beta2 = beta2;
+    h.eps = eps;
+    h.weight_decay = weight_decay;
+    h.adamw = adamw;
+    h.step = step;
+    h.grad_scale = grad_scale;
+    return h;
+  };
+  auto grad_type = [](int t, const char* what) {
+    PYINF_EXPECT(t == 0 || t == 1, std::string(what) + ": grad_type must be 0 (fp32) or 1 (bf16)");
+    return static_cast<pyinfinity::GradType>(t);
+  };
+  auto state8 = [](std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+                   std::uintptr_t exp_avg_scale, std::uintptr_t exp_avg_sq_scale) {
+    return pyinfinity::Adam8bitState{reinterpret_cast<float*>(master), reinterpret_cast<std::uint8_t*>(exp_avg),
+                                     reinterpret_cast<std::uint8_t*>(exp_avg_sq),
+                                     reinterpret_cast<float*>(exp_avg_scale),
+                                     reinterpret_cast<float*>(exp_avg_sq_scale)};
+  };
   m.def(
       "adam_step",
-      [](std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
-         int grad_type, std::uintptr_t out_bf16, std::size_t n, float lr, float beta1, float beta2, float eps,
-         float weight_decay, bool adamw, std::int64_t step, float grad_scale, int threads) {
-        PYINF_EXPECT(grad_type == 0 || grad_type == 1, "adam_step: grad_type must be 0 (fp32) or 1 (bf16)");
-        pyinfinity::AdamHyper h;
-        h.lr = lr;
-        h.beta1 = beta1;
-        h.beta2 = beta2;
-        h.eps = eps;
-        h.weight_decay = weight_decay;
-        h.adamw = adamw;
-        h.step = step;
-        h.grad_scale = grad_scale;
+      [hyper, grad_type](std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
+                         int gtype, std::uintptr_t out_bf16, std::size_t n, float lr, float beta1, float beta2,
+                         float eps, float weight_decay, bool adamw, std::int64_t step, float grad_scale, int threads,
+                         const std::string& isa) {
+        const auto h = hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, grad_scale);
+        const auto gt = grad_type(gtype, "adam_step");
+        const CpuIsa want = parse_isa(isa);
         py::gil_scoped_release nogil;
         pyinfinity::adam_step(reinterpret_cast<float*>(master), reinterpret_cast<float*>(exp_avg),
-                              reinterpret_cast<float*>(exp_avg_sq), reinterpret_cast<const void*>(grad),
-                              static_cast<pyinfinity::GradType>(grad_type), reinterpret_cast<std::uint16_t*>(out_bf16),
-                              n, h, threads);
+                              reinterpret_cast<float*>(exp_avg_sq), reinterpret_cast<const void*>(grad), gt,
+                              reinterpret_cast<std::uint16_t*>(out_bf16), n, h, threads, want);
       },
       py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_type"),
       py::arg("out_bf16"), py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
       py::arg("weight_decay"), py::arg("adamw"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"),
+      py::arg("isa") = "auto",
       "Adam/AdamW over n fp32 parameters in one pass (addresses of contiguous host arrays; the gradient in "
       "fp32 or bf16, the new weights also written as bf16 to out_bf16 when it is not 0). Releases the GIL.");
+  m.def(
+      "adam_step_8bit",
+      [hyper, grad_type, state8](std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+                                 std::uintptr_t exp_avg_scale, std::uintptr_t exp_avg_sq_scale, std::uintptr_t grad,
+                                 int gtype, std::uintptr_t out_bf16, std::size_t n, float lr, float beta1, float beta2,
+                                 float eps, float weight_decay, bool adamw, std::int64_t step, float grad_scale,
+                                 int threads, const std::string& isa) {
+        const auto h = hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, grad_scale);
+        const auto gt = grad_type(gtype, "adam_step_8bit");
+        const CpuIsa want = parse_isa(isa);
+        const auto s = state8(master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale);
+        py::gil_scoped_release nogil;
+        pyinfinity::adam_step_8bit(s, reinterpret_cast<const void*>(grad), gt,
+                                   reinterpret_cast<std::uint16_t*>(out_bf16), n, h, threads, want);
+      },
+      py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("exp_avg_scale"),
+      py::arg("exp_avg_sq_scale"), py::arg("grad"), py::arg("grad_type"), py::arg("out_bf16"), py::arg("n"),
+      py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+      py::arg("step"), py::arg("grad_scale"), py::arg("threads"), py::arg("isa") = "auto",
+      "Adam/AdamW over n parameters of the 8-bit state in one pass: the fp32 master (n), the E4M3 codes of "
+      "exp_avg and the unsigned E4M4 codes of sqrt(exp_avg_sq) (n bytes each), their fp32 scales "
+      "(QUANT_BLOCK parameters a scale); gradient and out_bf16 as adam_step. Releases the GIL.");
+  m.def(
+      "adam_step_bf16",
+      [hyper, grad_type](std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
+                         int gtype, std::size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                         bool adamw, std::int64_t step, float grad_scale, int threads, const std::string& isa) {
+        const auto h = hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, grad_scale);
+        const auto gt = grad_type(gtype, "adam_step_bf16");
+        const CpuIsa want = parse_isa(isa);
+        py::gil_scoped_release nogil;
+        pyinfinity::adam_step_bf16(reinterpret_cast<std::uint16_t*>(param), reinterpret_cast<std::uint16_t*>(exp_avg),
+                                   reinterpret_cast<std::uint16_t*>(exp_avg_sq), reinterpret_cast<const void*>(grad),
+                                   gt, n, h, threads, want);
+      },
+      py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_type"),
+      py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+      py::arg("adamw"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"), py::arg("isa") = "auto",
+      "Adam/AdamW over n parameters whose master weights and moments are bf16 (DeepSpeed's "
+      "bf16_master_weights_and_grads + bf16_optimizer_states), stepped in fp32 and rounded to nearest even. "
+      "The gradient (fp32 or bf16) must not overlap them. Releases the GIL.");
+  m.def(
+      "quantize_moments",
+      [state8](std::uintptr_t exp_avg_in, std::uintptr_t exp_avg_sq_in, std::size_t n, std::uintptr_t exp_avg,
+               std::uintptr_t exp_avg_sq, std::uintptr_t exp_avg_scale, std::uintptr_t exp_avg_sq_scale, int threads,
+               const std::string& isa) {
+        const CpuIsa want = parse_isa(isa);
+        const auto s = state8(0, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale);
+        py::gil_scoped_release nogil;
+        pyinfinity::quantize_moments(reinterpret_cast<const float*>(exp_avg_in),
+                                     reinterpret_cast<const float*>(exp_avg_sq_in), n, s, threads, want);
+      },
+      py::arg("exp_avg_in"), py::arg("exp_avg_sq_in"), py::arg("n"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("exp_avg_scale"), py::arg("exp_avg_sq_scale"), py::arg("threads") = 1, py::arg("isa") = "auto",
+      "fp32 moments (n each) -> the 8-bit state's codes and scales. Releases the GIL.");
+  m.def(
+      "dequantize_moments",
+      [state8](std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t exp_avg_scale,
+               std::uintptr_t exp_avg_sq_scale, std::size_t n, std::uintptr_t exp_avg_out,
+               std::uintptr_t exp_avg_sq_out, int threads, const std::string& isa) {
+        const CpuIsa want = parse_isa(isa);
+        const auto s = state8(0, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale);
+        py::gil_scoped_release nogil;
+        pyinfinity::dequantize_moments(s, n, reinterpret_cast<float*>(exp_avg_out),
+                                       reinterpret_cast<float*>(exp_avg_sq_out), threads, want);
+      },
+      py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("exp_avg_scale"), py::arg("exp_avg_sq_scale"),
+      py::arg("n"), py::arg("exp_avg_out"), py::arg("exp_avg_sq_out"), py::arg("threads") = 1,
+      py::arg("isa") = "auto", "The 8-bit state's codes and scales -> fp32 moments (n each). Releases the GIL.");
+  m.attr("QUANT_BLOCK") = pyinfinity::kQuantBlock;
+  m.def(
+      "cpu_isa", [](const std::string& requested) { return std::string(isa_name(resolve_isa(parse_isa(requested)))); },
+      py::arg("requested") = "auto",
+      "The instruction set a CPU optimizer step runs with: the one requested, or for 'auto' PYINFINITY_CPU_ISA, "
+      "else the best this CPU has (ValueError for one it lacks).");
+  m.def(
+      "cpu_isas",
+      [] {
+        py::list out;
+        for (CpuIsa isa : supported_isas()) out.append(std::string(isa_name(isa)));
+        return out;
+      },
+      "The instruction sets the CPU optimizer steps can run with here, baseline first.");
   m.def("compiled_backends", &compiled_backends);
   m.def(
       "probe_backend",

@@ -52,6 +52,15 @@ std::string backend() {
   return b;
 }
 
+std::string cpu_isa() {
+  const char* s = std::getenv("PYINFINITY_CPU_ISA");
+  if (!s || !*s) return "auto";
+  std::string v(s);
+  PYINF_EXPECT(v == "auto" || v == "avx512" || v == "avx2" || v == "generic",
+               "PYINFINITY_CPU_ISA: expected auto, avx512, avx2 or generic, got '" + v + "'");
+  return v;
+}
+
 double wait_timeout_s() {
   const char* s = std::getenv("PYINFINITY_WAIT_TIMEOUT");
   if (!s || !*s) return 300.0;
@@ -89,6 +98,8 @@ std::vector<Entry> table() {
        "bytes per chunk of the CUDA stager's disk<->GPU pipeline"},
       {"stager_buffers", "PYINFINITY_STAGER_BUFFERS", str(stager_buffers()),
        "pinned bounce buffers of the CUDA stager"},
+      {"cpu_isa", "PYINFINITY_CPU_ISA", cpu_isa(),
+       "instruction set of the CPU optimizer steps: auto (the best this CPU has), avx512, avx2 or generic"},
       {"fault", "PYINFINITY_FAULT", std::getenv("PYINFINITY_FAULT") ? std::getenv("PYINFINITY_FAULT") : "",
        "fault injection for tests: op=read|write|any,nth=N,action=errno|short|stall,value=V,count=C"},
   };

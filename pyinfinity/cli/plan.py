@@ -48,6 +48,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seq-len", "--seq", dest="seq_len", type=int, default=1024,
                    help="tokens per sequence (default 1024)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
+    p.add_argument("--optimizer-state", choices=["fp32", "8bit", "bf16"], default=None,
+                   help="the optimizer state's format (default: the config's, else fp32): fp32 (exact, 12 bytes a "
+                        "parameter beside the weights), 8bit (fp32 master, 8-bit moments: 6.03), bf16 (the bf16 "
+                        "weights as master, bf16 moments: 4; needs --dtype bf16); docs/optimizer_state.md")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--rates", metavar="JSON",
                    help="measured rates: `pyinfinity bench io --json`, `pyinfinity tune -o` (aio settings "
@@ -124,11 +128,26 @@ def template(args: argparse.Namespace) -> dict:
     if args.grad_accum:
         cfg["gradient_accumulation_steps"] = args.grad_accum
         cfg.pop("train_batch_size", None)
+    state_keys = {k: v for k, v in (cfg.get("bf16") or {}).items()
+                  if k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")}
     for key in ("bf16", "fp16"):
         cfg.pop(key, None)
     if args.dtype != "fp32" and getattr(args, "lora", None) is None:
         # (a LoRA run keeps each parameter's dtype, as `train --lora` does: the base --dtype's, adapters fp32)
         cfg[args.dtype] = {"enabled": True}
+    if state_keys and args.optimizer_state is None:  # the config's bf16 state stays unless --optimizer-state says
+        if args.dtype != "bf16" and any(state_keys.values()):
+            from pyinfinity.cli.errors import UsageError
+
+            raise UsageError(f"--dtype {args.dtype}: the config's bf16 optimizer state "
+                             "(bf16.bf16_master_weights_and_grads) keeps the bf16 weights as the master; plan it with "
+                             "--dtype bf16, or pass --optimizer-state fp32 or 8bit")
+        if args.dtype == "bf16":
+            cfg["bf16"].update(state_keys)
+    if args.optimizer_state is not None:
+        from pyinfinity.cli.train_args import set_optimizer_state
+
+        set_optimizer_state(cfg, args.optimizer_state, "--optimizer-state")
     if args.cpu_cores and e.get("optimizer_threads", "auto") == "auto" and e.get("device") != "cpu":
         e["optimizer_threads"] = args.cpu_cores
     return cfg
@@ -231,7 +250,8 @@ def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any
                       replace(rates, disk_read=2 * rates.disk_read, disk_write=2 * rates.disk_write), budgets))
         tries.append(("twice the RAM budget (--cpu-memory)", rates, replace(budgets, host_memory=2 * budgets.host_memory)))
     elif bound == "optimizer":
-        tries.append(("twice the CPU Adam rate (twice the cores, --cpu-cores)", replace(rates, adam=2 * rates.adam),
+        tries.append(("twice the CPU Adam rate (twice the cores, --cpu-cores)",
+                      replace(rates, adam=2 * rates.adam, adam_8bit=2 * rates.adam_8bit, adam_bf16=2 * rates.adam_bf16),
                       budgets))
     elif bound == "host<->device":
         faster = sorted((v.h2d, k) for k, v in LINK_PRESETS.items() if v.h2d > rates.h2d * 1.05)
@@ -295,12 +315,14 @@ def run(args: argparse.Namespace) -> int:
                           disk=args.disk, matmul=args.tflops * 1e12 if args.tflops else None,
                           # the engine's optimizer threads here; every core when scaled to --cpu-cores
                           optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev)
-                          if here and not args.cpu_cores else None)
-    if args.cpu_cores and rates.source.get("adam", "").startswith("probe"):
-        here_cores = _this_cpu_count()
-        rates.adam *= args.cpu_cores / here_cores
-        rates.source["adam"] = (f"probe on this machine's {here_cores} cores, scaled to --cpu-cores {args.cpu_cores} "
-                                "(linear: an estimate; a --rates file made on the target replaces it)")
+                          if here and not args.cpu_cores else None,
+                          optimizer_state=cfg.optimizer_state_format)
+    for key in ("adam", "adam_8bit", "adam_bf16"):
+        if args.cpu_cores and getattr(rates, key) and rates.source.get(key, "").startswith("probe"):
+            here_cores = _this_cpu_count()
+            setattr(rates, key, getattr(rates, key) * args.cpu_cores / here_cores)
+            rates.source[key] = (f"probe on this machine's {here_cores} cores, scaled to --cpu-cores "
+                                 f"{args.cpu_cores} (linear: an estimate; a --rates file made on the target replaces it)")
     if not rates.shard_overhead:
         rates.shard_overhead, rates.shard_step_overhead = measure_engine_overhead(dev if here else "cpu")
         rates.source["shard_overhead"] = rates.source["shard_step_overhead"] = (

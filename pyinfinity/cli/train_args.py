@@ -36,7 +36,7 @@ PRESETS = {
 # told from one left out (with --config, only the given ones override the file)
 DEFAULTS: dict[str, Any] = {"steps": 20, "batch": 4, "grad_accum": 1, "lr": 3e-4, "clip": 1.0, "warmup": 5,
                             "offload": "auto", "optimizer_nvme_ratio": 1.0, "optimizer_step": "cpu",
-                            "device": "auto", "device_memory": "auto", "dtype": "auto"}
+                            "device": "auto", "device_memory": "auto", "dtype": "auto", "optimizer_state": "fp32"}
 
 # flag dest -> the config keys it sets (dotted); --config's file keeps the rest
 FLAG_KEYS: dict[str, tuple[str, ...]] = {
@@ -52,7 +52,9 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "optimizer_step": ("pyinfinity.optimizer_step_device",),
     "nvme": ("zero_optimization.offload_param.nvme_path", "zero_optimization.offload_optimizer.nvme_path"),
     "device_memory": ("pyinfinity.device_memory",),
-    "dtype": ("bf16", "fp16"),
+    "dtype": ("bf16.enabled", "fp16"),  # a config's bf16 state keys stay (and need bf16)
+    "optimizer_state": ("pyinfinity.optimizer_state", "bf16.bf16_master_weights_and_grads",
+                        "bf16.bf16_optimizer_states"),
     "no_prefetch": ("pyinfinity.prefetch",),
 }
 
@@ -85,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with the optimizer on nvme: the fraction of its state on disk, the rest in RAM (default 1)")
     p.add_argument("--optimizer-step", choices=["cpu", "device"],
                    help="run the Adam step on the CPU (default), or stream the states to the device and step there")
+    p.add_argument("--optimizer-state", choices=["fp32", "8bit", "bf16"],
+                   help="the optimizer state's format: fp32 (default, exact), 8bit (fp32 master, Adam's moments "
+                        "block-wise quantised to a byte), bf16 (the bf16 weights as master, bf16 moments; needs bf16 "
+                        "compute): docs/optimizer_state.md")
     p.add_argument("--nvme", action="append", metavar="DIR",
                    help="swap directory (repeat to stripe over several drives); created if missing, with a "
                         "warning naming its filesystem, and removed at the end")
@@ -305,7 +311,25 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
         cfg["fp16"] = {"enabled": True}
+    set_optimizer_state(cfg, args.optimizer_state, "--optimizer-state")
     return cfg
+
+
+def set_optimizer_state(cfg: dict, state: str, flag: str) -> None:
+    """Writes the optimizer-state format ``state`` ("fp32", "8bit", "bf16") into a config dict:
+    ``pyinfinity.optimizer_state``, or for bf16 DeepSpeed's two ``bf16`` keys (which need bf16
+    compute). Shared by `train` and `plan`."""
+    bf16 = cfg.get("bf16") or {}
+    if state == "bf16":
+        if not bf16.get("enabled"):
+            raise UsageError(f"{flag} bf16: the bf16 weights are the master, so the compute dtype must be bf16 "
+                             "(--dtype bf16)")
+        bf16["bf16_master_weights_and_grads"] = bf16["bf16_optimizer_states"] = True
+        cfg.setdefault("pyinfinity", {}).pop("optimizer_state", None)
+        return
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        bf16.pop(key, None)
+    cfg.setdefault("pyinfinity", {})["optimizer_state"] = state
 
 
 def _get(d: dict, dotted: str) -> Any:

@@ -7,12 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from pyinfinity.config_values import STATE_FORMATS, StateFormat
 from pyinfinity.plan.sizes import ModelSizes
 
-OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
+OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq (zero.optim.formats.AdamFp32.bytes_per_param;
+# the fp32 state: STATE_FORMATS has the others)
 GRAD_BYTES_PER_PARAM = 4  # fp32 accumulator on the host
 DEVICE_HEADROOM = 0.10  # of the device budget kept free for the allocator's fragmentation / workspace
-DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optimizer.DEVICE_CHUNK)
+DEVICE_STEP_SCRATCH = 4 * (16 << 20)  # the device step's fp32 gradient chunk (zero.optim.formats.DEVICE_CHUNK)
+# the torch step of a compressed state on the device: zero.state_formats.DEVICE_CHUNK elements at a
+# time, DEVICE_SCRATCH_PER_ELEMENT bytes of temporaries each
+FORMAT_STEP_SCRATCH = 40 * (1 << 22)
 # flat unit gradients alive on the device at once in backward: the unit being collected and the one
 # whose copy off the device is still in flight (its memory is reused only after the copy ran)
 GRAD_BUFFERS_LIVE = 2
@@ -48,10 +53,22 @@ class TrainShape:
     # gradient clipping or fp16 loss scaling: the step needs the global norm, so an overlapped step
     # starts after the boundary backward and hides behind the next forward instead
     norm_first: bool = False
+    # the optimizer state's format (Config.optimizer_state_format: a key of config.STATE_FORMATS)
+    optimizer_state: str = "fp32"
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+    @property
+    def state_format(self) -> StateFormat:
+        return STATE_FORMATS[self.optimizer_state]
+
+    @property
+    def host_grads(self) -> str:
+        """What the host's gradient buffers are: fp32 accumulators, or gradients in the compute
+        dtype (for homes on disk or on the device, or weights that are the master)."""
+        return "fp32 gradients" if self.grad_accum > 1 else "gradient buffers"
 
 
 @dataclass
@@ -67,12 +84,13 @@ class DeviceCharges:
     activations: int = 0  # saved activations of one micro-batch and the loss's logits
     grad_buffers: int = 0  # flat unit gradients being collected and the largest parameter's own gradient
     device_state: int = 0  # optimizer state of device-stepped units, their gradients, the step's fp32 chunk
+    accumulators: int = 0  # fp32 gradient accumulators on the device (pyinfinity.device_accumulator_bytes)
     headroom: int = 0  # the allocator's fragmentation and kernel workspaces (DEVICE_HEADROOM of the budget)
 
     @property
     def total(self) -> int:
         return (self.persistent + self.resident + self.working_set + self.prefetch + self.activations
-                + self.grad_buffers + self.device_state + self.headroom)
+                + self.grad_buffers + self.device_state + self.accumulators + self.headroom)
 
     @property
     def reserve(self) -> int:
@@ -81,7 +99,7 @@ class DeviceCharges:
 
     def describe(self) -> str:
         parts = [(n, getattr(self, n)) for n in ("resident", "persistent", "working_set", "prefetch", "activations",
-                                                 "grad_buffers", "device_state", "headroom")]
+                                                 "grad_buffers", "device_state", "accumulators", "headroom")]
         return ", ".join(f"{n.replace('_', ' ')} {fmt(v)}" for n, v in parts if v)
 
 
@@ -110,7 +128,8 @@ def activation_charge(sizes: ModelSizes, train: TrainShape) -> int:
 
 
 def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, resident: int = 0,
-                   persistent: int = 0, prefetch: int = 0, device_state: int = 0, all_resident: bool = False,
+                   persistent: int = 0, prefetch: int = 0, device_state: int = 0, accumulators: int = 0,
+                   all_resident: bool = False,
                    activations: Optional[int] = None, device_is_host: bool = False) -> DeviceCharges:
     """The device charges of one step (see :class:`DeviceCharges`). ``device_is_host``: the CPU
     device, whose pool (the engine's own count) holds the shards only: gradients are host tensors
@@ -124,6 +143,7 @@ def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, 
                          prefetch=0 if all_resident else prefetch,
                          activations=activation_charge(sizes, train) if activations is None else activations,
                          grad_buffers=0 if device_is_host else grads, device_state=device_state,
+                         accumulators=accumulators,
                          headroom=0 if device_is_host else int(device_memory * DEVICE_HEADROOM))
 
 
@@ -166,14 +186,20 @@ def shape_refusal(sizes: ModelSizes, train: TrainShape, device_memory: int, pers
             "pyinfinity.device_memory")
 
 
-def device_state_cost(itemsize: int, grad_accum: int) -> int:
-    """Device bytes a parameter of a unit stepped on the device costs beyond its weights: the fp32
-    master and moments, its gradient (kept there until the step when it cannot step during
-    backward) and under accumulation the fp32 accumulator."""
-    return OPT_BYTES_PER_PARAM + itemsize + (GRAD_BYTES_PER_PARAM if grad_accum > 1 else 0)
+def step_scratch(state: str) -> int:
+    """Device bytes of temporaries the device step of the ``state`` format takes at its peak."""
+    return DEVICE_STEP_SCRATCH if state == "fp32" else FORMAT_STEP_SCRATCH
 
+
+def device_state_cost(itemsize: int, grad_accum: int, state: str = "fp32") -> float:
+    """Device bytes a parameter of a unit stepped on the device costs beyond its weights: its
+    optimizer state (the fp32 master and moments, or the ``state`` format's), its gradient (kept
+    there until the step when it cannot step during backward) and under accumulation the fp32
+    accumulator."""
+    return STATE_FORMATS[state].state_bytes + itemsize + (GRAD_BYTES_PER_PARAM if grad_accum > 1 else 0)
 
 
 __all__ = ["PlanError", "TrainShape", "DeviceCharges", "device_charges", "grad_buffer_bytes", "working_set_bytes",
-           "activation_charge", "largest_shape", "shape_refusal", "device_state_cost", "fmt", "DEVICE_HEADROOM",
-           "OPT_BYTES_PER_PARAM", "GRAD_BYTES_PER_PARAM", "DEVICE_STEP_SCRATCH", "GRAD_BUFFERS_LIVE"]
+           "activation_charge", "largest_shape", "shape_refusal", "device_state_cost", "step_scratch", "fmt",
+           "DEVICE_HEADROOM", "OPT_BYTES_PER_PARAM", "GRAD_BYTES_PER_PARAM", "DEVICE_STEP_SCRATCH",
+           "FORMAT_STEP_SCRATCH", "GRAD_BUFFERS_LIVE"]

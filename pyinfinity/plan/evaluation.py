@@ -10,16 +10,18 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     and backward; the recompute of checkpointing re-fetches instead of the backward); fetches
     from RAM are host->device copies (on the CPU device: memcpys the compute thread does itself,
     so they add to compute), fetches from disk are SwapEngine reads that prefetch overlaps with
-    compute; gradients leave the device and are accumulated in fp32 on the host.
+    compute; gradients leave the device and are accumulated in fp32 on the host by a worker
+    thread (overlapping the GPU's backward; on the CPU device it adds to the compute).
     With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
     without prefetch: the sum.
-  * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made;
-    under accumulation a read of the fp32 accumulators), the one-pass Adam kernel over every
-    parameter the CPU steps at the measured rate (which includes writing bf16 weights into a home
-    in RAM; a home on disk or on the device, or another dtype, adds a cast pass from the fp32
-    master); the RAM part first, then the disk part pipelined (read k+1 || step k || write k-1)
-    with the parameter write-back. Serial after the last backward, unless the step overlaps it
-    (``pyinfinity.overlap_step``, :attr:`TrainShape.overlap_step`): then the boundary
+  * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made,
+    under accumulation by the boundary micro-batch's adds), the one-pass Adam kernel over every
+    parameter the CPU steps at the measured rate of the optimizer state's format's kernel (which
+    includes writing bf16 weights into a home in RAM; a home on disk or on the device, or another
+    dtype, adds a cast pass from the fp32 master); the RAM part first, then the disk part
+    pipelined (read k+1 || step k || write k-1) with the parameter write-back. Serial after the
+    last backward, unless the step overlaps it (``pyinfinity.overlap_step``,
+    :attr:`TrainShape.overlap_step`): then the boundary
     micro-batch's backward (and recompute) hides up to its own length of it (on the CPU device
     only the disk part: Adam would compete for the cores), and at least the largest shard's share
     stays visible (it is often the embedding, the last to get its gradient). With gradient
@@ -37,8 +39,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from pyinfinity.plan.budgets import Budgets
-from pyinfinity.plan.charges import (DEVICE_STEP_SCRATCH, GRAD_BYTES_PER_PARAM, OPT_BYTES_PER_PARAM, DeviceCharges,
-                                     TrainShape, device_charges, device_state_cost, fmt)
+from pyinfinity.plan.charges import (GRAD_BYTES_PER_PARAM, DeviceCharges, TrainShape, device_charges, device_state_cost,
+                                     fmt, step_scratch)
 from pyinfinity.plan.rates import Rates
 from pyinfinity.plan.sizes import ModelSizes
 
@@ -53,6 +55,11 @@ BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
 # as a share of its matmul time: the matmul-only prediction was 0.76-0.80x the measured step at
 # 1.1B and 7B on an H200 (BENCHMARKS.md), where the step is compute-bound
 ELEMENTWISE_SHARE = 0.25
+# under accumulation: the host staging buffers gradients land in, taken in turn while the worker adds
+# the last ones (zero.accumulate.STAGING_SLOTS, each of the largest trainable unit), and the worker's
+# fp32 chunk (zero.accumulate.ADD_CHUNK)
+GRAD_STAGING_SLOTS = 3
+ADD_SCRATCH = 4 * (1 << 20)
 
 
 @dataclass
@@ -74,6 +81,7 @@ class Knobs:
     pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
     resident_bytes: int = 0  # units kept on the device      [pyinfinity.resident_bytes]
     device_optimizer_bytes: int = 0  # their state there     [pyinfinity.device_optimizer_bytes]
+    device_accumulator_bytes: int = 0  # fp32 grad sums there [pyinfinity.device_accumulator_bytes]
 
 
 @dataclass
@@ -130,7 +138,9 @@ class Placement:
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     device_state_bytes: int = 0  # of device_bytes, resident units' optimizer state (a copy of its host home)
+    accumulator_bytes: int = 0  # of device_bytes, fp32 gradient accumulators on the device
     charges: Optional[DeviceCharges] = None  # device_bytes by kind
+    state: str = "fp32"  # the optimizer state's format (TrainShape.optimizer_state)
 
     @property
     def feasible(self) -> bool:
@@ -159,6 +169,7 @@ class Placement:
             # the streamed device step steps everything there already (the config refuses both)
             "pyinfinity.device_optimizer_bytes": int(k.device_optimizer_bytes) if k.optimizer_step_device != "device"
             else 0,
+            "pyinfinity.device_accumulator_bytes": int(k.device_accumulator_bytes),
             "pyinfinity.device_memory": int(self.device_memory),
             "pyinfinity.host_memory": int(self.host_memory),
         }
@@ -171,11 +182,12 @@ class Placement:
         def row(name: str, s: Share, extra: str = "") -> str:
             return f"  {name:<18}{fmt(s.device):>10}{fmt(s.ram):>10}{fmt(s.disk):>10}  {extra}"
 
-        opt_tier = "cpu" if k.optimizer_device == "cpu" else f"nvme, ratio {k.ratio:.3f}"
+        opt_tier = ("cpu" if k.optimizer_device == "cpu" else f"nvme, ratio {k.ratio:.3f}") + f"; {self.state} state"
         par_tier = k.param_device + (f", max_in_cpu {k.max_in_cpu:,}" if k.param_device == "nvme" else "")
         lines = [f"  {'tensor class':<18}{'device':>10}{'RAM':>10}{'disk':>10}  tier",
                  row("parameters", self.params, par_tier),
-                 row("gradients (fp32)", self.grads, "host accumulator"),
+                 row("gradients", self.grads, "fp32 accumulators (on the device: pyinfinity.device_accumulator_bytes)"
+                     if self.grads.device else "host (fp32 under accumulation)"),
                  row("optimizer states", self.optimizer, opt_tier),
                  "",
                  f"  device peak {fmt(self.device_bytes)} of {fmt(self.device_memory)} (activations "
@@ -291,17 +303,29 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     # -- resident units whose optimizer state also lives on the device (stepped there): whole
     # units from the front of the model within device_optimizer_bytes, as the engine picks them
     dev_state: set[int] = set()
-    dev_state_numel = dev_state_cost = 0
+    dev_state_numel = 0
+    dev_state_cost = 0.0
+    state_fmt = train.state_format
     if k.device_optimizer_bytes > 0 and k.optimizer_step_device != "device":
         dleft = k.device_optimizer_bytes
         for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
             on_device = k.param_device == "none" or i in resident or 0 < n <= k.persistence_threshold
-            cost = device_state_cost(sizes.shard_itemsize(i), train.grad_accum) * n
+            cost = device_state_cost(sizes.shard_itemsize(i), train.grad_accum, state_fmt.name) * n
             if on_device and trainable and n and cost <= dleft:
                 dleft -= cost
                 dev_state.add(i)
                 dev_state_numel += n
                 dev_state_cost += cost
+    # -- under accumulation, units whose fp32 gradient accumulator lives on the device: whole units
+    # from the front within device_accumulator_bytes (those stepped there accumulate there anyway)
+    dev_acc_numel = 0
+    if train.grad_accum > 1 and k.device_accumulator_bytes > 0:
+        aleft = k.device_accumulator_bytes
+        for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
+            if trainable and n and i not in dev_state and GRAD_BYTES_PER_PARAM * n <= aleft:
+                aleft -= GRAD_BYTES_PER_PARAM * n
+                dev_acc_numel += n
+    accumulator_bytes = GRAD_BYTES_PER_PARAM * dev_acc_numel
     # -- optimizer states: the first (1 - ratio) of the trainable elements in RAM
     total_train = sizes.trainable_numel
     ram_share = total_train * (1.0 - (k.ratio if k.optimizer_device == "nvme" else 0.0))
@@ -314,7 +338,8 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     biggest_disk_state = 0
     first_disk_state = 0
     # the one-pass CPU kernel writes the new bf16 weights into a home in RAM itself (its measured
-    # rate includes it); other homes and dtypes get a cast pass from the fp32 master
+    # rate includes it); other homes and dtypes get a cast pass from the fp32 master. A bf16 master
+    # is the weights' home itself: stepped where it lies in RAM, read from disk or the device first
     kernel_writes_home = sizes.dtype == torch.bfloat16 and k.optimizer_step_device != "device"
     for i, (n, trainable, ptier) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable, param_tier)):
         if not trainable:
@@ -322,48 +347,58 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         ram = placed + n <= ram_share
         placed += n
         seg = seg_a if ram else seg_b
+        nb = int(state_fmt.shard_bytes(n))  # the shard's optimizer state, moved whole (compressed on disk)
         if ram:
-            optim.ram += OPT_BYTES_PER_PARAM * n
+            optim.ram += nb
         else:
-            optim.disk += OPT_BYTES_PER_PARAM * n
-            seg_b["state"] += OPT_BYTES_PER_PARAM * n
-            seg_b["state_s"] += rates.read_time(OPT_BYTES_PER_PARAM * n) + rates.write_time(OPT_BYTES_PER_PARAM * n)
-            biggest_disk_state = max(biggest_disk_state, n)
-            first_disk_state = first_disk_state or n
+            optim.disk += nb
+            seg_b["state"] += nb
+            seg_b["state_s"] += rates.read_time(nb) + rates.write_time(nb)
+            biggest_disk_state = max(biggest_disk_state, nb)
+            first_disk_state = first_disk_state or nb
         if i in dev_state:  # stepped on the device: no CPU Adam, no cast into the home
             continue
         seg["adam"] += n
         if not (ptier == "ram" and kernel_writes_home):  # a cast pass into the home or a write buffer
             seg["cast"] += n
         if ptier == "device":
-            seg["param_dev"] += sizes.shard_bytes(i)
+            seg["param_dev"] += sizes.shard_bytes(i) * (2 if state_fmt.weights_are_master else 1)
         elif ptier == "disk":
-            seg["param_disk_s"] += rates.write_time(sizes.shard_bytes(i))
+            nb = sizes.shard_bytes(i)
+            seg["param_disk_s"] += rates.write_time(nb) + (rates.read_time(nb) if state_fmt.weights_are_master else 0.0)
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
-    # it), a buffer of their own for homes on disk or on the device, fp32 under accumulation
+    # it from the fp32 master), a buffer of their own for homes on disk or on the device, or when the
+    # weights are the master; fp32 under accumulation (with the staging buffers they land in, pinned
+    # on a GPU; a device accumulator's sum lands in a pinned fp32 buffer of its own instead)
+    grad_staging = 0
     if train.grad_accum > 1:
-        grads = Share(ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + sizes.largest_shard_bytes)
+        if total_train - dev_state_numel - dev_acc_numel > 0:
+            largest_trainable = max((sizes.shard_bytes(i) for i, t in enumerate(sizes.shard_trainable) if t), default=0)
+            grad_staging = GRAD_STAGING_SLOTS * largest_trainable + ADD_SCRATCH
+        grads = Share(device=accumulator_bytes,
+                      ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
     else:
         grads = Share(ram=sum(sizes.shard_bytes(i) for i, (t, pt) in enumerate(zip(sizes.shard_trainable, param_tier))
-                              if t and pt != "ram" and i not in dev_state))
-    device_state_bytes = dev_state_cost
+                              if t and (pt != "ram" or state_fmt.weights_are_master) and i not in dev_state))
+    device_state_bytes = int(dev_state_cost)
     # -- device: the charges of one step (DeviceCharges: shards, activations, gradients, state, headroom)
     everything = k.param_device == "none" or resident_bytes + persistent >= params.total
     charges = device_charges(sizes, train, budgets.device_memory, device_is_host=budgets.device_is_host,
                              resident=params.device if k.param_device == "none" else resident_bytes,
                              persistent=0 if k.param_device == "none" else persistent,
                              prefetch=k.prefetch_bytes if k.prefetch else 0,
-                             device_state=device_state_bytes + DEVICE_STEP_SCRATCH if dev_state else 0,
-                             all_resident=everything)
+                             device_state=device_state_bytes + step_scratch(state_fmt.name) if dev_state else 0,
+                             accumulators=accumulator_bytes, all_resident=everything)
     acts = charges.activations
     shard_peak = charges.resident + charges.persistent + charges.working_set + charges.prefetch
     device_bytes = charges.total
-    if k.optimizer_step_device == "device":  # two sets of [master|m|v] + grad buffers, after release_all
-        device_bytes = max(device_bytes, persistent + 2 * 16 * sizes.largest_shard_numel)
+    if k.optimizer_step_device == "device":  # two sets of the state + grad buffers, after release_all
+        device_bytes = max(device_bytes, persistent + 2 * int(state_fmt.shard_bytes(sizes.largest_shard_numel)
+                                                              + 4 * sizes.largest_shard_numel))
     # -- host: homes in RAM, gradients, staging, write-back temporaries (+ the device pool on the CPU)
     staging = 0
     if optim.disk:
-        staging += (k.optimizer_buffer_count if k.pipeline else 1) * OPT_BYTES_PER_PARAM * biggest_disk_state
+        staging += (k.optimizer_buffer_count if k.pipeline else 1) * biggest_disk_state
     if cuda and fetch_disk:
         staging += k.param_buffer_count * sizes.largest_shard_bytes  # pinned read staging
     writeback = (sizes.largest_shard_numel * isz * k.optimizer_buffer_count) if isz != 4 else 0
@@ -390,7 +425,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     if host_bytes > budgets.host_memory:
         violations.append(
             f"host RAM: needs {fmt(host_bytes)} (parameters {fmt(params.ram)}, optimizer states {fmt(optim.ram)}, "
-            f"fp32 gradients {fmt(grads.ram)}, staging {fmt(staging + writeback)}"
+            f"{train.host_grads} {fmt(grads.ram)}, staging {fmt(staging + writeback)}"
             f"{', device pool ' + fmt(device_bytes) if budgets.device_is_host else ''}), budget {fmt(budgets.host_memory)}")
     if swap_bytes and not dirs:
         violations.append(f"swap: needs {fmt(swap_bytes)} on disk but no nvme_path is given")
@@ -409,18 +444,27 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                           f"pyinfinity.resident_bytes: {int(k.resident_bytes)} ({fmt(k.resident_bytes)})")
     pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
                    fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state,
-                   device_stepped=dev_state_numel)
+                   device_stepped=dev_state_numel, device_accumulated=dev_acc_numel)
     notes = [notes_resident] if resident_bytes else []
     if dev_state:
         notes.append(f"the optimizer state of {len(dev_state)} resident units ({dev_state_numel / 1e6:,.0f}M "
                      f"parameters, {fmt(device_state_bytes)} with their gradients) lives on the device too and steps there "
                      "(pyinfinity.device_optimizer_bytes)")
+    if dev_acc_numel:
+        notes.append(f"the fp32 gradient accumulators of {dev_acc_numel / 1e6:,.0f}M parameters "
+                     f"({fmt(accumulator_bytes)}) live on the device: their micro-batch gradients are added there and "
+                     "leave it once a step (pyinfinity.device_accumulator_bytes)")
     return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
-                     host_bytes=host_bytes, pinned_bytes=pinned, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
+                     host_bytes=host_bytes,
+                     # of host_bytes: the gradient staging and the buffers device accumulators land in are pinned too
+                     pinned_bytes=pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + accumulator_bytes
+                                            if cuda else 0),
+                     swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                      activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=k.optimizer_step_device,
                      host_memory=budgets.host_memory, violations=violations, notes=notes,
-                     device_state_bytes=device_state_bytes, charges=charges)
+                     device_state_bytes=device_state_bytes, accumulator_bytes=accumulator_bytes, charges=charges,
+                     state=state_fmt.name)
 
 
 def _div(a: float, b: float) -> float:
@@ -431,7 +475,7 @@ def _div(a: float, b: float) -> float:
 
 def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *, cuda: bool, fetch_ram: int,
             fetch_disk: int, fetch_disk_s: float, seg_a: dict, seg_b: dict, first_disk_state: int,
-            device_stepped: int = 0) -> StepTime:
+            device_stepped: int = 0, device_accumulated: int = 0) -> StepTime:
     """Seconds per optimizer step from the byte flows ``evaluate`` worked out (see the module doc)."""
     isz = sizes.itemsize
     train_numel = sizes.trainable_numel
@@ -444,15 +488,19 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     passes = FETCH_PASSES
     ram_copy = _div(passes * fetch_ram, rates.h2d)
     disk_read = passes * fetch_disk_s
-    # gradients off the device (those of units stepped on the device stay there)
-    grads_off = _div((train_numel - device_stepped) * isz, rates.d2h) if cuda else 0.0
+    # gradients off the device (those of units stepped on the device stay there; a device
+    # accumulator's fp32 sum leaves once a step, counted here per micro-batch)
+    g = train.grad_accum
+    host_acc = train_numel - device_stepped - device_accumulated if g > 1 else train_numel
+    grads_off = (_div((train_numel - device_stepped - device_accumulated) * isz, rates.d2h)
+                 + _div(device_accumulated * GRAD_BYTES_PER_PARAM / g, rates.d2h)) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
     # the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
     # bytes touched), later ones add to it (isz + 8)
-    g = train.grad_accum
     touched = ((isz + 4) + (g - 1) * (isz + 8)) / g
-    # host-thread work per micro-batch: accumulating gradients, and the engine's per-shard bookkeeping
-    accumulate = _div(train_numel * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
+    # host work per micro-batch: accumulating gradients (the accumulation worker's), and the engine's
+    # per-shard bookkeeping
+    accumulate = _div(host_acc * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
     overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
     latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
     if cuda:
@@ -469,18 +517,20 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         micro = (max(cpu_side, disk_read) if overlap else cpu_side + disk_read) + latency
         h2d_busy = ram_copy + accumulate
     # -- the optimizer step: norm, RAM part, then the disk part pipelined. The global norm is
-    # combined from per-unit norms taken as the gradients were made, except under accumulation,
-    # where it reads the fp32 accumulators once
-    host = _div(GRAD_BYTES_PER_PARAM * train_numel, 2 * rates.memcpy) if g > 1 else 0.0
-    host += sum(sizes.shard_trainable) * rates.shard_step_overhead
+    # combined from per-unit norms taken as the gradients were made (under accumulation by the
+    # accumulation worker in the boundary micro-batch's add, chunk by chunk while it is in cache)
+    host = sum(sizes.shard_trainable) * rates.shard_step_overhead
 
     pageable = rates.h2d_pageable or rates.h2d  # gradients and write-back sources are pageable
+
+    state_bytes = train.state_format.state_bytes
 
     def adam_time(numel: int) -> float:
         if knobs.optimizer_step_device == "device" and cuda:
             # streamed: state + grad to the device, state back, one shard at a time (the copy back waits)
-            return _div(12 * numel, rates.h2d) + _div(4 * numel, pageable) + _div(12 * numel, rates.d2h)
-        return _div(numel, rates.adam)
+            return (_div(state_bytes * numel, rates.h2d) + _div(4 * numel, pageable)
+                    + _div(state_bytes * numel, rates.d2h))
+        return _div(numel, rates.adam_rate(train.optimizer_state))
 
     def cpu_time(seg: dict) -> float:
         # Adam, the cast pass from the fp32 master straight into the home (or the write buffer of a
@@ -490,7 +540,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
     a = cpu_time(seg_a)
     b = cpu_time(seg_b)
-    first_read = rates.read_time(OPT_BYTES_PER_PARAM * first_disk_state) if first_disk_state else 0.0
+    first_read = rates.read_time(first_disk_state) if first_disk_state else 0.0  # bytes of the first shard on disk
     disk_a = seg_a["param_disk_s"] + first_read
     disk_b = seg_b["state_s"] + seg_b["param_disk_s"] - first_read
     if knobs.pipeline:

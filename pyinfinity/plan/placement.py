@@ -20,11 +20,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
+from pyinfinity.config_values import STATE_FORMATS, StateFormat
 from pyinfinity.plan.budgets import Budgets
-from pyinfinity.plan.charges import (DEVICE_HEADROOM, DEVICE_STEP_SCRATCH, GRAD_BYTES_PER_PARAM, OPT_BYTES_PER_PARAM,
-                                     DeviceCharges, PlanError, TrainShape, activation_charge, device_charges,
-                                     device_state_cost, fmt, grad_buffer_bytes, largest_shape, shape_refusal,
-                                     working_set_bytes)
+from pyinfinity.plan.charges import (DEVICE_HEADROOM, GRAD_BYTES_PER_PARAM, DeviceCharges, PlanError, TrainShape,
+                                     activation_charge, device_charges, device_state_cost, fmt, grad_buffer_bytes,
+                                     largest_shape, shape_refusal, step_scratch, working_set_bytes)
 from pyinfinity.plan.evaluation import (BACKWARD_SHARE, ELEMENTWISE_SHARE, Knobs, Placement, Share, StepTime, evaluate,
                                         on_cuda, predict)
 from pyinfinity.plan.rates import Rates
@@ -54,14 +54,15 @@ class Fixed:
     optimizer_step_device: Optional[str] = None
     resident_bytes: Optional[int] = None
     device_optimizer_bytes: Optional[int] = None
+    device_accumulator_bytes: Optional[int] = None
 
 
-def _optimizer_split(sizes: ModelSizes, ram_bytes: int) -> float:
+def _optimizer_split(sizes: ModelSizes, ram_bytes: int, state: StateFormat = STATE_FORMATS["fp32"]) -> float:
     """The nvme ratio whose RAM prefix (as the engine places it) fits in ``ram_bytes``."""
     total = sizes.trainable_numel
     if total == 0:
         return 0.0
-    fit = max(0, ram_bytes) // OPT_BYTES_PER_PARAM
+    fit = int(max(0, ram_bytes) // state.state_bytes)
     if fit >= total:
         return 0.0
     return min(1.0, max(0.0, 1.0 - fit / total))
@@ -95,12 +96,12 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
             k.resident_bytes, k.prefetch_bytes = offloaded, 0 if fixed.prefetch_bytes is None else k.prefetch_bytes
         else:
             k.resident_bytes = max(0, room - k.prefetch_bytes)
-    if fixed.device_optimizer_bytes is None:
+    if fixed.device_optimizer_bytes is None or fixed.device_accumulator_bytes is None:
         res = fixed.resident_bytes if fixed.resident_bytes is not None else k.resident_bytes
         step_on = fixed.optimizer_step_device or k.optimizer_step_device
-        k.device_optimizer_bytes = _device_state_room(sizes, train, budgets, rates,
-                                                      replace(k, resident_bytes=res, optimizer_step_device=step_on),
-                                                      persistent, acts)
+        k.device_accumulator_bytes, k.device_optimizer_bytes = _split_device_room(
+            sizes, train, budgets, rates, replace(k, resident_bytes=res, optimizer_step_device=step_on), fixed,
+            persistent, acts)
     if fixed.max_live is None:
         k.max_live = max(1, (persistent + working + k.prefetch_bytes) // isz)
     if fixed.param_buffer_size is None:
@@ -112,20 +113,54 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
     return k
 
 
-def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
-                       persistent: int, acts: int) -> int:
-    """Device bytes for resident units' optimizer state: what the budget leaves (less headroom)
-    after the shards ``k`` keeps there, their working set and prefetch, and the activations. None
-    on the CPU device (the state is in RAM already) or with the streamed device step."""
-    if budgets.device_is_host or not on_cuda(rates, budgets) or k.optimizer_step_device == "device":
-        return 0
-    if k.resident_bytes <= 0:
+def _device_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                 persistent: int, acts: int) -> int:
+    """What the device budget leaves after the shards ``k`` keeps there, their working set and
+    prefetch, the activations, the gradient buffers and the headroom (0 on the CPU device)."""
+    if budgets.device_is_host or not on_cuda(rates, budgets):
         return 0
     offloaded = sizes.param_bytes - persistent
-    c = device_charges(sizes, train, budgets.device_memory, resident=min(k.resident_bytes, offloaded),
+    c = device_charges(sizes, train, budgets.device_memory, resident=min(max(0, k.resident_bytes), offloaded),
                        persistent=persistent, prefetch=k.prefetch_bytes if k.prefetch else 0,
                        all_resident=k.resident_bytes >= offloaded, activations=acts)
-    return max(0, budgets.device_memory - c.total - DEVICE_STEP_SCRATCH)
+    return max(0, budgets.device_memory - c.total)
+
+
+def _device_state_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                       persistent: int, acts: int) -> int:
+    """Device bytes for resident units' optimizer state: ``_device_room`` less the device step's
+    scratch (``step_scratch``: the fp32 chunk, or a compressed format's temporaries). None on the
+    CPU device (the state is in RAM already), without resident units or with the streamed device
+    step."""
+    if k.optimizer_step_device == "device" or k.resident_bytes <= 0:
+        return 0
+    return max(0, _device_room(sizes, train, budgets, rates, k, persistent, acts)
+               - step_scratch(train.optimizer_state))
+
+
+def _split_device_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs,
+                       fixed: Fixed, persistent: int, acts: int) -> tuple[int, int]:
+    """(device_accumulator_bytes, device_optimizer_bytes) for what the config leaves "auto". Under
+    accumulation the fp32 accumulators come first: at 4 bytes a parameter they take the host's
+    add and the copy off the device of every micro-batch but the last, where optimizer state
+    (``device_state_cost``, 18 bytes at bf16) takes one CPU step; the room they leave goes to
+    optimizer state, each unit stepped there freeing its own accumulator. Without accumulation
+    all of it goes to optimizer state."""
+    state_room = _device_state_room(sizes, train, budgets, rates, k, persistent, acts)
+    acc_room = _device_room(sizes, train, budgets, rates, k, persistent, acts) if train.grad_accum > 1 else 0
+    need = GRAD_BYTES_PER_PARAM * sizes.trainable_numel
+    if fixed.device_optimizer_bytes is not None:
+        acc_room = max(0, acc_room - fixed.device_optimizer_bytes)
+    acc = fixed.device_accumulator_bytes if fixed.device_accumulator_bytes is not None else min(acc_room, need)
+    if fixed.device_optimizer_bytes is not None:
+        return acc, fixed.device_optimizer_bytes
+    if train.grad_accum <= 1:
+        return acc, state_room
+    left = max(0, state_room - min(acc, need))
+    if acc >= need and left:  # every accumulator is on the device: a unit stepped there frees its own
+        per = device_state_cost(sizes.itemsize, train.grad_accum, train.optimizer_state)
+        left = int(left * per // (per - GRAD_BYTES_PER_PARAM))
+    return acc, left
 
 
 def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
@@ -135,7 +170,7 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
     base = _fill(sizes, train, budgets, rates, Knobs(), fixed)
     for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
                  "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device", "resident_bytes",
-                 "device_optimizer_bytes"):
+                 "device_optimizer_bytes", "device_accumulator_bytes"):
         v = getattr(fixed, name)
         if v is not None:
             setattr(base, name, v)
@@ -179,7 +214,7 @@ def _tier_candidates(base: Knobs, sizes: ModelSizes, train: TrainShape, budgets:
                 # what RAM is left for optimizer states once everything else is charged
                 probe = evaluate(sizes, train, budgets, rates, replace(k, ratio=1.0))
                 left = budgets.host_memory - probe.host_bytes
-                yield replace(k, ratio=_optimizer_split(sizes, left))
+                yield replace(k, ratio=_optimizer_split(sizes, left, train.state_format))
                 yield replace(k, ratio=1.0)
 
 
@@ -243,14 +278,14 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
                          + (f" (the largest micro-batch x sequence that fits with nothing resident is {mb} x {seq})"
                             if mb and not budgets.device_is_host else ""))
         elif v.startswith("host RAM") and not paths:
-            state = sizes.trainable_numel * (OPT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) + sizes.param_bytes
+            state = sizes.trainable_numel * (train.state_format.state_bytes + GRAD_BYTES_PER_PARAM) + sizes.param_bytes
             hints.append(f"give a swap directory (--nvme DIR / nvme_path) with at least "
                          f"{fmt(max(0, (best.host_bytes if best else state) - budgets.host_memory))} free, or raise the "
                          "host budget (--cpu-memory / pyinfinity.host_memory)")
         elif v.startswith("host RAM"):
             grads = best.grads.ram if best else sizes.trainable_numel * GRAD_BYTES_PER_PARAM
             hints.append("raise the host budget (--cpu-memory / pyinfinity.host_memory): "
-                         + (f"the fp32 gradients ({fmt(grads)}) and " if grads else "")
+                         + (f"the {train.host_grads} ({fmt(grads)}) and " if grads else "")
                          + "the staging buffers stay in RAM")
         elif v.startswith("swap: needs") and "no nvme_path" in v:
             hints.append("give a swap directory (--nvme DIR / nvme_path)")
@@ -260,15 +295,17 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
     if best is not None and sizes.numel:
         # what the state costs a parameter, so a refusal can be checked against the model's size
         state = best.params.total + best.optimizer.total + best.grads.total
+        what = {"fp32": "fp32 master and moments", "8bit": "fp32 master and 8-bit moments",
+                "bf16": "bf16 moments"}[train.optimizer_state]
         hints.append(f"the training state is {state / sizes.numel:.1f} bytes a parameter ({fmt(state)} for "
-                     f"{sizes.numel / 1e9:.2f}B parameters: weights {fmt(best.params.total)}, fp32 master and "
-                     f"moments {fmt(best.optimizer.total)}"
-                     + (f", fp32 gradients {fmt(best.grads.total)}" if best.grads.total else "") + ")")
+                     f"{sizes.numel / 1e9:.2f}B parameters: weights {fmt(best.params.total)}, {what} "
+                     f"{fmt(best.optimizer.total)}"
+                     + (f", {train.host_grads} {fmt(best.grads.total)}" if best.grads.total else "") + ")")
     return "; ".join(msgs + hints)
 
 
 __all__ = ["solve", "candidates", "Fixed", "PERSISTENT_SHARE", "TIE",
            # from charges and evaluation, importable from here as before
            "DeviceCharges", "device_charges", "grad_buffer_bytes", "largest_shape", "shape_refusal", "device_state_cost",
-           "PlanError", "TrainShape", "fmt", "DEVICE_HEADROOM", "Placement", "Knobs", "Share", "StepTime", "evaluate",
-           "predict", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]
+           "step_scratch", "PlanError", "TrainShape", "fmt", "DEVICE_HEADROOM", "Placement", "Knobs", "Share",
+           "StepTime", "evaluate", "predict", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]

@@ -6,9 +6,14 @@ written by :meth:`Rates.save`; a ``pyinfinity tune`` output holds only the chose
 which the probe then uses), else from a short probe through ``pyinfinity.swap.SwapEngine`` in the
 swap directory (O_DIRECT where the filesystem allows, as the engine does). Everything else is
 timed here: the engine's one-pass CPU Adam kernel on ADAM_PROBE_NUMEL parameters with the engine's
-optimizer thread count, a matmul of the model's shape on the compute device, pinned copies (GPU) or
-memcpy (CPU device), each on a few MB.
+optimizer thread count (and the kernel of the optimizer-state format planned, when it is not
+fp32), a matmul of the model's shape on the compute device, pinned copies (GPU) or memcpy (CPU
+device), each on a few MB.
 Figures are medians of a few repetitions.
+
+One module for the rates (about 610 lines): the record, the probes, the rates files and the named
+presets all fill the same fields and name each one's source, so a figure's every origin reads in
+one place.
 """
 from __future__ import annotations
 
@@ -111,6 +116,7 @@ class Rates:
     directory; a request costs ``pieces(n) * disk_latency + n / rate`` (the engine splits it into
     ``block_size`` pieces, an unaligned tail is one more), disk_latency fitted from a one-page read.
     memcpy: host memory bandwidth (gradient accumulation, cpu-tier write-back).
+    adam, adam_8bit, adam_bf16: the CPU optimizer step of each state format (:meth:`adam_rate`).
     source: where each figure came from ("probe", "file:<path>", "given").
     """
 
@@ -124,6 +130,8 @@ class Rates:
     disk_latency: float = 0.0  # seconds per I/O piece, on top of bytes / rate
     block_size: int = 1 << 20  # the aio block size the disk figures were measured with
     h2d_pageable: float = 0.0  # from pageable host memory (0: same as h2d); write-back to device homes
+    adam_8bit: float = 0.0  # params/s of the 8-bit state's CPU step (0: not measured; the fp32 rate stands in)
+    adam_bf16: float = 0.0  # params/s of the bf16 state's CPU step (0: not measured; likewise)
     shard_overhead: float = 0.0  # host seconds per shard per forward+backward (hooks, bookkeeping)
     shard_step_overhead: float = 0.0  # host seconds per shard in the optimizer step
     device: str = "cpu"
@@ -142,8 +150,14 @@ class Rates:
     def from_json(cls, d: dict) -> "Rates":
         keys = {k: d[k] for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
                                   "disk_latency", "block_size", "h2d_pageable", "shard_overhead",
-                                  "shard_step_overhead", "device", "source") if k in d}
+                                  "shard_step_overhead", "adam_8bit", "adam_bf16", "device", "source") if k in d}
         return cls(**keys)
+
+    def adam_rate(self, state: str = "fp32") -> float:
+        """Params/s of the CPU optimizer step of the ``state`` format; the fp32 step's rate where the
+        format's was not measured (a rates file from before it, or a target described by presets)."""
+        rate = {"fp32": self.adam, "8bit": self.adam_8bit, "bf16": self.adam_bf16}[state]
+        return rate or self.adam
 
     def pieces(self, nbytes: int) -> int:
         """I/O pieces the swap engine cuts a request of ``nbytes`` into."""
@@ -175,6 +189,8 @@ class Rates:
                 ("disk_latency", f"{self.disk_latency * 1e3:.3f} ms per piece"),
                 ("adam", f"{self.adam / 1e9:.3f} Gparam/s"), ("matmul", f"{self.matmul / 1e12:.3f} TFLOP/s"),
                 ("memcpy", f"{self.memcpy / g:.2f} GB/s")]
+        rows[7:7] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s") for k in ("adam_8bit", "adam_bf16")
+                     if getattr(self, k)]
         if self.shard_overhead or "shard_overhead" in self.source:
             rows.append(("shard_overhead", f"{self.shard_overhead * 1e6:.1f} us per shard"))
         w = max(len(k) for k, _ in rows)
@@ -217,14 +233,16 @@ def all_cpus() -> int:
 
 
 
-def measure_adam(numel: int = ADAM_PROBE_NUMEL, reps: int = 5, threads: Optional[int] = None) -> float:
+def measure_adam(numel: int = ADAM_PROBE_NUMEL, reps: int = 5, threads: Optional[int] = None,
+                 state: str = "fp32") -> float:
     """Params/s of the engine's CPU optimizer step: the one-pass kernel (``_C.adam_step``) on one
     shard's flat ``[master | m | v]`` fp32 layout with a bf16 gradient and the bf16 weights written
     out, on ``threads`` threads (the engine's ``pyinfinity.optimizer_threads``; None: every CPU this
     process may use, as the optimizer's worker does on a GPU machine). ``numel`` is large enough
     that the state (14 bytes a parameter) does not fit in the caches and the kernel's thread starts
     are a small share of a call, as in the engine's step of a whole shard (see ADAM_PROBE_NUMEL).
-    Without the extension: torch's fused AdamW on separate fp32 tensors."""
+    ``state``: "8bit" or "bf16" times that format's kernel on its layout instead
+    (``zero.state_formats``). Without the extension: torch's fused AdamW on separate fp32 tensors."""
     try:
         from pyinfinity import _C
     except ImportError:
@@ -233,6 +251,8 @@ def measure_adam(numel: int = ADAM_PROBE_NUMEL, reps: int = 5, threads: Optional
         threads = all_cpus()
     if threads < 1:
         raise ValueError(f"measure_adam: threads must be at least 1, got {threads}")
+    if state != "fp32":
+        return _measure_format_step(numel, reps, threads, state)
     if _C is not None and hasattr(_C, "adam_step"):
         flat = torch.zeros(3 * numel)
         grad = (torch.randn(numel) * 1e-3).to(torch.bfloat16)
@@ -254,6 +274,36 @@ def measure_adam(numel: int = ADAM_PROBE_NUMEL, reps: int = 5, threads: Optional
                             weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
 
     return numel / _median_time(run_torch, reps, min_seconds=0.05)
+
+
+def _measure_format_step(numel: int, reps: int, threads: int, state: str) -> float:
+    """Params/s of the CPU step of a compressed state format (see :func:`measure_adam`): the 8-bit
+    state's master, codes and scales, or a bf16 master with bf16 moments, a bf16 gradient."""
+    from pyinfinity import _C
+
+    grad = (torch.randn(numel) * 1e-3).to(torch.bfloat16)
+    hyper = (1e-4, 0.9, 0.999, 1e-8, 0.0, True)
+    step = [0]
+    if state == "8bit":
+        blocks = -(-numel // int(_C.QUANT_BLOCK))
+        master, scales = torch.zeros(numel), torch.zeros(2 * blocks)
+        codes, out = torch.zeros(2 * numel, dtype=torch.uint8), torch.empty(numel, dtype=torch.bfloat16)
+
+        def run() -> None:
+            step[0] += 1
+            _C.adam_step_8bit(master.data_ptr(), codes.data_ptr(), codes.data_ptr() + numel, scales.data_ptr(),
+                              scales.data_ptr() + 4 * blocks, grad.data_ptr(), 1, out.data_ptr(), numel, *hyper,
+                              step[0], 1.0, threads)
+    elif state == "bf16":
+        param, moments = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(2 * numel, dtype=torch.bfloat16)
+
+        def run() -> None:
+            step[0] += 1
+            _C.adam_step_bf16(param.data_ptr(), moments.data_ptr(), moments.data_ptr() + 2 * numel, grad.data_ptr(), 1,
+                              numel, *hyper, step[0], 1.0, threads)
+    else:
+        raise ValueError(f"measure_adam: state must be fp32, 8bit or bf16, got {state!r}")
+    return numel / _median_time(run, reps, min_seconds=0.05)
 
 
 def measure_memcpy(nbytes: int = 64 << 20, reps: int = 5) -> float:
@@ -432,8 +482,8 @@ def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
     aio = dict(d.get("aio") or {})
     if d.get("schema") == SCHEMA:
         out = {k: float(d[k]) for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
-                                        "disk_latency", "h2d_pageable")
-               if isinstance(d.get(k), (int, float))}
+                                        "disk_latency", "h2d_pageable", "adam_8bit", "adam_bf16")
+               if isinstance(d.get(k), (int, float)) and (d[k] or not k.startswith("adam_"))}
     elif isinstance(d.get("results"), list):
         best: dict[str, float] = {}
         for r in d["results"]:
@@ -464,7 +514,7 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                   matmul_shape: tuple[int, int, int] = (1024, 1024, 1024),
                   dtype: torch.dtype = torch.float32, quick: bool = True, cache: bool = False,
                   link: Optional[str] = None, disk: Optional[str] = None, matmul: Optional[float] = None,
-                  optimizer_threads: Optional[int] = None) -> Rates:
+                  optimizer_threads: Optional[int] = None, optimizer_state: str = "fp32") -> Rates:
     """Rates for a run on ``device``. Each figure comes from, in this order: ``rates_file``; the
     named ``link`` (h2d/d2h, :data:`LINK_PRESETS`) and ``disk`` (:data:`DISK_PRESETS`) presets
     and a given ``matmul`` (FLOP/s); a probe on this machine (about a second with ``quick``).
@@ -476,10 +526,11 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
     cache: reuse an earlier measurement of the same arguments in this process (the engine's
     "auto" does, so several engines in one process probe once). optimizer_threads: the threads the
     engine's CPU Adam step will use (``pyinfinity.optimizer_threads``, resolved); the Adam probe runs
-    on as many (None: every CPU of this process)."""
+    on as many (None: every CPU of this process). optimizer_state: the state format planned; its
+    kernel is timed too when it is not fp32 (``Rates.adam_8bit`` / ``adam_bf16``)."""
     dev = torch.device(device)
     key = (str(dev), swap_dir, rates_file, json.dumps(aio, sort_keys=True, default=str), matmul_shape, str(dtype),
-           quick, link, disk, matmul, optimizer_threads)
+           quick, link, disk, matmul, optimizer_threads, optimizer_state)
     if cache and key in _CACHE:
         return _CACHE[key]
     here = device_is_here(dev)
@@ -510,10 +561,13 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
         source["matmul"] = f"assumed {DEFAULT_GPU_MATMUL / 1e12:.0f} TFLOP/s for {dev} (not on this machine; pass --tflops)"
     reps = 3 if quick else 7
     host_note = "probe" if here else "probe (this machine's CPU, not the target's)"
-    if "adam" not in vals:
-        threads = optimizer_threads or all_cpus()
-        vals["adam"] = measure_adam(ADAM_PROBE_NUMEL, reps, threads=threads)
-        source["adam"] = f"{host_note}, {threads} thread{'s' if threads != 1 else ''}"
+    threads = optimizer_threads or all_cpus()
+    probes = [("adam", "fp32")] + ([(f"adam_{optimizer_state}", optimizer_state)] if optimizer_state != "fp32" else [])
+    for figure, state in probes:
+        if figure not in vals:
+            kw = {"state": state} if state != "fp32" else {}
+            vals[figure] = measure_adam(ADAM_PROBE_NUMEL, reps, threads=threads, **kw)
+            source[figure] = f"{host_note}, {threads} thread{'s' if threads != 1 else ''}"
     if "memcpy" not in vals:
         vals["memcpy"] = measure_memcpy((32 << 20) if quick else (256 << 20), reps)
         source["memcpy"] = host_note
@@ -552,6 +606,7 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
     rates = Rates(h2d=vals["h2d"], d2h=vals["d2h"], disk_read=vals["disk_read"], disk_write=vals["disk_write"],
                   adam=vals["adam"], matmul=vals["matmul"], memcpy=vals["memcpy"],
                   disk_latency=vals.get("disk_latency", 0.0), h2d_pageable=vals.get("h2d_pageable", 0.0),
+                  adam_8bit=vals.get("adam_8bit", 0.0), adam_bf16=vals.get("adam_bf16", 0.0),
                   block_size=int(aio.get("block_size") or (1 << 20)), device=str(dev), source=source)
     log.debug("rates: %s", rates.describe())
     if cache:

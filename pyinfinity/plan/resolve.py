@@ -40,9 +40,10 @@ KEYS = {
     "optimizer_step_device": "pyinfinity.optimizer_step_device",
     "resident_bytes": "pyinfinity.resident_bytes",
     "device_optimizer_bytes": "pyinfinity.device_optimizer_bytes",
+    "device_accumulator_bytes": "pyinfinity.device_accumulator_bytes",
 }
 # planned only when something else is: left "auto" in an otherwise fixed config, they become 0
-UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes"}
+UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes", "device_accumulator_bytes"}
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
 
 
@@ -93,7 +94,8 @@ def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> Train
         overlap = "on" if ov is True else "auto"
     return TrainShape(micro_batch=int(cfg.train_micro_batch_size_per_gpu), seq_len=int(seq_len or DEFAULT_SEQ_LEN),
                       grad_accum=int(cfg.gradient_accumulation_steps), checkpointing=checkpointing,
-                      overlap_step=overlap, norm_first=cfg.gradient_clipping > 0 or cfg.fp16.enabled)
+                      overlap_step=overlap, norm_first=cfg.gradient_clipping > 0 or cfg.fp16.enabled,
+                      optimizer_state=cfg.optimizer_state_format)
 
 
 def compute_dtype(cfg: Any) -> Optional[torch.dtype]:
@@ -127,6 +129,7 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
         "optimizer_step_device": cfg.pyinfinity.optimizer_step_device,
         "resident_bytes": cfg.pyinfinity.resident_bytes,
         "device_optimizer_bytes": cfg.pyinfinity.device_optimizer_bytes,
+        "device_accumulator_bytes": cfg.pyinfinity.device_accumulator_bytes,
     }
     owned = {name for name, v in values.items() if v == AUTO}
     for split, dev in SPLIT_OF.items():
@@ -233,7 +236,8 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
                               aio=aio_options(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
                                                                                 * (seq_len or DEFAULT_SEQ_LEN))), m, m),
                               dtype=compute_dtype(cfg) or torch.float32, cache=True,
-                              optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev))
+                              optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev),
+                              optimizer_state=cfg.optimizer_state_format)
     fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
     train = _train_shape(cfg, seq_len, checkpointing)
     train.compute_seconds, train.activation_bytes = compute_seconds, activation_bytes
@@ -280,6 +284,8 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
             c.pyinfinity.resident_bytes = 0
         if c.pyinfinity.device_optimizer_bytes == AUTO:
             c.pyinfinity.device_optimizer_bytes = 0
+        if c.pyinfinity.device_accumulator_bytes == AUTO:
+            c.pyinfinity.device_accumulator_bytes = 0
         if dm in (AUTO, None):
             c.pyinfinity.device_memory = budgets.device_memory
             decisions.append(Decision("pyinfinity.device_memory", budgets.device_memory, "measured device budget"))
@@ -294,7 +300,8 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         m = sizes.hidden or 1024
         rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=aio_options(c),
                               matmul_shape=(1024, m, m), dtype=compute_dtype(c) or torch.float32, cache=True,
-                              optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev))
+                              optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev),
+                              optimizer_state=c.optimizer_state_format)
     fixed, owned = _fixed_from(c, None)
     train = _train_shape(c, seq_len, checkpointing)
     if not str(dev).startswith("cuda"):
@@ -307,7 +314,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         if seq_len is not None or train.activation_bytes == 0:
             raise
         # the shape is not known yet: plan at the longest sequence that fits with nothing resident;
-        # the first forward refuses a longer one in one line (Engine._check_shape)
+        # the first forward refuses a longer one in one line (DevicePlacement.check_shape)
         mb, seq = largest_shape(sizes, train, budgets.device_memory)
         if mb != train.micro_batch or seq >= train.seq_len:
             raise

@@ -622,10 +622,18 @@ class ParameterCoordinator:
         shard.grad_done = True
         self.grads_handed += 1
         g, shard.grad_dev = shard.grad_dev, None
-        norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
         if shard.device_step:  # its optimizer state is on the device: the gradient stays, stepped there in order
-            self.on_grad(shard, g, None, norm)
+            self.on_grad(shard, g, None, torch.linalg.vector_norm(g, 2, dtype=torch.float32))
             return
+        used = None
+        if self._cuda:
+            used = torch.cuda.Event()
+            used.record(torch.cuda.current_stream(self.device))  # the unit's backward is enqueued: its resident
+            shard.backward_done = used  # copy may be rewritten after this
+        if shard.grad_on_device:  # added into its accumulator there (its sum's norm is taken there too)
+            self.on_grad(shard, g, None, None)
+            return
+        norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
         self.stats.grad_bytes += shard.nbytes
         dest, is_home = self.grad_dest(shard)
         if is_home:
@@ -634,10 +642,6 @@ class ParameterCoordinator:
             dest.copy_(g)
             self.on_grad(shard, dest, None, norm)
             return
-        cur = torch.cuda.current_stream(self.device)
-        used = torch.cuda.Event()
-        used.record(cur)  # the unit's backward is enqueued: its resident copy may be rewritten after this
-        shard.backward_done = used
         self.d2h_stream.wait_event(used)
         with torch.cuda.stream(self.d2h_stream):
             dest.copy_(g, non_blocking=True)
@@ -645,6 +649,22 @@ class ParameterCoordinator:
             ev.record()
         g.record_stream(self.d2h_stream)  # allocated on the compute stream, read on the copy stream
         self.on_grad(shard, dest, ev, norm)
+
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        """Copies a device tensor into a (pinned) host tensor on the gradient stream, after the work
+        queued on the current stream; returns the copy's CUDA event (None on the CPU device: done).
+        ``src`` must not be written before the event (the optimizer's device accumulators wait)."""
+        self.stats.grad_bytes += dst.numel() * dst.element_size()
+        if not self._cuda:
+            dst.copy_(src)
+            return None
+        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        src.record_stream(self.d2h_stream)  # read there: freed memory is not reused before the copy ran
+        return ev
 
     def update_resident(self, shard: FlatShard, src: torch.Tensor) -> None:
         """Copies a resident unit's new values (``src``: host, compute dtype) into its device buffer

@@ -1,13 +1,15 @@
 """What of the training state stays on the compute device between steps, and the guards that keep
 it within ``pyinfinity.device_memory``.
 
-Resident units (whole units from the end of the model, ``pyinfinity.resident_bytes``) and the
-optimizer state of some of them (from the front, ``pyinfinity.device_optimizer_bytes``) are
-placed once, at construction. Three guards back the planner's estimate of a step's charges
-(``plan.charges.DeviceCharges``): the first training forward refuses a micro-batch x sequence
-that cannot fit even with nothing resident; after each step a measured peak past ``SHRINK_AT`` of
-the budget gives up prefetch, device optimizer state and resident units until the charges are back
-under the planner's target; an out-of-memory error in forward or backward gives all of it up.
+Resident units (whole units from the end of the model, ``pyinfinity.resident_bytes``), the
+optimizer state of some of them (from the front, ``pyinfinity.device_optimizer_bytes``) and,
+under gradient accumulation, the fp32 gradient accumulators of units stepped on the CPU (from the
+front, ``pyinfinity.device_accumulator_bytes``) are placed once, at construction. Three guards
+back the planner's estimate of a step's charges (``plan.charges.DeviceCharges``): the first
+training forward refuses a micro-batch x sequence that cannot fit even with nothing resident;
+after each step a measured peak past ``SHRINK_AT`` of the budget gives up prefetch, device
+optimizer state, device accumulators and resident units until the charges are back under the
+planner's target; an out-of-memory error in forward or backward gives all of it up.
 """
 from __future__ import annotations
 
@@ -27,13 +29,14 @@ from pyinfinity.zero.partition import FlatShard, Partition
 log = logging.getLogger(__name__)
 
 # a step whose measured device peak passes this share of the budget gives up part of the placement
-# (prefetch, device optimizer state, resident units) until the charges are back under the
+# (prefetch, device optimizer state, device accumulators, resident units) until the charges are back under the
 # planner's target (1 - DEVICE_HEADROOM of the budget)
 SHRINK_AT = 0.95
 
 
 class DevicePlacement:
-    """The resident units and the device optimizer state of one training state, and giving them up.
+    """The resident units, the device optimizer state and the device gradient accumulators of one
+    training state, and giving them up.
 
     ``drain(what)`` waits until the optimizer's worker has written every new value home (the
     training state's own, which marks the state partly stepped when that fails): the homes must
@@ -41,7 +44,8 @@ class DevicePlacement:
 
     def __init__(self, partition: Partition, optimizer: OffloadOptimizer, homes: ParamHomes, device: torch.device,
                  device_memory: Optional[int], *, resident_bytes: Any, device_optimizer_bytes: Any,
-                 accumulation: int, drain: Callable[[str], None], plan_sizes: Any = None,
+                 accumulation: int, device_accumulator_bytes: Any = 0, drain: Callable[[str], None],
+                 plan_sizes: Any = None,
                  checkpointing: bool = False) -> None:
         self.partition = partition
         self.optimizer = optimizer
@@ -52,6 +56,7 @@ class DevicePlacement:
         self.coordinator: Optional[ParameterCoordinator] = None  # set by watch()
         self._resident_budget = resident_bytes
         self._state_budget = device_optimizer_bytes
+        self._accumulator_budget = device_accumulator_bytes
         self._drain = drain
         # for the shape check at the first forward: the planner's sizes, or the model's own
         self.plan_sizes = plan_sizes
@@ -60,6 +65,7 @@ class DevicePlacement:
         self.resident_units: list[FlatShard] = []  # what a budget overflow may give up, in unit order
         self.resident_bytes = 0
         self.device_state_bytes = 0
+        self.device_grad_bytes = 0  # the fp32 gradient accumulators on the device
         self.gave_up: list[str] = []  # what budget overflows took from the placement, in order
         self.grad_buffers = 0
 
@@ -105,6 +111,29 @@ class DevicePlacement:
         if units:
             log.info("optimizer state of %d resident units (%s parameters, %s) on %s: they step there", units,
                      f"{numel:,}", format_size(self.device_state_bytes), self.device)
+
+    def place_device_accumulators(self) -> None:
+        """Under gradient accumulation, units whose fp32 gradient accumulator lives on the device
+        within ``pyinfinity.device_accumulator_bytes`` (4 bytes a parameter): whole units from the
+        front of the model (their gradients come last in backward, when host adds would have the
+        least time left), besides those stepped on the device (which accumulate there anyway)."""
+        budget = self._accumulator_budget
+        left = 0 if budget == AUTO else int(budget)
+        self.device_grad_bytes = 0
+        if left <= 0 or self.accumulation <= 1:
+            return
+        units = numel = 0
+        for sh in self.partition.shards:
+            if not (sh.trainable and sh.numel) or sh.device_step or 4 * sh.numel > left:
+                continue
+            n = self.optimizer.accumulate_on_device(sh, self.device)
+            left -= n
+            self.device_grad_bytes += n
+            units += 1
+            numel += sh.numel
+        if units:
+            log.info("gradient accumulators of %d units (%s parameters, %s) on %s: their micro-batch gradients are "
+                     "added there", units, f"{numel:,}", format_size(self.device_grad_bytes), self.device)
 
     def watch(self, coordinator: ParameterCoordinator) -> None:
         """Starts watching ``coordinator``'s device budget: the prefetch reserve (the planner's charges
@@ -200,7 +229,8 @@ class DevicePlacement:
     def give_up(self, need: int, prefetch: bool = True) -> list[str]:
         """Frees at least ``need`` device bytes of the placement if it can: the prefetch it used
         (with ``prefetch``), then the optimizer state on the device (from the back: the units
-        stepped there last), then resident units (from the front: backward needs the back first).
+        stepped there last), then the gradient accumulators on the device (from the back), then
+        resident units (from the front: backward needs the back first).
         Returns what was given up."""
         gave: list[str] = []
         coord = self._coordinator()
@@ -211,7 +241,7 @@ class DevicePlacement:
             coord.prefetch_enabled = coord.prefetch_enabled and coord.prefetch_bytes > 0
             need -= used - coord.prefetch_bytes
             gave.append(f"prefetch {format_size(before)} -> {format_size(coord.prefetch_bytes)}")
-        if need > 0 and (self.device_state_bytes or self.resident_units):
+        if need > 0 and (self.device_state_bytes or self.device_grad_bytes or self.resident_units):
             self._drain("giving up device memory")  # the homes must hold the current values
         units = freed = 0
         for sh in reversed(self.partition.shards):  # small persistent shards may step there too
@@ -224,6 +254,17 @@ class DevicePlacement:
                 units += 1
         if units:
             gave.append(f"the optimizer state of {units} units ({format_size(freed)}) back to the host")
+        units = freed = 0
+        for sh in reversed(self.partition.shards):
+            if need <= 0:
+                break
+            if sh.grad_on_device:
+                n = self._accumulator_to_host(sh)
+                need -= n
+                freed += n
+                units += 1
+        if units:
+            gave.append(f"the gradient accumulators of {units} units ({format_size(freed)}) to the host")
         units = freed = 0
         if need > 0 and self.resident_units and all(sh.persistent for sh in self.partition.shards):
             # nothing was fetched in the last step: from now on a working set is (the unit in use and the next)
@@ -245,7 +286,8 @@ class DevicePlacement:
         return gave
 
     def give_up_all(self) -> list[str]:
-        """Every resident unit and all device optimizer state back to the host (an out-of-memory error)."""
+        """Every resident unit, all device optimizer state and every device accumulator back to the
+        host (an out-of-memory error)."""
         return self.give_up(1 << 62, prefetch=False)
 
     def _state_to_host(self, sh: FlatShard) -> int:
@@ -256,6 +298,16 @@ class DevicePlacement:
         coord.budget.sub(n)
         coord.budget.fixed -= n
         self.device_state_bytes -= n
+        return n
+
+    def _accumulator_to_host(self, sh: FlatShard) -> int:
+        """Moves one unit's gradient accumulator from the device to the host (the window's sum so
+        far with it); returns the device bytes freed."""
+        coord = self._coordinator()
+        n = self.optimizer.accumulator_to_host(sh)
+        coord.budget.sub(n)
+        coord.budget.fixed -= n
+        self.device_grad_bytes -= n
         return n
 
     def _coordinator(self) -> ParameterCoordinator:

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from pyinfinity.swap.tensor_swapper import Done, Tier, TensorSwapper, aligned_empty
+from pyinfinity.zero.accumulate import STAGING_SLOTS, GradStaging
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.partition import FlatShard
 
@@ -26,27 +27,34 @@ class ParamHomes:
         self.partition: Any = None  # set once the model is partitioned
         self.coordinator: Optional[ParameterCoordinator] = None  # set once it exists
         self.grad_bufs: dict[int, torch.Tensor] = {}
-        self.grad_staging: Optional[torch.Tensor] = None
+        self.grad_staging: Optional[GradStaging] = None  # under accumulation (made on first use)
 
     def grad_dest(self, shard: FlatShard) -> tuple[torch.Tensor, bool]:
         """Where a unit's gradient lands on the host: its parameter home in RAM (the step rewrites
         the weights from the fp32 master anyway, so no extra RAM), else a buffer of its own (a
-        home on disk or on the device), or under gradient accumulation one staging buffer the
-        optimizer adds into its fp32 accumulator at once."""
+        home on disk or on the device), or under gradient accumulation one of ``STAGING_SLOTS``
+        staging buffers (waiting for one to be free): the optimizer's accumulation worker adds it
+        into the unit's fp32 accumulator and gives the buffer back (``release_grad``)."""
         home = shard.home
         accumulating = self.accumulation > 1
         if not accumulating and home.tier == Tier.CPU:
             return home.tensor, True
         pin = self.device.type == "cuda"
         if accumulating:
-            biggest = max(s.numel * s.dtype.itemsize for s in self.partition.shards)
-            if self.grad_staging is None or self.grad_staging.numel() < biggest:
-                self.grad_staging = aligned_empty(biggest, torch.uint8, pin=pin)
-            return self.grad_staging[:shard.nbytes].view(shard.dtype), False
+            if self.grad_staging is None:
+                biggest = max(s.nbytes for s in self.partition.shards if s.trainable)
+                self.grad_staging = GradStaging(biggest, STAGING_SLOTS, pin=pin)
+            return self.grad_staging.acquire(shard.nbytes, shard.dtype), False
         buf = self.grad_bufs.get(shard.index)
         if buf is None:
             buf = self.grad_bufs[shard.index] = aligned_empty(shard.numel, shard.dtype, pin=pin)
         return buf, False
+
+    def release_grad(self, buf: torch.Tensor) -> None:
+        """A gradient handed over in a staging buffer was added: the buffer is free again (called
+        from the optimizer's accumulation worker)."""
+        if self.grad_staging is not None:
+            self.grad_staging.release(buf)
 
     def param_out(self, shard: FlatShard) -> Optional[torch.Tensor]:
         """The bf16 home the optimizer's one-pass step may write a shard's new weights into."""

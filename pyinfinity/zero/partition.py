@@ -72,7 +72,10 @@ class FlatShard:
     home_fresh: bool = False  # the optimizer's one-pass step wrote the new values into the home already
     ready: Any = None  # a CUDA event the compute stream waits for before the next use (resident update)
     backward_done: Any = None  # a CUDA event after this backward's last use of the unit
-    device_step: bool = False  # its optimizer state is on the device too: the gradient stays there (zero.optimizer)
+    device_step: bool = False  # its optimizer state is on the device too: the gradient stays there (zero.optim.device)
+    # its fp32 gradient accumulator is on the device (under accumulation): the micro-batch gradients are
+    # added there and the sum leaves the device once per optimizer step (zero.optim.grads)
+    grad_on_device: bool = False
     grads_in: set = field(default_factory=set)  # slices (by offset) with a gradient in this backward
 
     @property

@@ -31,13 +31,14 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from pyinfinity.config import AUTO, Config, ModelSizes, default_optimizer_threads
+from pyinfinity.config import AUTO, Config, ConfigError, ModelSizes, default_optimizer_threads
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.device_placement import DevicePlacement
 from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
+from pyinfinity.zero.optim.formats import AdamFp32
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import FlatShard, partition_model
 
@@ -59,6 +60,17 @@ def _weakly(method: Any) -> Any:
     return call
 
 
+def check_state_format(cfg: Config) -> None:
+    """Refuses an optimizer-state format the offloaded optimizer does not store yet (never an fp32
+    run in its place): the kernels, the reference steps and the planner know the 8bit and bf16
+    states (``zero.state_formats``), the optimizer keeps only the fp32 one so far."""
+    fmt = cfg.optimizer_state_format
+    if fmt != "fp32":
+        key = "pyinfinity.optimizer_state" if fmt == "8bit" else "bf16.bf16_master_weights_and_grads"
+        raise ConfigError(f"{key}: the {fmt} optimizer state is not yet supported by the engine (`pyinfinity plan` "
+                          "can plan with it); use the fp32 state")
+
+
 class TrainingState:
     """The partition, homes, coordinator, optimizer, device placement, scaler, scheduler and step
     counters of one model, and the checks on them (see the module docstring).
@@ -73,6 +85,7 @@ class TrainingState:
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, sizes: ModelSizes, *,
                  device_memory: Optional[int] = None, lr_scheduler: Any = None, materialize: Any = None,
                  background: bool = False, plan_sizes: Any = None, checkpointing: bool = False) -> None:
+        check_state_format(cfg)
         self._closed = True
         self._finalizer: Any = None
         self.config = cfg
@@ -90,7 +103,10 @@ class TrainingState:
         self._swap_engines: dict[str, Any] = {}
         op, oo = z.offload_param, z.offload_optimizer
         param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * max(1, sizes.param_bytes // max(1, sizes.numel)))
-        optim_ram = sizes.trainable_numel * 12 * (1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
+        self.state_format = AdamFp32(cfg.optimizer.adam_w_mode)  # how each shard's optimizer state is kept
+        # the trainable parameters' state alone: a frozen one has none
+        optim_ram = sizes.trainable_numel * self.state_format.bytes_per_param * (1.0 - (oo.ratio if oo.device == "nvme"
+                                                                                        else 0.0))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
         self.ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
         try:
@@ -116,9 +132,11 @@ class TrainingState:
                                           write_param=self.homes.write_param,
                                           step_device=device if cfg.pyinfinity.optimizer_step_device
                                           == "device" else None,
-                                          accumulate_steps=cfg.gradient_accumulation_steps)
+                                          accumulate_steps=cfg.gradient_accumulation_steps,
+                                          state_format=self.state_format)
         self.optimizer.background = background
         self.optimizer.param_out = self.homes.param_out
+        self.optimizer.release_grad = self.homes.release_grad
         ot = cfg.pyinfinity.optimizer_threads
         # on the CPU device backward has the cores (see engine.AUTO_OVERLAP_ON_CPU)
         self.optimizer.threads = int(ot) if ot != AUTO else default_optimizer_threads(str(device))
@@ -153,24 +171,27 @@ class TrainingState:
             self.placement = DevicePlacement(self.partition, self.optimizer, self.homes, device, device_memory,
                                              resident_bytes=cfg.pyinfinity.resident_bytes,
                                              device_optimizer_bytes=cfg.pyinfinity.device_optimizer_bytes,
+                                             device_accumulator_bytes=cfg.pyinfinity.device_accumulator_bytes,
                                              accumulation=self.gradient_accumulation_steps,
                                              drain=_weakly(self.drain), plan_sizes=plan_sizes,
                                              checkpointing=checkpointing)
             self.placement.keep_resident(self.partition.shards if self._param_tier == Tier.GPU else None)
             self.placement.place_device_states()
+            self.placement.place_device_accumulators()
             self.coordinator = ParameterCoordinator(
                 model, self.partition, self.param_swapper, device,
                 device_memory=device_memory,
                 prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
                 on_grad=self.optimizer.grad_ready, grad_dest=self.homes.grad_dest, wait_home=_weakly(self.wait_home),
                 master_values=self.optimizer.master_values,
-                fixed_bytes=buf_bytes + self.placement.device_state_bytes,
+                fixed_bytes=buf_bytes + self.placement.device_state_bytes + self.placement.device_grad_bytes,
                 max_live_elements=int(z.stage3_max_live_parameters),
                 max_inflight_reads=int(op.buffer_count) if op.device == "nvme" else None)
         except BaseException:
             self.close()
             raise
         self._held.append(self.coordinator)  # a dropped engine takes its hooks off the model
+        self.optimizer.copy_to_host = self.coordinator.copy_to_host  # device accumulators' sums to the host
         self.placement.watch(self.coordinator)
         self.homes.partition, self.homes.coordinator = self.partition, self.coordinator
         self.scaler = DynamicLossScaler(cfg.fp16)
@@ -338,9 +359,9 @@ class TrainingState:
         st = self.optimizer.state_of(shard)
         if st is None:
             return self.param_values(shard)
-        buf = aligned_empty(3 * shard.numel, torch.float32)
-        self.optim_swapper.read(st.home, buf).wait()
-        return buf[:shard.numel]
+        out = torch.empty(shard.numel, dtype=torch.float32)
+        self.optimizer.master_values(shard, out)  # the fp32 master, in whatever format the state is kept
+        return out
 
     def write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """New fp32 values of a shard, written home (``ParamHomes.write_param``); returns the request."""
@@ -395,4 +416,4 @@ class TrainingState:
         fin()
 
 
-__all__ = ["TrainingState"]
+__all__ = ["TrainingState", "check_state_format"]

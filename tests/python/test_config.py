@@ -245,3 +245,85 @@ def test_offload_param_buffer_size_is_accepted_and_said_to_be_unused(caplog, mon
     said = [r for r in caplog.records
             if "offload_param.buffer_size: accepted for DeepSpeed compatibility and not used" in r.getMessage()]
     assert len(said) == 1
+
+
+BF16_STATE = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
+@pytest.mark.parametrize("cfg, fmt", [
+    (base(), "fp32"),
+    (base(pyinfinity={"optimizer_state": "8bit"}), "8bit"),
+    (base(pyinfinity={"optimizer_state": "FP32"}), "fp32"),
+    (base(bf16={"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}), "fp32"),
+    (base(bf16=BF16_STATE), "bf16"),
+])
+def test_optimizer_state_format(cfg, fmt):
+    c = load_config(cfg)
+    assert c.optimizer_state_format == fmt
+    assert load_config(c.to_dict()).optimizer_state_format == fmt  # the written config says the same
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (base(pyinfinity={"optimizer_state": "int4"}), r"pyinfinity\.optimizer_state: expected one of fp32, 8bit"),
+    (base(pyinfinity={"optimizer_state": "bf16"}), r"bf16_master_weights_and_grads\": true"),
+    (base(bf16={"enabled": True, "bf16_optimizer_states": True}),
+     r"bf16\.bf16_optimizer_states: requires bf16\.bf16_master_weights_and_grads"),
+    (base(bf16={"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
+     r"bf16\.bf16_master_weights_and_grads: requires bf16\.enabled"),
+    (base(bf16={"enabled": True, "bf16_master_weights_and_grads": True}),
+     r"without bf16\.bf16_optimizer_states .* is not supported"),
+    (base(bf16=BF16_STATE, pyinfinity={"optimizer_state": "8bit"}), r"\"8bit\" keeps an fp32 master"),
+    (base(bf16={"enabled": True, "bf16_optimizer_states": "yes"}), r"bf16\.bf16_optimizer_states: expected true"),
+    (base(fp16={"enabled": True}, bf16=BF16_STATE), r"at most one of them"),
+])
+def test_optimizer_state_combinations_that_make_no_sense_are_one_line_errors(cfg, match):
+    with pytest.raises(ConfigError, match=match) as exc:
+        load_config(cfg)
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("cfg, key", [(base(pyinfinity={"optimizer_state": "8bit", "device": "cpu"}),
+                                       "pyinfinity.optimizer_state"),
+                                      (base(bf16=BF16_STATE, pyinfinity={"device": "cpu"}),
+                                       "bf16.bf16_master_weights_and_grads")])
+def test_engine_refuses_a_state_it_does_not_store_yet(cfg, key):
+    """Never an fp32 run in place of the state asked for, until the optimizer stores it."""
+    import torch
+
+    import pyinfinity
+
+    with pytest.raises(ConfigError, match=rf"{key}: the (8bit|bf16) optimizer state is not yet supported by the "
+                                          "engine"):
+        pyinfinity.initialize(torch.nn.Linear(4, 4), cfg)
+
+
+def test_training_state_refuses_a_state_it_does_not_store_yet(tmp_path):
+    """The state that builds the optimizer refuses too, before it claims a swap directory or
+    builds anything, whoever builds it."""
+    import torch
+
+    from pyinfinity.zero.state import TrainingState
+
+    swap = tmp_path / "swap"
+    cfg = load_config(base(pyinfinity={"optimizer_state": "8bit", "device": "cpu"},
+                           zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                "nvme_path": str(swap)}}))
+    model = torch.nn.Linear(4, 4)
+    sizes = ModelSizes(numel=20, param_bytes=80, largest_shard_bytes=80, largest_module_bytes=80)
+    with pytest.raises(ConfigError, match="pyinfinity.optimizer_state: the 8bit optimizer state is not yet supported"):
+        TrainingState(model, cfg, torch.device("cpu"), sizes)
+    assert not swap.exists() and model.weight.device.type == "cpu" and model.weight.numel() == 16
+
+
+def test_auto_heuristic_charges_the_state_format(tmp_path):
+    sizes = ModelSizes(numel=1_000_000_000, param_bytes=2_000_000_000, largest_shard_bytes=10 ** 8,
+                       largest_module_bytes=10 ** 8)
+    budgets = Budgets(device_memory=8 << 30, host_memory=12 * 10 ** 9, nvme_free=10 ** 12)
+    cfg = base(pyinfinity={"device": "cpu"},
+               zero_optimization={"stage": 3, "offload_optimizer": {"device": "auto", "nvme_path": str(tmp_path)}})
+    exact, _ = resolve_auto(load_config(cfg), sizes, budgets)
+    cfg["pyinfinity"]["optimizer_state"] = "8bit"
+    small, _ = resolve_auto(load_config(cfg), sizes, budgets)
+    # the fp32 state and an fp32 gradient (16 bytes a parameter) do not fit 12 GB of RAM; 10.03 bytes do
+    assert exact.zero_optimization.offload_optimizer.device == "nvme"
+    assert small.zero_optimization.offload_optimizer.device == "cpu"

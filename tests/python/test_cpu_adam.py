@@ -1,6 +1,7 @@
 """The one-pass CPU optimizer step (``_C.adam_step``): the same update as torch's fused Adam/AdamW
 (fp32 or bf16 gradients, weight decay both ways, a gradient scale), the bf16 weights it writes are
-exactly the fp32 master rounded as torch rounds, odd sizes and thread splits change nothing."""
+exactly the fp32 master rounded as torch rounds, odd sizes and thread splits change nothing, and
+the AVX2 and AVX-512 loops give the same bits (the compressed formats: test_state_formats.py)."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,10 @@ import torch
 from pyinfinity import _C
 
 
-def _step(flat, g, out, n, *, lr=1e-2, wd=0.0, adamw=True, step=3, scale=1.0, threads=2):
+def _step(flat, g, out, n, *, lr=1e-2, wd=0.0, adamw=True, step=3, scale=1.0, threads=2, isa="auto"):
     _C.adam_step(flat.data_ptr(), flat.data_ptr() + 4 * n, flat.data_ptr() + 8 * n, g.data_ptr(),
                  1 if g.dtype == torch.bfloat16 else 0, out.data_ptr() if out is not None else 0, n,
-                 lr, 0.9, 0.99, 1e-8, wd, adamw, step, scale, threads)
+                 lr, 0.9, 0.99, 1e-8, wd, adamw, step, scale, threads, isa)
 
 
 @pytest.mark.parametrize("n", [1, 1000, 4097, 300_001])
@@ -54,9 +55,30 @@ def test_threads_and_in_place_gradient_change_nothing():
     assert torch.equal(flat, results[0][0]) and torch.equal(home, results[0][1])
 
 
+def test_instruction_sets_step_alike():
+    """AVX2 and AVX-512 contract the same multiply-adds into FMAs: the same bits, so the default
+    path on an AVX-512 machine is the AVX2 path's; the x86-64 baseline (no FMA) is within an ulp."""
+    n = 200_003
+    g0 = torch.Generator().manual_seed(1)
+    base = torch.cat([torch.randn(n, generator=g0), torch.randn(n, generator=g0) * 0.1,
+                      torch.rand(n, generator=g0) * 0.01])
+    grad = torch.randn(n, generator=g0).to(torch.bfloat16)
+    results = {}
+    for isa in ["auto", *_C.cpu_isas()]:
+        flat, out = base.clone(), torch.empty(n, dtype=torch.bfloat16)
+        _step(flat, grad, out, n, wd=0.1, isa=isa)
+        results[isa] = (flat, out)
+    fma = [isa for isa in results if isa != "generic"]
+    assert all(torch.equal(results[fma[0]][0], results[i][0]) and torch.equal(results[fma[0]][1], results[i][1])
+               for i in fma)
+    torch.testing.assert_close(results["generic"][0], results["auto"][0], rtol=2e-5, atol=2e-7)
+
+
 def test_bad_arguments_are_errors():
     t = torch.zeros(3)
     with pytest.raises(ValueError, match="step must be >= 1"):
         _step(torch.zeros(9), t, None, 3, step=0)
     with pytest.raises(ValueError, match="grad_scale"):
         _step(torch.zeros(9), t, None, 3, scale=0.0)
+    with pytest.raises(ValueError, match="isa: expected auto, avx512, avx2 or generic"):
+        _step(torch.zeros(9), t, None, 3, isa="sse")

@@ -73,7 +73,7 @@ def test_a_forward_after_a_background_failure_gets_the_partly_stepped_refusal(ti
         real_adam, real_read = opt._adam, opt.swapper.read
 
         def adam(st, *a, **kw):
-            if threading.current_thread() is opt._worker and st.shard.index == first:
+            if threading.current_thread() is opt.worker.thread and st.shard.index == first:
                 raise boom
             return real_adam(st, *a, **kw)
 
@@ -88,7 +88,7 @@ def test_a_forward_after_a_background_failure_gets_the_partly_stepped_refusal(ti
         def read(home, buf):
             req = real_read(home, buf)
             second = opt.states[1].home
-            return Held(req) if threading.current_thread() is opt._worker and home is second else req
+            return Held(req) if threading.current_thread() is opt.worker.thread and home is second else req
 
         monkeypatch.setattr(opt, "_adam", adam)
         monkeypatch.setattr(opt.swapper, "read", read)

@@ -11,11 +11,16 @@ for it). A private name is one with a single leading underscore: imported from a
 module (a private module included), or read or set as ``x._name`` / ``getattr(x, "_name")`` where
 ``x`` is not ``self``/``cls`` and ``_name`` is bound by another pyinfinity module and not by this
 one (names torch's modules and tensors have are torch's). The examples are checked for private
-names too; the tests are not."""
+names too; the tests are not.
+
+No module is longer than MAX_LINES unless its docstring (or the comment lines it starts with)
+says why it is one module, the way ``zero/coordinator.py`` and ``config.py`` do: a sentence "One
+... module ... (about N lines): <why>", N within a fifth of its length."""
 from __future__ import annotations
 
 import ast
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -24,6 +29,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "pyinfinity"
 EXEMPT = {"_C"}  # the compiled core: a public name that starts with an underscore
+MAX_LINES = 600  # a longer module states why it is one (ONE_MODULE)
+# "One class in one module (about 640 lines): the hooks, ..." / "One module for the schema and its
+# parser (about 650 lines): each ...": the figure, then after the colon the reason
+ONE_MODULE = re.compile(r"\bOne\b[^.:()]*\bmodule\b[^.:()]*\(about ([\d,]+) lines\):\s*\w")
 
 
 def torch_private_names() -> set[str]:
@@ -47,6 +56,8 @@ class Module:
     imports: dict[str, int] = field(default_factory=dict)        # imported pyinfinity module -> first line
     private_uses: list[str] = field(default_factory=list)         # "line N: what"
     defines: set[str] = field(default_factory=set)                # private names this module binds
+    lines: int = 0                                                # its length in lines
+    header: str = ""                                              # its leading comment lines and docstring
 
 
 def find_modules(root: str) -> dict[str, Module]:
@@ -64,9 +75,36 @@ def find_modules(root: str) -> dict[str, Module]:
                 parts = parts[:-1]
             name = ".".join(parts)
             with open(path, encoding="utf-8") as fh:
-                tree = ast.parse(fh.read(), filename=path)
-            modules[name] = Module(name, path, tree, is_package)
+                text = fh.read()
+            tree = ast.parse(text, filename=path)
+            modules[name] = Module(name, path, tree, is_package, lines=len(text.splitlines()),
+                                   header=module_header(text, tree))
     return modules
+
+
+def module_header(text: str, tree: ast.Module) -> str:
+    """The comment lines a module starts with and its docstring, whitespace folded to single spaces."""
+    comments = []
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+        comments.append(line.lstrip().lstrip("#"))
+    return " ".join(" ".join(comments + [ast.get_docstring(tree) or ""]).split())
+
+
+def oversized(modules: dict[str, Module]) -> list[str]:
+    """Modules over MAX_LINES that do not state why they are one module (or state a stale length)."""
+    bad = []
+    for m in sorted(modules.values(), key=lambda m: m.name):
+        if m.lines <= MAX_LINES:
+            continue
+        said = ONE_MODULE.search(m.header)
+        if said is None:
+            bad.append(f"{m.name}: {m.lines} lines, and its docstring does not say why it is one module "
+                       f"(\"One ... module ... (about N lines): why\")")
+        elif abs(int(said.group(1).replace(",", "")) - m.lines) > m.lines / 5:
+            bad.append(f"{m.name}: {m.lines} lines, its docstring says about {said.group(1)}")
+    return bad
 
 
 def is_type_checking(test: ast.expr) -> bool:
@@ -291,6 +329,11 @@ def test_no_module_uses_another_modules_private_names(modules):
         f"{name}: {use}" for name, uses in sorted(bad.items()) for use in uses)
 
 
+def test_no_module_is_longer_than_the_limit_without_saying_why(modules):
+    bad = oversized(modules)
+    assert not bad, f"modules over {MAX_LINES} lines:\n" + "\n".join(bad)
+
+
 def test_the_examples_use_no_private_names_of_the_package(examples):
     assert examples, "no examples found"
     bad = {m.name: m.private_uses for m in examples.values() if m.private_uses}
@@ -372,3 +415,19 @@ def test_a_script_using_a_private_name_of_the_package_is_found(tmp_path):
     analyse(mods, scripts)
     uses = scripts["examples/run.py"].private_uses
     assert sorted(u.split(":", 1)[0] for u in uses) == ["line 4", "line 5"], uses
+
+
+def test_a_long_module_must_say_why_it_is_one(tmp_path):
+    body = "x = 1\n" * MAX_LINES
+    mods = make_package(tmp_path, {
+        "short.py": '"""Short."""\n' + "x = 1\n" * (MAX_LINES - 1),
+        "silent.py": '"""A long module."""\n' + body,
+        "vague.py": '"""This is one big module, about 600 lines, on purpose."""\n' + body,
+        "stale.py": '"""The store.\n\nOne class in one module (about 300 lines): it is one state machine."""\n' + body,
+        "said.py": '"""The store.\n\nOne class in one\nmodule (about 600 lines): it is one state machine."""\n' + body,
+        "commented.py": "# The store.\n# One module for the schema and its parser (about 1,000 lines): read side "
+                        "by side.\n" + "x = 1\n" * 1000,
+    })
+    bad = oversized(mods)
+    assert [b.split(":")[0] for b in bad] == ["pyinfinity.silent", "pyinfinity.stale", "pyinfinity.vague"], bad
+    assert "says about 300" in bad[1]

@@ -94,7 +94,7 @@ def test_accumulation_is_fp32_and_handles_half_grads():
     opt.accumulate(shards[0], sl, g2)
     torch.testing.assert_close(st.grad, g2, rtol=0, atol=0)
     opt.zero_grad()
-    opt._fill_unwritten()
+    opt.grads.fill_unwritten()
     assert st.grad.abs().sum() == 0
 
 

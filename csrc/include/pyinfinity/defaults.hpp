@@ -22,6 +22,7 @@ std::string backend();            // PYINFINITY_BACKEND, aio|uring|posix|auto (a
 double wait_timeout_s();          // PYINFINITY_WAIT_TIMEOUT, seconds without progress (300)
 std::size_t stager_chunk_bytes();  // PYINFINITY_STAGER_CHUNK, bytes per staged chunk (64 MiB)
 std::size_t stager_buffers();     // PYINFINITY_STAGER_BUFFERS, pinned bounce buffers (4)
+std::string cpu_isa();            // PYINFINITY_CPU_ISA, auto|avx512|avx2|generic: the optimizer loops (auto)
 
 std::vector<Entry> table();
 
