@@ -282,7 +282,8 @@ def replaced_originals(model: nn.Module) -> set[str]:
     out = set()
     for name, m in model.named_modules():
         if isinstance(m, ModulesToSaveWrapper) and any(a in m.modules_to_save for a in m.active_adapters):
-            keys = [k for k, _ in m.original_module.named_parameters()] + [k for k, _ in m.original_module.named_buffers()]
+            orig = m.original_module
+            keys = [k for k, _ in orig.named_parameters()] + [k for k, _ in orig.named_buffers()]
             out |= {f"{name}.original_module.{k}" for k in keys}
     return out
 
@@ -313,7 +314,8 @@ def merge_weight(model: nn.Module, layer_name: str, weight: torch.Tensor,
 # the fields of a LoRA config that change what trains: a checkpoint records them, a resume under
 # others is refused (r and the targets change the shards too; alpha, dropout and rslora only the result)
 TRAINING_FIELDS = ("r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "exclude_modules",
-                   "rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern", "fan_in_fan_out", "bias")
+                   "rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern", "fan_in_fan_out", "bias",
+                   "modules_to_save")
 
 
 def training_identity(model: nn.Module) -> dict[str, dict]:

@@ -363,8 +363,8 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
 
 __all__ = ["Settings", "run_bench", "run_one", "plan_runs", "check_configs",
            # from train_matrix, train_bound and train_report, importable from here as before
-           "SCHEMA", "SIZES", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "DEFAULT_SYSTEMS_LORA", "PEERS",
-           "DEEPSPEED_DEFAULTS", "lora_spec",
+           "SCHEMA", "SIZES", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "DEFAULT_SYSTEMS_LORA",
+           "PEERS", "DEEPSPEED_DEFAULTS", "lora_spec",
            "BenchTrainError", "SystemSpec", "parse_system", "parse_systems", "base_system", "model_fields", "size_facts",
            "tier_fractions", "bound", "measure_bound_rates", "probe_disk", "best_disk_rates", "uses_disk",
            "measure_matmul_rate", "load_results", "save_results", "latest_runs", "below_bound", "usable",

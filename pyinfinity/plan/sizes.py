@@ -46,8 +46,9 @@ class ModelSizes:
     compute dtype (of the trainable shards, where dtypes are mixed: their gradients and device
     state); shard_itemsizes: each shard's own when they differ (a LoRA run's bf16 frozen base and
     fp32 adapters; empty: every shard ``itemsize``); act_itemsize: bytes per activation element
-    (0: ``itemsize``; the base's dtype in a LoRA run). block_bytes: the parameter bytes of the largest repeated block (a decoder
-    layer), the working set the coordinator holds during that block's backward.
+    (0: ``itemsize``; the base's dtype in a LoRA run). block_bytes: the parameter bytes of the
+    largest repeated block (a decoder layer), the working set the coordinator holds during that
+    block's backward.
     flops_per_token: forward matmul FLOPs per token, without attention scores (2 x the weights of
     every matmul). Transformer fields (hidden, layers, heads, vocab) are 0 when unknown.
     """
@@ -233,7 +234,8 @@ def sizes_from_module(model: nn.Module, dtype: Optional[Union[str, torch.dtype]]
     floats = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
     s = ModelSizes(shard_numels=numels, shard_trainable=trainable, itemsize=itemsize, block_bytes=block,
                    flops_per_token=flops, act_width=act_width, source=type(model).__name__,
-                   largest_param_numel=largest_param, dtype=dt if dt is not None else (floats.pop() if len(floats) == 1 else None),
+                   largest_param_numel=largest_param,
+                   dtype=dt if dt is not None else (floats.pop() if len(floats) == 1 else None),
                    shard_itemsizes=itemsizes if mixed else [], act_itemsize=act_itemsize if mixed else 0)
     if cfg is not None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_hidden_layers", None):
         s.hidden = int(cfg.hidden_size)

@@ -254,8 +254,9 @@ def partition_model(
     parameters of their own are a unit of those alone (``unit_bytes`` 0: one unit per module).
     For each shard, ``on_shard(shard, flat_compute, flat_fp32)`` is called once with the shard's
     data in the compute dtype and in fp32 (the master copy, taken before any cast; None for a
-    frozen shard in another dtype, which gets no master); the callback places them in their tiers. Afterwards every parameter's ``.data`` is a placeholder, so the
-    model's own copy is freed unit by unit. Meta parameters (``init_empty``) are given storage one
+    frozen shard in another dtype, which gets no master); the callback places them in their tiers.
+    Afterwards every parameter's ``.data`` is a placeholder, so the model's own copy is freed unit
+    by unit. Meta parameters (``init_empty``) are given storage one
     module at a time, just before their unit is partitioned, by ``materialize(module, model,
     replaced)`` (default: initialised; ``pretrained.WeightLoader``: read from a checkpoint).
     """
