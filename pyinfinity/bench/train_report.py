@@ -217,9 +217,9 @@ def ratio_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
             out.append(f"{r['size']} {r['system']}: host memory {gib(r['peak_rss'] - r['rss_before_build'])} "
                        f"(peak RSS {gib(r['peak_rss'])} minus {gib(r['rss_before_build'])} before the model), "
                        f"plan {gib(r['plan_host_bytes'])}: {share:.2f}x the plan")
-    for r in runs:
-        pred = r.get("plan_predicted")
-        if pred and usable(r) and r.get("step_seconds"):
+    for r in runs:  # the engine's own prediction against its own run: no ratio between runs, so
+        pred = r.get("plan_predicted")  # a run below its analytic bound still gets its line
+        if pred and r.get("ok") and r.get("step_seconds"):
             t = pred["terms"]
             out.append(f"{r['size']} {r['system']}: the engine's plan predicted {pred['seconds']:.3f} s/step "
                        f"(bound by {pred['bottleneck']}; compute {t['compute']:.3f}, host<->device "
