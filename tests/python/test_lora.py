@@ -593,3 +593,78 @@ def test_an_adapter_of_another_model_size_is_a_clear_error(model_dirs, tmp_path)
         eng.export(str(tmp_path / "adapter"))
     with pytest.raises(AdapterError, match="do not fit this model"):
         pyinfinity.from_pretrained(model_dirs["llama"], _config(str(tmp_path / "s1")), adapter=str(tmp_path / "adapter"))
+
+
+# ---- on a GPU (the GPU suite: pytest -m gpu) -------------------------------------------------------------------
+
+
+def _cuda_config(swap: str, cap: int) -> dict:
+    cfg = _config(swap)
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    cfg["pyinfinity"].update(device="cuda", device_memory=cap, unit_bytes=0)
+    return cfg
+
+
+def _train_on(model, device: str, steps: int) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    losses = []
+    for i in range(steps):
+        x = _ids(i).to(device)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_frozen_bf16_base_streams_under_a_budget_a_quarter_its_size_and_its_export_loads(tmp_path):
+    """The LoRA path on CUDA: a bf16 base four times the device budget streams from NVMe, the
+    allocator's peak stays within the budget, and the exported adapter loaded into PEFT on the GPU
+    gives the engine's logits."""
+    src = make_model_dir(str(tmp_path / "fp32"), "llama", hidden=64, layers=6)
+    path = str(tmp_path / "bf16")
+    _base(src, dtype=torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    cap = 128 << 10
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    torch.manual_seed(5)
+    with pyinfinity.from_pretrained(path, _cuda_config(str(tmp_path / "swap"), cap), peft_config=_lora(r=4)) as eng:
+        assert eng.device.type == "cuda" and eng.device.index is not None
+        base = sum(sh.nbytes for sh in eng.partition.shards if not sh.trainable)
+        assert base > 4 * cap
+        losses = _train_engine(eng, 3)
+        assert max(r.peak_device_bytes for r in eng.history) <= cap
+        logits = _eval_logits(eng).float().cpu()
+        eng.export(str(tmp_path / "adapter"))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert torch.cuda.max_memory_allocated() - start <= cap + (1 << 20)  # the budget, plus the batch and logits
+    model = peft.PeftModel.from_pretrained(_base(path).cuda(), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        ref = model(input_ids=_ids(99).cuda()).logits.float().cpu()
+    torch.testing.assert_close(logits, ref, rtol=2e-2, atol=2e-2)  # bf16 base: the same kernels, one rounding
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_lora_trains_with_peft_s_losses(model_dirs, tmp_path):
+    """fp32 base, the same adapters (same seed): the engine on CUDA with parameters on NVMe and
+    PEFT + torch AdamW on CUDA give the same losses."""
+    path = model_dirs["llama"]
+    torch.manual_seed(7)
+    ref = peft.get_peft_model(_base(path), _lora()).cuda()
+    torch.manual_seed(7)
+    with pyinfinity.from_pretrained(path, _cuda_config(str(tmp_path / "swap"), 64 << 20), peft_config=_lora()) as eng:
+        losses = _train_engine(eng)
+    torch.testing.assert_close(losses, _train_on(ref, "cuda", STEPS), rtol=1e-4, atol=0)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_cli_trains_lora_and_its_export_loads(model_dirs, data_file, tmp_path):
+    path, out = model_dirs["llama"], str(tmp_path / "out")
+    p = _cli("train", "--model", path, "--data", data_file, "--lora", "4", "--steps", "3", "--seq", "32", "--batch",
+             "2", "--device", "cuda", "--gpu-memory", "64MiB", "--offload", "cpu", "--no-progress", "--export", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "cuda:" in p.stdout + p.stderr
+    model = peft.PeftModel.from_pretrained(_base(path).cuda(), out)
+    assert all(t.is_cuda for t in model.parameters())
