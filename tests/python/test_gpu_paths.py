@@ -104,13 +104,13 @@ def test_finetune_a_sharded_checkpoint_export_and_load_with_transformers(tmp_pat
     seen: dict = {}
     export = Engine.export
 
-    def export_after_eval(self, out_dir):  # the engine's eval logits, just before it exports
+    def export_after_eval(self, out_dir, **kw):  # the engine's eval logits, just before it exports
         self.eval()
         with torch.no_grad():
             seen["logits"] = self(input_ids=x).logits.float().cpu()  # a CPU batch: moved to the device
         self.train()
         seen["device"] = self.device
-        return export(self, out_dir)
+        return export(self, out_dir, **kw)
 
     monkeypatch.setattr(Engine, "export", export_after_eval)
     out = tmp_path / "out"

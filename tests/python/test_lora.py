@@ -605,6 +605,15 @@ def _cuda_config(swap: str, cap: int) -> dict:
     return cfg
 
 
+def _release_cuda() -> None:
+    """What earlier tests of this process left in torch's caching allocator counts against the
+    per-process cap an engine sets: give it back first."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _train_on(model, device: str, steps: int) -> list[float]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     losses = []
@@ -619,21 +628,22 @@ def _train_on(model, device: str, steps: int) -> list[float]:
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_a_frozen_bf16_base_streams_under_a_budget_a_quarter_its_size_and_its_export_loads(tmp_path):
-    """The LoRA path on CUDA: a bf16 base four times the device budget streams from NVMe, the
-    allocator's peak stays within the budget, and the exported adapter loaded into PEFT on the GPU
-    gives the engine's logits."""
-    src = make_model_dir(str(tmp_path / "fp32"), "llama", hidden=64, layers=6)
+def test_on_a_gpu_a_frozen_bf16_base_streams_under_a_budget_a_third_its_size_and_its_export_loads(tmp_path):
+    """The LoRA path on CUDA: a bf16 base three times the device budget streams from NVMe one module
+    at a time, the allocator's peak stays within the budget, and the exported adapter loaded into
+    PEFT on the GPU gives the engine's logits. (Hidden 512: at a smaller width the activations of
+    the 2 x 16 batch alone would take most of a third of the base.)"""
+    src = make_model_dir(str(tmp_path / "fp32"), "llama", hidden=512, layers=6)
     path = str(tmp_path / "bf16")
     _base(src, dtype=torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    cap = 128 << 10
+    base_bytes = sum(p.numel() * 2 for n, p in _base(path).named_parameters())
+    cap = base_bytes // 3
+    _release_cuda()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
     torch.manual_seed(5)
     with pyinfinity.from_pretrained(path, _cuda_config(str(tmp_path / "swap"), cap), peft_config=_lora(r=4)) as eng:
         assert eng.device.type == "cuda" and eng.device.index is not None
-        base = sum(sh.nbytes for sh in eng.partition.shards if not sh.trainable)
-        assert base > 4 * cap
         losses = _train_engine(eng, 3)
         assert max(r.peak_device_bytes for r in eng.history) <= cap
         logits = _eval_logits(eng).float().cpu()
@@ -649,13 +659,16 @@ def test_on_a_gpu_a_frozen_bf16_base_streams_under_a_budget_a_quarter_its_size_a
 @pytest.mark.gpu
 def test_on_a_gpu_lora_trains_with_peft_s_losses(model_dirs, tmp_path):
     """fp32 base, the same adapters (same seed): the engine on CUDA with parameters on NVMe and
-    PEFT + torch AdamW on CUDA give the same losses."""
+    PEFT + torch AdamW on CUDA give the same losses. The engine runs first: its device budget is
+    the process's, and a reference model already on the GPU would count against it."""
     path = model_dirs["llama"]
+    _release_cuda()
+    torch.manual_seed(7)
+    with pyinfinity.from_pretrained(path, _cuda_config(str(tmp_path / "swap"), 256 << 20),
+                                    peft_config=_lora()) as eng:
+        losses = _train_engine(eng)
     torch.manual_seed(7)
     ref = peft.get_peft_model(_base(path), _lora()).cuda()
-    torch.manual_seed(7)
-    with pyinfinity.from_pretrained(path, _cuda_config(str(tmp_path / "swap"), 64 << 20), peft_config=_lora()) as eng:
-        losses = _train_engine(eng)
     torch.testing.assert_close(losses, _train_on(ref, "cuda", STEPS), rtol=1e-4, atol=0)
 
 
@@ -663,7 +676,7 @@ def test_on_a_gpu_lora_trains_with_peft_s_losses(model_dirs, tmp_path):
 def test_on_a_gpu_the_cli_trains_lora_and_its_export_loads(model_dirs, data_file, tmp_path):
     path, out = model_dirs["llama"], str(tmp_path / "out")
     p = _cli("train", "--model", path, "--data", data_file, "--lora", "4", "--steps", "3", "--seq", "32", "--batch",
-             "2", "--device", "cuda", "--gpu-memory", "64MiB", "--offload", "cpu", "--no-progress", "--export", out)
+             "2", "--device", "cuda", "--gpu-memory", "256MiB", "--offload", "cpu", "--no-progress", "--export", out)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "cuda:" in p.stdout + p.stderr
     model = peft.PeftModel.from_pretrained(_base(path).cuda(), out)
