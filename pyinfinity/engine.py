@@ -190,7 +190,8 @@ class Engine:
         if plan_sizes is None and self.device.type == "cuda":
             from pyinfinity.plan.sizes import model_sizes
 
-            plan_sizes = model_sizes(model, torch.float16 if fp16 else torch.bfloat16 if bf16 else None)
+            plan_sizes = model_sizes(model, torch.float16 if fp16 else torch.bfloat16 if bf16 else None,
+                                     unit_bytes=cfg.pyinfinity.unit_bytes)  # the units the partition cuts
         for d in decisions:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
         self.config = cfg
