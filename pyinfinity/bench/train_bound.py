@@ -12,7 +12,9 @@ in the same invocation:
                  stepped on the GPU never cross it); parameters on disk = read twice (forward,
                  backward), written once; the rates are the best of probes taken right before and
                  right after the run (a shared disk's rate moves)
-      CPU Adam = parameters / the CPU Adam rate measured on the engine's kernel (offloaded optimizer only)
+      CPU Adam = parameters stepped on the CPU / the CPU Adam rate measured on the engine's kernel
+                 (offloaded optimizer only; pyinfinity's units with device optimizer state are
+                 stepped on the GPU, and the run's placement says how many parameters they hold)
 
 With LoRA (``--lora``) the base is frozen: it crosses PCIe twice a step (forward, and backward or
 its recompute) less what a run keeps resident, and is never written; gradients, optimizer state
@@ -83,8 +85,9 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
             # their sum (one after the other) is kept beside it
             terms["disk"] = max(read / rates["disk_read"], write / rates["disk_write"])
             serial = round(read / rates["disk_read"] + write / rates["disk_write"], 5)
-    if offloaded:
-        terms["cpu_adam"] = n_train / rates["adam"]
+    if offloaded:  # the parameters a run steps on the GPU (pyinfinity's device optimizer state) skip the CPU
+        on_device = int((placement or {}).get("optimizer_device_numel", 0))
+        terms["cpu_adam"] = max(0, n_train - on_device) / rates["adam"]
     finite = {k: v for k, v in terms.items() if v == v}
     name = max(finite, key=lambda k: finite[k])
     out = {"seconds": finite[name], "bound_by": name, "terms": {k: round(v, 5) for k, v in terms.items()},
@@ -96,10 +99,10 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
 
 def measure_bound_rates(device: str, nvme_dir: str) -> dict[str, Any]:
     """Host<->device copies, disk, CPU Adam (measured once per invocation); matmul per size later."""
-    from pyinfinity.plan.rates import measure_adam, measure_copies
+    from pyinfinity.plan.rates import ADAM_PROBE_NUMEL, measure_adam, measure_copies
 
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"adam": measure_adam(8_000_000, 5)}
+    out: dict[str, Any] = {"adam": measure_adam(ADAM_PROBE_NUMEL, 5)}
     h2d, d2h, _ = measure_copies(device, 256 << 20 if device.startswith("cuda") else 64 << 20, 5)
     out.update(h2d=h2d, d2h=d2h)
     out.update(probe_disk(nvme_dir))

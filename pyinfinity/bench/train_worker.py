@@ -467,7 +467,8 @@ def run(spec: dict) -> dict:
             res["step_wait_seconds"] = sum(rec.step_wait_seconds for rec in recs) / len(recs) if recs else None
             rep = r.engine.memory_report()
             res["placement"] = {"params": rep.params, "optimizer": rep.optimizer, "grads": rep.grads,
-                                "optimizer_disk_per_step": r.engine.optimizer.disk_bytes_per_step}
+                                "optimizer_disk_per_step": r.engine.optimizer.disk_bytes_per_step,
+                                "optimizer_device_numel": r.engine.optimizer.device_stepped_numel}
             plan = getattr(r.engine, "plan", None)
             if plan is not None:
                 res["plan_host_bytes"] = int(plan.host_bytes)

@@ -79,11 +79,19 @@ DEFAULT_GPU_MATMUL = 100e12
 """FLOP/s assumed for a GPU that is not on this machine when no ``--tflops`` is given (a mid-range
 data-center GPU's sustained bf16 matmul); the plan names it as an assumption."""
 
-ADAM_PROBE_NUMEL = 8_000_000
+ADAM_PROBE_NUMEL = 64_000_000
 """Parameters of the CPU Adam probe, quick or not. The engine steps whole shards (tens to hundreds of
 millions of parameters) streaming their state from memory; the kernel starts its threads at every
 call. A probe much smaller measures the caches and those thread starts: at 1M parameters on 16
-cores it read about half the rate of the real step."""
+cores it read about half the rate of the real step. Its state (14 bytes a parameter, 0.9 GB) is
+beyond any CPU's last-level cache: on the H200 box (16 cores) 8M parameters (112 MB, within its
+cache) read 5.8 Gparam/s, 64M 3.8 and 256M 4.1, while the engine's step at 1.1B ran at 3.75 (the
+planner's CPU Adam term was 0.70x the measured step with the 8M probe)."""
+
+MEMCPY_PROBE_BYTES = 256 << 20
+"""Bytes of the host memcpy probe, quick or not: beyond the last-level cache, as the gradient
+accumulators and write-backs it stands for are (a 32 MB copy measures the cache, as a small Adam
+probe does)."""
 
 MIN_DISK_PROBE = 1 << 20
 """The smallest file the disk probe writes; with less free space it does not write at all."""
@@ -255,7 +263,7 @@ def measure_adam(numel: int = ADAM_PROBE_NUMEL, reps: int = 5, threads: Optional
         return _measure_format_step(numel, reps, threads, state)
     if _C is not None and hasattr(_C, "adam_step"):
         flat = torch.zeros(3 * numel)
-        grad = (torch.randn(numel) * 1e-3).to(torch.bfloat16)
+        grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)  # the kernel's time does not depend on the values
         out = torch.empty(numel, dtype=torch.bfloat16)
         step = [0]
 
@@ -569,7 +577,7 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
             vals[figure] = measure_adam(ADAM_PROBE_NUMEL, reps, threads=threads, **kw)
             source[figure] = f"{host_note}, {threads} thread{'s' if threads != 1 else ''}"
     if "memcpy" not in vals:
-        vals["memcpy"] = measure_memcpy((32 << 20) if quick else (256 << 20), reps)
+        vals["memcpy"] = measure_memcpy(MEMCPY_PROBE_BYTES, reps)
         source["memcpy"] = host_note
     if "h2d" not in vals or "d2h" not in vals:
         if dev.type == "cuda":
@@ -644,7 +652,7 @@ def preset_rates(device: Union[str, torch.device] = "cuda", link: Optional[str] 
     else:
         vals["matmul"], source["matmul"] = float(matmul), "given"
     for k, given, probe in (("adam", adam, lambda: measure_adam(ADAM_PROBE_NUMEL, 3)),
-                            ("memcpy", memcpy, lambda: measure_memcpy(32 << 20, 3))):
+                            ("memcpy", memcpy, lambda: measure_memcpy(MEMCPY_PROBE_BYTES, 3))):
         if given is None:
             vals[k], source[k] = probe(), "probe (this machine's CPU)"
         else:
@@ -654,6 +662,7 @@ def preset_rates(device: Union[str, torch.device] = "cuda", link: Optional[str] 
                  h2d_pageable=vals["h2d_pageable"], device=str(dev), source=source)
 
 
-__all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRESETS", "DISK_PRESETS",
-           "LinkPreset", "DiskPreset", "disk_probe_size", "all_cpus", "ADAM_PROBE_NUMEL", "measure_decoder_compute", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
+__all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRESETS", "DISK_PRESETS", "LinkPreset",
+           "DiskPreset", "disk_probe_size", "all_cpus", "ADAM_PROBE_NUMEL", "MEMCPY_PROBE_BYTES",
+           "measure_decoder_compute", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
            "measure_disk", "load_rates_file"]

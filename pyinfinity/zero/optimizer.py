@@ -463,6 +463,12 @@ class OffloadOptimizer:
         return out
 
     @property
+    def device_stepped_numel(self) -> int:
+        """Parameters whose units are stepped on the device (a device copy of their state), not on
+        the CPU."""
+        return sum(st.numel for st in self.states if st.dev is not None)
+
+    @property
     def disk_bytes_per_step(self) -> int:
         """Bytes of optimizer state a step reads from disk and writes back: the homes on NVMe whose
         units are stepped on the CPU (a unit with a device copy is stepped there, off the disk)."""

@@ -533,6 +533,17 @@ def test_deepspeed_systems_and_variants_end_to_end_on_the_cpu(tmp_path):
 # ----------------------------------------------------------------------------------- LoRA
 
 
+def test_the_cpu_adam_bound_leaves_out_what_a_run_steps_on_the_gpu():
+    """A pyinfinity run whose resident units keep their optimizer state on the GPU steps them there:
+    the CPU Adam term counts the rest (the run's placement says how many parameters that is)."""
+    on_gpu = FACTS["params"] // 5
+    b = bt.bound("pyinfinity-auto", FACTS, RATES, cuda=True,
+                 placement={"params": {"cpu": FACTS["param_bytes"]}, "optimizer": {"cpu": 12 * FACTS["params"]},
+                            "optimizer_device_numel": on_gpu})
+    assert b["terms"]["cpu_adam"] == pytest.approx((FACTS["params"] - on_gpu) / RATES["adam"], abs=1e-5)
+    assert bt.bound("pyinfinity-auto", FACTS, RATES, cuda=True)["terms"]["cpu_adam"] == pytest.approx(0.25)
+
+
 def test_a_lora_bound_streams_the_frozen_base_and_steps_the_adapters():
     """With --lora the frozen base crosses PCIe twice a step, less what a run keeps resident, and
     is never written; gradients, optimizer state and CPU Adam are the adapters'."""
