@@ -28,7 +28,9 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     clipping or fp16 loss scaling (:attr:`TrainShape.norm_first`) no unit can step before the
     global norm, known when the backward ends: the step then runs in model order behind the next
     forward, which waits for each unit's new values, so only that forward's share of a
-    micro-batch hides it.
+    micro-batch hides it. Under accumulation on a GPU the step is at least the host's
+    memory-bound work in a row: every micro-batch's adds, then the CPU step (they share the
+    memory bus, so one does not hide the other).
 """
 from __future__ import annotations
 
@@ -558,6 +560,10 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         tail = hideable * sizes.largest_shard_numel / max(1, sizes.numel)
         visible = opt_phase - hideable + max(hideable - window, tail)
     total = g * micro + visible
+    if cuda and g > 1 and knobs.optimizer_step_device != "device":
+        # the accumulation worker's adds and the CPU step both stream host memory: an overlapped step
+        # runs beside the next window's adds, not in time of its own
+        total = max(total, g * accumulate + opt_phase)
     disk_busy = g * disk_read + disk_a + disk_b
     busy = {"compute": g * compute, "host<->device": g * h2d_busy, "disk": disk_busy, "optimizer": host + a + b}
     bottleneck = max(busy, key=busy.get)

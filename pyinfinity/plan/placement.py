@@ -167,7 +167,39 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
                have_disk: bool, steps: int = 16) -> Iterable[Knobs]:
     """Knob sets to evaluate: every parameter/optimizer tier split the config leaves open (parameters
     in RAM by whole shards on a grid of ``steps``, the optimizer state given the RAM that is left)."""
-    base = _fill(sizes, train, budgets, rates, Knobs(), fixed)
+    bases = [_fill(sizes, train, budgets, rates, Knobs(), fixed)]
+    alt = _accumulators_first(sizes, train, budgets, rates, fixed, bases[0])
+    if alt is not None:
+        bases.append(alt)
+    for base in bases:
+        yield from _candidates_of(base, sizes, train, budgets, rates, fixed, have_disk, steps)
+
+
+def _accumulators_first(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
+                        base: Knobs) -> Optional[Knobs]:
+    """Under accumulation on a GPU, when the resident units leave too little room for an fp32
+    accumulator of every trainable parameter: the candidate that keeps fewer units resident (they
+    stream in again each micro-batch, over a link that usually has time to spare) so that every
+    accumulator is on the device (as many as fit with none resident), and the host adds little or
+    nothing. None when it does not apply or holds no more accumulators."""
+    if (train.grad_accum <= 1 or budgets.device_is_host or not on_cuda(rates, budgets)
+            or fixed.resident_bytes is not None or fixed.device_accumulator_bytes is not None):
+        return None
+    need = GRAD_BYTES_PER_PARAM * sizes.trainable_numel
+    if base.device_accumulator_bytes >= need:
+        return None
+    persistent = sizes.small_shard_bytes(base.persistence_threshold) if base.persistence_threshold else 0
+    acts = activation_charge(sizes, train)
+    streamed = _fill(sizes, train, budgets, rates, Knobs(), replace(fixed, resident_bytes=0))
+    streamed.resident_bytes = 0
+    room = _device_room(sizes, train, budgets, rates, streamed, persistent, acts)
+    k = _fill(sizes, train, budgets, rates, Knobs(), replace(fixed, resident_bytes=max(0, room - need)))
+    k.resident_bytes = max(0, room - need)
+    return k if k.device_accumulator_bytes > base.device_accumulator_bytes else None
+
+
+def _candidates_of(base: Knobs, sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates,
+                   fixed: Fixed, have_disk: bool, steps: int) -> Iterable[Knobs]:
     for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
                  "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device", "resident_bytes",
                  "device_optimizer_bytes", "device_accumulator_bytes"):
