@@ -13,34 +13,13 @@ namespace {
 
 using detail::Coeffs;
 
-namespace generic {
-#include "detail_cpu_adam_loop.inc"
-}  // namespace generic
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PYINF_HAVE_X86_LOOPS 1
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-#include "detail_cpu_adam_loop.inc"
-}  // namespace avx2
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")
-namespace avx512 {
-#include "detail_cpu_adam_loop.inc"
-}  // namespace avx512
-#pragma GCC pop_options
-#endif
+#define PYINF_ISA_LOOPS "detail_cpu_adam_loop.inc"
+#include "detail_isa_dispatch.inc"
 
 template <GradType G, bool Out>
 void step_range(CpuIsa isa, float* master, float* m, float* v, const void* grad, std::uint16_t* out,
                 std::size_t begin, std::size_t end, const Coeffs& c) {
-#ifdef PYINF_HAVE_X86_LOOPS
-  if (isa == CpuIsa::kAvx512) return avx512::step_range<G, Out>(master, m, v, grad, out, begin, end, c);
-  if (isa == CpuIsa::kAvx2) return avx2::step_range<G, Out>(master, m, v, grad, out, begin, end, c);
-#endif
-  generic::step_range<G, Out>(master, m, v, grad, out, begin, end, c);
+  PYINF_DISPATCH(isa, step_range<G, Out>(master, m, v, grad, out, begin, end, c));
 }
 
 }  // namespace

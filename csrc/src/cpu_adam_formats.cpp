@@ -16,41 +16,8 @@ namespace {
 
 using detail::Coeffs;
 
-namespace generic {
-#include "detail_cpu_adam_formats_loop.inc"
-}  // namespace generic
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PYINF_HAVE_X86_LOOPS 1
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-#include "detail_cpu_adam_formats_loop.inc"
-}  // namespace avx2
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")
-namespace avx512 {
-#include "detail_cpu_adam_formats_loop.inc"
-}  // namespace avx512
-#pragma GCC pop_options
-#endif
-
-// PYINF_DISPATCH(isa, fn<...>(args)): the call in the namespace compiled for `isa`.
-#ifdef PYINF_HAVE_X86_LOOPS
-#define PYINF_DISPATCH(isa, ...)          \
-  do {                                    \
-    if ((isa) == CpuIsa::kAvx512) {       \
-      avx512::__VA_ARGS__;                \
-    } else if ((isa) == CpuIsa::kAvx2) {  \
-      avx2::__VA_ARGS__;                  \
-    } else {                              \
-      generic::__VA_ARGS__;               \
-    }                                     \
-  } while (0)
-#else
-#define PYINF_DISPATCH(isa, ...) generic::__VA_ARGS__
-#endif
+#define PYINF_ISA_LOOPS "detail_cpu_adam_formats_loop.inc"
+#include "detail_isa_dispatch.inc"
 
 void check_state(const Adam8bitState& s, std::size_t n, const char* what) {
   PYINF_EXPECT(n == 0 || (s.master && s.exp_avg && s.exp_avg_sq && s.exp_avg_scale && s.exp_avg_sq_scale),

@@ -13,28 +13,25 @@ from pyinfinity.bench.train_worker import SYSTEMS
 SCHEMA = "pyinfinity.bench.train/1"
 
 _LLAMA = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
-# name -> LlamaConfig fields. "1.1b" is TinyLlama-1.1B's shape.
+
+
+def _llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **fields: Any) -> dict[str, Any]:
+    """LlamaConfig fields of one shape; the others as ``_LLAMA`` unless ``fields`` sets them."""
+    return dict(_LLAMA, **fields, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads)
+
+
+# name -> LlamaConfig fields: hidden, intermediate, layers, attention heads, KV heads
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(_LLAMA, vocab_size=1024, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=4),
-    "125m": dict(_LLAMA, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=12),
-    "1.1b": dict(_LLAMA, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                 num_key_value_heads=4),
-    "3b": dict(_LLAMA, hidden_size=3200, intermediate_size=8640, num_hidden_layers=26, num_attention_heads=32,
-               num_key_value_heads=32),
-    "7b": dict(_LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32),
-    "10b": dict(_LLAMA, hidden_size=4608, intermediate_size=12288, num_hidden_layers=40, num_attention_heads=36,
-                num_key_value_heads=36),
-    "13b": dict(_LLAMA, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                num_key_value_heads=40),
-    # LLaMA-30B's shape (the original LLaMA release)
-    "30b": dict(_LLAMA, hidden_size=6656, intermediate_size=17920, num_hidden_layers=60, num_attention_heads=52,
-                num_key_value_heads=52),
-    # Llama-2-70B's shape (grouped-query attention: 8 KV heads)
-    "70b": dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8),
+    "tiny": _llama(64, 172, 2, 4, 4, vocab_size=1024),
+    "125m": _llama(768, 2048, 12, 12, 12),
+    "1.1b": _llama(2048, 5632, 22, 32, 4),  # TinyLlama-1.1B's shape
+    "3b": _llama(3200, 8640, 26, 32, 32),
+    "7b": _llama(4096, 11008, 32, 32, 32),
+    "10b": _llama(4608, 12288, 40, 36, 36),
+    "13b": _llama(5120, 13824, 40, 40, 40),
+    "30b": _llama(6656, 17920, 60, 52, 52),  # LLaMA-30B's shape (the original LLaMA release)
+    "70b": _llama(8192, 28672, 80, 64, 8),  # Llama-2-70B's shape (grouped-query attention: 8 KV heads)
 }
 DEFAULT_SIZES_GPU = ("1.1b", "3b", "7b", "10b")
 DEFAULT_SIZES_CPU = ("tiny",)
@@ -50,9 +47,21 @@ PEERS = {"pyinfinity-cpu": "deepspeed-cpu", "pyinfinity-nvme": "deepspeed-nvme",
 DEEPSPEED_LORA_TUNED = ("deepspeed-cpu[zero_optimization.stage3_prefetch_bucket_size=5e8,"
                         "zero_optimization.stage3_max_live_parameters=1e9]")
 DEFAULT_SYSTEMS_LORA = ("pyinfinity-auto", "deepspeed-cpu", DEEPSPEED_LORA_TUNED, "torch-nocap")
-# the Llama layers LoRA may target (``all-linear``: every one, as PEFT's shorthand picks them; the
-# head is left out) and PEFT's default targets for Llama
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _linears(fields: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The Llama layers LoRA may target, with their (in, out) features in a model of ``fields``
+    (``all-linear``: every one, as PEFT's shorthand picks them; the head is left out)."""
+    h, ff = int(fields["hidden_size"]), int(fields["intermediate_size"])
+    heads = int(fields["num_attention_heads"])
+    kv = int(fields.get("num_key_value_heads") or heads)
+    hd = h // heads
+    return {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
+            "gate_proj": (h, ff), "up_proj": (h, ff), "down_proj": (ff, h)}
+
+
+# their names, and PEFT's default targets for Llama
+LLAMA_LINEARS = tuple(_linears(SIZES["tiny"]))
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 # DeepSpeed ZeRO-3 offload settings as commonly used for one GPU (BENCHMARKS.md lists them)
@@ -202,12 +211,7 @@ def lora_spec(rank: int, targets: Optional[str]) -> dict[str, Any]:
 
 def lora_numel(fields: dict[str, Any], lora: dict[str, Any]) -> int:
     """The adapters' parameters: r x (in + out) for each targeted layer of every decoder layer."""
-    h, ff = int(fields["hidden_size"]), int(fields["intermediate_size"])
-    heads = int(fields["num_attention_heads"])
-    kv = int(fields.get("num_key_value_heads") or heads)
-    hd = h // heads
-    shapes = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
-              "gate_proj": (h, ff), "up_proj": (h, ff), "down_proj": (ff, h)}
+    shapes = _linears(fields)
     return int(fields["num_hidden_layers"]) * sum(lora["r"] * sum(shapes[t]) for t in lora["targets"])
 
 

@@ -2,8 +2,9 @@
 and optimizer states live, every buffer's size) and a predicted step time naming the bottleneck.
 ``"auto"`` in a config means "ask the planner" (``resolve_auto``)."""
 from pyinfinity.plan.budgets import Budgets, SwapDir, measure_budgets
-from pyinfinity.plan.placement import (Fixed, Knobs, Placement, PlanError, Share, StepTime, TrainShape, evaluate,
-                                       solve)
+from pyinfinity.plan.charges import PlanError, TrainShape
+from pyinfinity.plan.evaluation import Knobs, Placement, Share, StepTime, evaluate
+from pyinfinity.plan.placement import Fixed, solve
 from pyinfinity.plan.rates import Rates, measure_rates
 from pyinfinity.plan.resolve import Decision, placement_of, plan_engine_config, resolve_auto
 from pyinfinity.plan.sizes import ModelSizes, model_sizes, sizes_from_config, sizes_from_module

@@ -12,7 +12,7 @@ config leaves open and returns the fastest that respects every budget, or raises
 
 The candidate set, the buffer sizing (:func:`candidates`) and the choice (:func:`solve`) are here;
 what one step holds on the device is in ``charges``, a candidate's evaluation and the step-time
-model in ``evaluation`` (their names are importable from here too).
+model in ``evaluation``.
 """
 from __future__ import annotations
 
@@ -22,11 +22,9 @@ from typing import Iterable, Optional, Sequence
 
 from pyinfinity.config_values import STATE_FORMATS, StateFormat
 from pyinfinity.plan.budgets import Budgets
-from pyinfinity.plan.charges import (DEVICE_HEADROOM, GRAD_BYTES_PER_PARAM, DeviceCharges, PlanError, TrainShape,
-                                     activation_charge, device_charges, device_state_cost, fmt, grad_buffer_bytes,
-                                     largest_shape, shape_refusal, step_scratch, working_set_bytes)
-from pyinfinity.plan.evaluation import (BACKWARD_SHARE, ELEMENTWISE_SHARE, Knobs, Placement, Share, StepTime, evaluate,
-                                        on_cuda, predict)
+from pyinfinity.plan.charges import (GRAD_BYTES_PER_PARAM, PlanError, TrainShape, activation_charge, device_charges,
+                                     device_state_cost, fmt, largest_shape, step_scratch, working_set_bytes)
+from pyinfinity.plan.evaluation import Knobs, Placement, evaluate, on_cuda
 from pyinfinity.plan.rates import Rates
 from pyinfinity.plan.sizes import SMALL_SHARD_NUMEL, ModelSizes
 
@@ -336,8 +334,4 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
     return "; ".join(msgs + hints)
 
 
-__all__ = ["solve", "candidates", "Fixed", "PERSISTENT_SHARE", "TIE",
-           # from charges and evaluation, importable from here as before
-           "DeviceCharges", "device_charges", "grad_buffer_bytes", "largest_shape", "shape_refusal", "device_state_cost",
-           "step_scratch", "PlanError", "TrainShape", "fmt", "DEVICE_HEADROOM", "Placement", "Knobs", "Share",
-           "StepTime", "evaluate", "predict", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]
+__all__ = ["solve", "candidates", "Fixed", "PERSISTENT_SHARE", "TIE"]

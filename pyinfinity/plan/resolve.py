@@ -15,7 +15,9 @@ from typing import Any, Optional, Union
 import torch
 
 from pyinfinity.plan.budgets import Budgets, measure_budgets
-from pyinfinity.plan.placement import Fixed, Placement, PlanError, TrainShape, evaluate, largest_shape, solve
+from pyinfinity.plan.charges import PlanError, TrainShape, largest_shape
+from pyinfinity.plan.evaluation import Knobs, Placement, evaluate
+from pyinfinity.plan.placement import Fixed, solve
 from pyinfinity.plan.rates import Rates, measure_rates
 from pyinfinity.plan.sizes import ModelSizes, model_sizes
 
@@ -351,8 +353,6 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     fixed, owned = _fixed_from(cfg, None)
     if owned - UNPLANNED_ALONE:
         raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
-    from pyinfinity.plan.placement import Knobs
-
     for name in UNPLANNED_ALONE & owned:  # as the engine does when nothing else is planned: none resident
         setattr(fixed, name, 0)
     k = Knobs(**{name: getattr(fixed, name) for name in KEYS})

@@ -14,7 +14,7 @@ planner's target; an out-of-memory error in forward or backward gives all of it 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -243,71 +243,71 @@ class DevicePlacement:
             gave.append(f"prefetch {format_size(before)} -> {format_size(coord.prefetch_bytes)}")
         if need > 0 and (self.device_state_bytes or self.device_grad_bytes or self.resident_units):
             self._drain("giving up device memory")  # the homes must hold the current values
-        units = freed = 0
-        for sh in reversed(self.partition.shards):  # small persistent shards may step there too
-            if need <= 0:
-                break
-            if sh.device_step:
-                n = self._state_to_host(sh)
-                need -= n
-                freed += n
-                units += 1
-        if units:
-            gave.append(f"the optimizer state of {units} units ({format_size(freed)}) back to the host")
-        units = freed = 0
-        for sh in reversed(self.partition.shards):
-            if need <= 0:
-                break
-            if sh.grad_on_device:
-                n = self._accumulator_to_host(sh)
-                need -= n
-                freed += n
-                units += 1
-        if units:
-            gave.append(f"the gradient accumulators of {units} units ({format_size(freed)}) to the host")
-        units = freed = 0
+        back = list(reversed(self.partition.shards))  # small persistent shards may step there too
+        need = self._release((sh for sh in back if sh.device_step), need, self._state_to_host, gave,
+                             "the optimizer state of {units} units ({size}) back to the host")
+        need = self._release((sh for sh in back if sh.grad_on_device), need, self._accumulator_to_host, gave,
+                             "the gradient accumulators of {units} units ({size}) to the host")
         if need > 0 and self.resident_units and all(sh.persistent for sh in self.partition.shards):
             # nothing was fetched in the last step: from now on a working set is (the unit in use and the next)
             need += 2 * max(sh.nbytes for sh in self.partition.shards)
-        for sh in list(self.resident_units):
+        self._release(list(self.resident_units), need, self._resident_to_home, gave,
+                      "{units} resident units ({size}) back to their homes")
+        self.gave_up += gave
+        return gave
+
+    @staticmethod
+    def _release(shards: Iterable[FlatShard], need: int, release: Callable[[FlatShard], tuple[int, int]],
+                 gave: list[str], what: str) -> int:
+        """Calls ``release(sh)`` on ``shards`` in order until ``need`` device bytes are freed;
+        ``release`` returns the bytes of what it moved and any other device bytes freed with it.
+        Appends ``what`` (with the units and the bytes moved) to ``gave`` when it moved any; returns
+        what is still needed."""
+        units = freed = 0
+        for sh in shards:
             if need <= 0:
                 break
-            if sh.device_step:
-                need -= self._state_to_host(sh)
-            n = coord.give_up_resident(sh)
-            self.resident_units.remove(sh)
-            self.resident_bytes -= n
-            need -= n
+            n, also = release(sh)
+            need -= n + also
             freed += n
             units += 1
         if units:
-            gave.append(f"{units} resident units ({format_size(freed)}) back to their homes")
-        self.gave_up += gave
-        return gave
+            gave.append(what.format(units=units, size=format_size(freed)))
+        return need
 
     def give_up_all(self) -> list[str]:
         """Every resident unit, all device optimizer state and every device accumulator back to the
         host (an out-of-memory error)."""
         return self.give_up(1 << 62, prefetch=False)
 
-    def _state_to_host(self, sh: FlatShard) -> int:
+    def _state_to_host(self, sh: FlatShard) -> tuple[int, int]:
         """Moves one shard's optimizer state from the device to its host home (it is stepped on
-        the CPU from now on); returns the device bytes freed."""
-        coord = self._coordinator()
-        n = self.optimizer.to_host(sh, self.homes.write_home)
-        coord.budget.sub(n)
-        coord.budget.fixed -= n
+        the CPU from now on); returns the device bytes freed (and 0: nothing else)."""
+        n = self._unfix(self.optimizer.to_host(sh, self.homes.write_home))
         self.device_state_bytes -= n
-        return n
+        return n, 0
 
-    def _accumulator_to_host(self, sh: FlatShard) -> int:
+    def _accumulator_to_host(self, sh: FlatShard) -> tuple[int, int]:
         """Moves one unit's gradient accumulator from the device to the host (the window's sum so
-        far with it); returns the device bytes freed."""
-        coord = self._coordinator()
-        n = self.optimizer.accumulator_to_host(sh)
-        coord.budget.sub(n)
-        coord.budget.fixed -= n
+        far with it); returns the device bytes freed (and 0: nothing else)."""
+        n = self._unfix(self.optimizer.accumulator_to_host(sh))
         self.device_grad_bytes -= n
+        return n, 0
+
+    def _resident_to_home(self, sh: FlatShard) -> tuple[int, int]:
+        """Gives up one resident unit (its optimizer state first, when it steps on the device): it
+        is fetched again when used. Returns the unit's device bytes and its state's."""
+        state = self._state_to_host(sh)[0] if sh.device_step else 0
+        n = self._coordinator().give_up_resident(sh)
+        self.resident_units.remove(sh)
+        self.resident_bytes -= n
+        return n, state
+
+    def _unfix(self, n: int) -> int:
+        """``n`` device bytes of the placement freed: no longer charged to the coordinator's budget."""
+        budget = self._coordinator().budget
+        budget.sub(n)
+        budget.fixed -= n
         return n
 
     def _coordinator(self) -> ParameterCoordinator:

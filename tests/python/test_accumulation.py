@@ -484,7 +484,8 @@ def test_the_planner_puts_accumulators_on_the_device_first(engine_config):
     from pyinfinity.bench.train import SIZES
     from pyinfinity.config import load_config
     from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape, solve
-    from pyinfinity.plan.placement import Fixed, device_state_cost
+    from pyinfinity.plan.charges import device_state_cost
+    from pyinfinity.plan.placement import Fixed
     from pyinfinity.plan.sizes import llama_sizes
 
     cfg = load_config(dict(engine_config(), pyinfinity={"device_accumulator_bytes": "1GiB"}))

@@ -13,8 +13,8 @@ import torch
 
 import pyinfinity
 from pyinfinity.engine import SHRINK_AT, retry_micro_batch
-from pyinfinity.plan.placement import (DEVICE_HEADROOM, PlanError, TrainShape,
-                                       largest_shape, shape_refusal, solve)
+from pyinfinity.plan.charges import DEVICE_HEADROOM, PlanError, TrainShape, largest_shape, shape_refusal
+from pyinfinity.plan.placement import solve
 from pyinfinity.plan.sizes import llama_sizes
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from tests.python.conftest import engine_state, train_steps
@@ -338,7 +338,7 @@ def test_the_plan_line_names_its_terms_and_the_measured_parts():
     assert f"compute {p.predicted.compute:.3f}" in line and "measured optimizer busy 0.250" in line
     assert line.endswith(f"predicted/measured {p.predicted.total / 0.5:.2f}")
     # the compute term counts the non-matmul kernels too
-    from pyinfinity.plan.placement import ELEMENTWISE_SHARE
+    from pyinfinity.plan.evaluation import ELEMENTWISE_SHARE
 
     flops = sizes.flops_per_step(4, 1024, True)
     assert p.predicted.compute == pytest.approx(flops / GPU_RATES.matmul * (1 + ELEMENTWISE_SHARE))

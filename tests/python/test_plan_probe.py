@@ -11,7 +11,7 @@ import torch
 import pyinfinity
 from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape
 from pyinfinity.plan import rates as rates_mod
-from pyinfinity.plan.placement import Knobs, evaluate
+from pyinfinity.plan.evaluation import Knobs, evaluate
 from pyinfinity.plan.sizes import llama_sizes
 
 LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -92,7 +92,7 @@ def test_a_step_that_waits_for_the_norm_hides_behind_the_next_forward_only(clip)
     "waits for new values" were most of its optimizer time). Without clipping units step as their
     gradients land and the backward's share hides it."""
     from pyinfinity.config import load_config
-    from pyinfinity.plan.placement import BACKWARD_SHARE
+    from pyinfinity.plan.evaluation import BACKWARD_SHARE
     from pyinfinity.plan.resolve import _train_shape
 
     cfg = load_config({"gradient_clipping": clip, "pyinfinity": {"device": "cuda"}})
