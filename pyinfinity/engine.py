@@ -35,7 +35,7 @@ from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.device_placement import SHRINK_AT
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import Partition, init_empty, parameter_sizes
-from pyinfinity.zero.state import TrainingState, check_state_format
+from pyinfinity.zero.state import TrainingState
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,6 @@ class Engine:
         self.state: Optional[TrainingState] = None
         guards.check_not_wrapped(model)
         cfg = load_config(config)
-        check_state_format(cfg)  # before the weights are read and the run is planned
         self.weights: Any = None  # pretrained.WeightLoader: names, shapes checked before anything is written
         from pyinfinity import adapters
 
