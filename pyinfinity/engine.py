@@ -526,7 +526,8 @@ class Engine:
             device_allocated_peak=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
             params=params, optimizer=self.optimizer.bytes_by_tier,
             grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
-            swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss())
+            swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss(),
+            optimizer_state=self.optimizer.format.name)
 
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,

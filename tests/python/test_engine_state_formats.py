@@ -109,3 +109,20 @@ def test_units_stepped_on_the_device_give_the_cpu_steps_bits(fmt, engine_config,
             got.append((train(eng, batches(6)), trained(eng)))
     assert got[0][0] == got[1][0]
     assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
+
+
+def test_the_host_ram_check_charges_the_formats_bytes(engine_config):
+    """A host-memory budget between the two needs: the fp32 state (12 bytes a parameter) is refused
+    with the bytes it needs, the 8-bit state (about 6) fits; the report names the format."""
+    from pyinfinity.swap.ownership import CapacityError
+
+    model = llama(hidden=192, layers=2, vocab=1024)
+    n = sum(p.numel() for p in model.parameters())
+    budget = int(4 * n + 9 * n)  # the fp32 weights and 9 bytes a parameter of state
+    with pytest.raises(CapacityError, match="optimizer states") as ei:
+        pyinfinity.initialize(model, config(engine_config, "fp32", host_memory=budget))
+    assert "pyinfinity.host_memory" in str(ei.value)
+    with pyinfinity.initialize(model, config(engine_config, "8bit", host_memory=budget)) as eng:
+        report = eng.memory_report()
+        assert report.optimizer_state == "8bit" and "(8bit state)" in report.table()
+        assert sum(report.optimizer.values()) < 6.2 * n
