@@ -538,9 +538,13 @@ class Engine:
         written: the checkpoint records the weights' identity, which a load checks."""
         return checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity())
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
-        """Restores a state written by ``save_checkpoint``; returns (path, client_state)."""
-        return checkpoint.load(self.state, load_dir, tag, base=self._base_identity())
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *,
+                        convert_optimizer_state: bool = False) -> tuple[str, dict]:
+        """Restores a state written by ``save_checkpoint``; returns (path, client_state). A
+        checkpoint whose optimizer state is of another format (``pyinfinity.optimizer_state``) is
+        refused unless ``convert_optimizer_state`` (then decoded to fp32 and encoded in this one's)."""
+        return checkpoint.load(self.state, load_dir, tag, base=self._base_identity(),
+                               convert_optimizer_state=convert_optimizer_state)
 
     def _base_identity(self) -> Optional[dict]:
         """The identity of the pretrained weights every parameter started from, when some shards are

@@ -113,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue the run saved there (a --save directory, or one of its global_stepN): "
                         "the step count, LR schedule, optimizer state and data position carry on; give the "
                         "same flags as the first run")
+    p.add_argument("--resume-convert", action="store_true",
+                   help="with --resume: convert a checkpoint whose optimizer state is of another format than "
+                        "this run's (--optimizer-state) into this run's (decoded to fp32, encoded again); without "
+                        "it such a resume is refused")
     p.add_argument("--export", metavar="DIR", help="export the trained weights (safetensors) there")
     p.add_argument("--json", metavar="FILE", help="write the run's telemetry as JSON")
     p.add_argument("--no-progress", action="store_true",
@@ -228,6 +232,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
         raise UsageError(f"--clip: {args.clip} must be 0 (off) or positive")
     if not 0 <= args.eval_fraction < 1:
         raise UsageError(f"--eval-fraction: {args.eval_fraction} must be in [0, 1)")
+    if args.resume_convert and not args.resume:
+        raise UsageError("--resume-convert: needs --resume DIR (the checkpoint to convert)")
     if args.save_every and not args.save:
         raise UsageError("--save-every: needs --save DIR (where to write the checkpoints)")
     if bool(args.model) != bool(args.data):

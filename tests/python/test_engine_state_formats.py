@@ -126,3 +126,106 @@ def test_the_host_ram_check_charges_the_formats_bytes(engine_config):
         report = eng.memory_report()
         assert report.optimizer_state == "8bit" and "(8bit state)" in report.table()
         assert sum(report.optimizer.values()) < 6.2 * n
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _meta(ckpt) -> dict:
+    import json
+    import os
+
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        return json.load(f)
+
+
+def _drop_format_record(ckpt) -> None:
+    """Makes ``ckpt`` look like a checkpoint written before the formats (no optimizer_state key)."""
+    import json
+    import os
+
+    from pyinfinity import checkpoint
+
+    meta = _meta(ckpt)
+    del meta["optimizer_state"]
+    raw = json.dumps(meta).encode()
+    with open(os.path.join(ckpt, "meta.json"), "wb") as f:
+        f.write(raw)
+    path = os.path.join(ckpt, checkpoint.CHECKSUMS_NAME)
+    with open(path) as f:
+        sums = json.load(f)
+    sums["files"]["meta.json"] = {"nbytes": len(raw), "crc32c": checkpoint._crc32c_bytes(raw)}
+    with open(path, "w") as f:
+        json.dump(sums, f)
+
+
+@pytest.mark.parametrize("fmt, tier", [("8bit", "cpu"), ("8bit", "nvme"), ("bf16", "nvme")])
+def test_a_checkpoint_resumes_exactly_within_a_format(fmt, tier, engine_config, tmp_path):
+    """The state is saved as it is (its compressed bytes, the format recorded) and a resume trains
+    on bit for bit like the run that went on."""
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    data = batches(6)
+    with pyinfinity.initialize(llama(dtype=dtype), config(engine_config, fmt, tier)) as eng:
+        train(eng, data[:3])
+        ckpt = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        state_bytes = sum(eng.memory_report().optimizer.values())
+        want = (train(eng, data[3:]), trained(eng))
+    meta = _meta(ckpt)
+    assert meta["optimizer_state"] == fmt
+    assert sum(e["nbytes"] for e in meta["entries"] if e["kind"] == "optim") == state_bytes
+    with pyinfinity.initialize(llama(dtype=dtype, seed=5), config(engine_config, fmt, tier)) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        got = (train(eng, data[3:]), trained(eng))
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+def test_a_checkpoint_of_another_format_is_refused_unless_converted(engine_config, tmp_path):
+    """8bit into fp32 and fp32 into 8bit: a one-line CheckpointError naming both formats and the
+    way to convert; with convert_optimizer_state=True the masters carry over exactly (both keep
+    fp32 masters), the moments through fp32, and training goes on close to the unconverted run."""
+    from pyinfinity.checkpoint import CheckpointError
+
+    data = batches(6)
+    for src, dst in (("8bit", "fp32"), ("fp32", "8bit")):
+        save_dir = str(tmp_path / f"ckpt-{src}")
+        with pyinfinity.initialize(llama(), config(engine_config, src)) as eng:
+            train(eng, data[:3])
+            eng.save_checkpoint(save_dir)
+            saved = trained(eng)
+            went_on = train(eng, data[3:])
+        with pyinfinity.initialize(llama(seed=5), config(engine_config, dst)) as eng:
+            with pytest.raises(CheckpointError) as ei:
+                eng.load_checkpoint(save_dir)
+            msg = str(ei.value)
+            assert "\n" not in msg and f"the {src} optimizer state" in msg and f"the {dst} one" in msg
+            assert "convert_optimizer_state=True" in msg and "--resume-convert" in msg
+            eng.load_checkpoint(save_dir, convert_optimizer_state=True)
+            assert eng.global_steps == 3
+            assert all(torch.equal(a, b) for a, b in zip(trained(eng), saved))
+            losses = train(eng, data[3:])
+        assert losses[0] == went_on[0]  # the same weights: the same first loss
+        assert losses[-1] == pytest.approx(went_on[-1], rel=0.05)
+
+
+def test_a_checkpoint_without_a_recorded_format_is_fp32(engine_config, tmp_path):
+    """Checkpoints written before the formats hold the fp32 state: they load into an fp32 engine
+    and, like any fp32 checkpoint, into a bf16 one only converted (the master rounded to bf16)."""
+    from pyinfinity.checkpoint import CheckpointError
+
+    bf16 = dict(dtype=torch.bfloat16)
+    with pyinfinity.initialize(llama(**bf16), config(engine_config, "fp32")) as eng:
+        train(eng, batches(2))
+        ckpt = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = trained(eng)
+    _drop_format_record(ckpt)
+    with pyinfinity.initialize(llama(seed=5, **bf16), config(engine_config, "fp32")) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert all(torch.equal(a, b) for a, b in zip(trained(eng), saved))
+    with pyinfinity.initialize(llama(seed=5, **bf16), config(engine_config, "bf16")) as eng:
+        with pytest.raises(CheckpointError, match="holds the fp32 optimizer state, this engine keeps the bf16 one"):
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+        eng.load_checkpoint(str(tmp_path / "ckpt"), convert_optimizer_state=True)
+        got = trained(eng)
+        assert all(torch.equal(a.float(), b.bfloat16().float()) for a, b in zip(got, saved))
+        train(eng, batches(2))

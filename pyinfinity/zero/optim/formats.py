@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from pyinfinity.config import STATE_FORMATS
-from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper
+from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.state_formats import (AdamHyper, Adam8bitState, cpu_step_8bit, cpu_step_bf16, dequantize_moments,
                                            device_step_8bit, device_step_bf16, quantize_moments, state_nbytes,
                                            views_8bit)
@@ -325,4 +325,16 @@ def make_state_format(name: str, adam_w: bool) -> OptimStateFormat:
     return classes[name](adam_w)
 
 
-__all__ = ["Adam8bit", "AdamBf16", "AdamFp32", "DEVICE_CHUNK", "OptimStateFormat", "make_state_format"]
+def convert_home(data: torch.Tensor, numel: int, src: OptimStateFormat, dst: OptimStateFormat) -> torch.Tensor:
+    """A home of format ``src`` (e.g. a checkpoint's) as a home of ``dst``: unchanged when the two
+    are one format, else decoded to fp32 and encoded again (a page-aligned host tensor)."""
+    if src.name == dst.name:
+        return data
+    new = dst.from_fp32(*src.to_fp32(data, numel))
+    out = aligned_empty(new.numel(), new.dtype)
+    out.copy_(new)
+    return out
+
+
+__all__ = ["Adam8bit", "AdamBf16", "AdamFp32", "DEVICE_CHUNK", "OptimStateFormat", "convert_home",
+           "make_state_format"]
