@@ -88,8 +88,9 @@ def test_the_8bit_state_costs_at_most_055_of_fp32s(engine_config):
 
 @pytest.mark.parametrize("fmt", ["8bit", "bf16"])
 def test_units_stepped_on_the_device_give_the_cpu_steps_bits(fmt, engine_config, monkeypatch):
-    """Units whose state lives on the compute device (the CPU device here) are stepped by the
-    format's torch step, which computes the one-pass kernel's bits: the same losses and weights.
+    """Units whose state lives on the compute device (the CPU device here), and every unit under
+    the streamed step (``optimizer_step_device: "device"``), are stepped by the format's torch
+    step, which computes the one-pass kernel's bits: the same losses and weights.
     (Every shard quantised: an fp32 shard's device step is torch's fused kernel, whose bits differ
     from the one-pass kernel's, as for the fp32 state.)"""
     import pyinfinity.config_values
@@ -97,9 +98,11 @@ def test_units_stepped_on_the_device_give_the_cpu_steps_bits(fmt, engine_config,
     monkeypatch.setattr(pyinfinity.config_values, "MIN_QUANTIZED_NUMEL", 1)
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
     got = []
-    for dev_bytes in ("0", "256KiB"):
-        cfg = config(engine_config, fmt, resident_bytes="64MiB", device_optimizer_bytes=dev_bytes)
+    for dev_bytes, where in (("0", "cpu"), ("256KiB", "cpu"), ("0", "device")):
+        cfg = config(engine_config, fmt, resident_bytes="64MiB", device_optimizer_bytes=dev_bytes,
+                     optimizer_step_device=where)
         with pyinfinity.initialize(llama(dtype=dtype), cfg) as eng:
+            assert (eng.optimizer.step_device is not None) == (where == "device")
             stepped_there = [sh for sh in eng.partition.shards if sh.device_step]
             assert bool(stepped_there) == (dev_bytes != "0")
             if stepped_there:
@@ -107,8 +110,9 @@ def test_units_stepped_on_the_device_give_the_cpu_steps_bits(fmt, engine_config,
                 assert all(fmt_.nbytes(sh.numel) < 12 * sh.numel for sh in stepped_there if sh.numel >= 64)
                 assert eng.memory_report().optimizer.get("device", 0) > 0
             got.append((train(eng, batches(6)), trained(eng)))
-    assert got[0][0] == got[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
+    for other in got[1:]:
+        assert other[0] == got[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(other[1], got[0][1]))
 
 
 def test_the_host_ram_check_charges_the_formats_bytes(engine_config):

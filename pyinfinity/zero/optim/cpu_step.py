@@ -57,11 +57,12 @@ class CpuStep:
         g32 = self.grads.fp32_for_step(st) if grad is None else grad
         t1 = time.perf_counter()
         st.step += 1
+        scale = float(inv_factor) if inv_factor is not None else 1.0  # before any copy is queued
         if self.streamed is not None:  # stream the state to the device, step there, bring it back
-            self.streamed.step(flat, n, g32, hyper, st.step, inv_factor, k)
+            self.streamed.step(flat, n, g32, hyper, st.step, inv_factor, k, scale)
         else:
             self.format.step_torch(flat, n, g32, hyper, torch.tensor(float(st.step)), inv_factor, count=st.step,
-                                   scale=float(inv_factor) if inv_factor is not None else 1.0)
+                                   scale=scale)
         self.phases.add(gradient=t1 - t0, adam=time.perf_counter() - t1)
         return self.format.master(flat, n)
 

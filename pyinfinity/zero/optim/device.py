@@ -141,15 +141,15 @@ class StreamedStep:
         return self._bufs[which]
 
     def step(self, flat: torch.Tensor, numel: int, grad32: torch.Tensor, hyper: dict, step: int,
-             inv_factor: Optional[torch.Tensor], k: int) -> None:
+             inv_factor: Optional[torch.Tensor], k: int, scale: float = 1.0) -> None:
         """One step of the host state ``flat`` on the device (buffer set ``k % 2``); ``flat`` holds
-        the new state when this returns."""
+        the new state when this returns. ``scale``: ``inv_factor``'s value on the host."""
         dflat, dgrad = self.buffers(k % 2)
         work, g = dflat[:flat.numel()], dgrad[:numel]
         work.copy_(flat, non_blocking=True)
         g.copy_(grad32, non_blocking=True)
         self.format.step_torch(work, numel, g, hyper, torch.tensor(float(step), device=self.device), inv_factor,
-                               count=step, scale=float(inv_factor) if inv_factor is not None else 1.0)
+                               count=step, scale=scale)
         flat.copy_(work)  # device -> host; waits for the kernel (the write-back needs it)
 
     def close(self) -> None:
