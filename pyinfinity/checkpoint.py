@@ -247,8 +247,8 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
     saved_format = _saved_format(state, meta)
     if saved_format.name != state.optimizer.format.name and not convert_optimizer_state:
         raise CheckpointError(f"checkpoint {path!r} holds the {saved_format.name} optimizer state, this engine keeps "
-                              f"the {state.optimizer.format.name} one: load_checkpoint(..., convert_optimizer_state=True)"
-                              " (pyinfinity train --resume-convert) converts it")
+                              f"the {state.optimizer.format.name} one: load_checkpoint(..., "
+                              "convert_optimizer_state=True) (pyinfinity train --resume-convert) converts it")
     if sums is None:
         unchecked = sum(1 for e in entries if "crc32c" not in e)
         log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified%s", path,
