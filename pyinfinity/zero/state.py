@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from pyinfinity.config import AUTO, Config, ModelSizes, default_optimizer_threads
+from pyinfinity.config import AUTO, MIN_QUANTIZED_NUMEL, Config, ModelSizes, default_optimizer_threads
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.coordinator import ParameterCoordinator
@@ -94,11 +94,15 @@ class TrainingState:
         # how each shard's optimizer state is kept (docs/optimizer_state.md)
         fmt_name, adam_w = cfg.optimizer_state_format, cfg.optimizer.adam_w_mode
         self.state_format = AdamFp32(adam_w) if fmt_name == "fp32" else make_state_format(fmt_name, adam_w)
-        # the trainable parameters' state alone: a frozen one has none
-        optim_ram = sizes.trainable_numel * self.state_format.bytes_per_param * (1.0 - (oo.ratio if oo.device == "nvme"
-                                                                                        else 0.0))
+        # the trainable parameters' state alone: a frozen one has none; a format whose home is not
+        # proportional to its shard (small 8-bit shards kept fp32, sections aligned) gets the largest
+        # small shard's home as slack a module
+        n_modules = sum(1 for m in model.modules() if m._parameters)
+        slack = 0 if fmt_name == "fp32" else n_modules * self.state_format.nbytes(MIN_QUANTIZED_NUMEL - 1)
+        optim_ram = (sizes.trainable_numel * self.state_format.bytes_per_param + slack) * (
+            1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
-        self.ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
+        self.ownership = claim_swap_dirs(cfg, sizes, n_modules)
         try:
             self.param_swapper = TensorSwapper("params", device, op.nvme_path,
                                                self._swap_engine("params") if op.device == "nvme" else None,
