@@ -176,7 +176,6 @@ class AdamFp32(OptimStateFormat):
             out[a:b].copy_(master)
 
 
-
 def _hyper(hyper: dict, adam_w: bool, count: int, scale: float) -> AdamHyper:
     """The optimizer's hyperparameters and one step's count and gradient divisor for the
     compressed formats' steps (``zero.state_formats``)."""
