@@ -233,3 +233,21 @@ def test_a_checkpoint_without_a_recorded_format_is_fp32(engine_config, tmp_path)
         got = trained(eng)
         assert all(torch.equal(a.float(), b.bfloat16().float()) for a, b in zip(got, saved))
         train(eng, batches(2))
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "bf16"])
+def test_export_writes_the_masters_of_a_compressed_state(fmt, engine_config, tmp_path):
+    """export() reads the masters through the format: the exported model computes the engine's
+    loss on the next batch."""
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    x = batches(1)[0]
+    with pyinfinity.initialize(llama(dtype=dtype), config(engine_config, fmt)) as eng:
+        train(eng, batches(3))
+        eng.export(str(tmp_path / "out"))
+        eng.eval()
+        with torch.no_grad():
+            want = eng(input_ids=x, labels=x).loss.item()
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"), torch_dtype=dtype)
+    with torch.no_grad():
+        got = model(input_ids=x, labels=x).loss.item()
+    assert got == pytest.approx(want, rel=1e-4)
