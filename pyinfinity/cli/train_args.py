@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the Adam step on the CPU (default), or stream the states to the device and step there")
     p.add_argument("--optimizer-state", choices=["fp32", "8bit", "bf16"],
                    help="the optimizer state's format: fp32 (default, exact), 8bit (fp32 master, Adam's moments "
-                        "block-wise quantised to a byte), bf16 (the bf16 weights as master, bf16 moments; needs bf16 "
+                        "block-wise quantised to a byte), bf16 (a bf16 master and bf16 moments; needs bf16 "
                         "compute): docs/optimizer_state.md")
     p.add_argument("--nvme", action="append", metavar="DIR",
                    help="swap directory (repeat to stripe over several drives); created if missing, with a "
