@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from pyinfinity.config import format_size
+from pyinfinity.config import STATE_FORMATS, format_size
+from pyinfinity.resume import apply_hyperparameters, hyperparameters
 from pyinfinity.swap.manifest import fsync_path, write_fsynced
 from pyinfinity.swap.ownership import clean_checkpoint_leftovers
 from pyinfinity.swap.tensor_swapper import aligned_empty
+from pyinfinity.zero.optim.formats import OptimStateFormat, convert_home, make_state_format
 
 if TYPE_CHECKING:
     from pyinfinity.zero.state import TrainingState
@@ -105,10 +107,11 @@ def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict], b
             pending.popleft()[0].wait()
 
     try:
-        for st, flat in state.optimizer.iter_states(write_back=False):
-            n = flat.numel() * 4
-            buf = aligned_empty(flat.numel(), torch.float32)
-            buf.copy_(flat)
+        for st, flat in state.optimizer.iter_states(write_back=False):  # each home as it is, in its format
+            data = state.optimizer.format.save(flat, st.numel)
+            buf = aligned_empty(data.numel(), data.dtype)
+            buf.copy_(data)
+            n = buf.numel() * buf.element_size()
             submit(buf, offset)
             entries.append({"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step,
                             "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
@@ -137,7 +140,7 @@ def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict], b
         "scaler": state.scaler.state_dict(),
         "scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
         "lr": [g["lr"] for g in state.optimizer.param_groups],
-        "hyperparameters": _hyperparameters(state),
+        "hyperparameters": hyperparameters(state), "optimizer_state": state.optimizer.format.name,
         "client_state": client_state or {},
     }
     if base is not None:  # the frozen shards are the pretrained weights': a load reads them from there
@@ -182,50 +185,6 @@ def _rename_into_place(tmp: str, final: str, save_dir: str) -> None:
                       "directory); this save was not kept", final) from exc
 
 
-def _hyperparameters(state: "TrainingState") -> dict:
-    """What a resume compares with its config: the optimizer's hyperparameters (lr as configured),
-    the accumulation steps, the scheduler's type and parameters."""
-    g, cfg = state.optimizer.param_groups[0], state.config
-    sched = cfg.scheduler
-    return {"lr": float(cfg.optimizer.lr), "betas": [float(b) for b in g["betas"]], "eps": float(g["eps"]),
-            "weight_decay": float(g["weight_decay"]), "gradient_accumulation_steps": state.gradient_accumulation_steps,
-            "scheduler": None if sched is None else {"type": sched.type, "params": dict(sched.params)}}
-
-
-def _apply_hyperparameters(state: "TrainingState", path: str, saved: Optional[dict], micro_steps: int) -> int:
-    """A resume under a config that differs from the checkpoint's: as DeepSpeed, the optimizer's
-    state (betas, eps, weight decay, the learning rate without a scheduler) comes from the
-    checkpoint, the schedule's shape and the accumulation steps from the config (the scheduler's
-    position from the checkpoint); one WARNING lists every difference and which one is used.
-    Returns the micro-step count, realigned to the config's accumulation steps."""
-    if saved is None:  # a checkpoint from before they were recorded: nothing to compare
-        return micro_steps
-    mine = _hyperparameters(state)
-    diffs = []
-    g = state.optimizer.param_groups[0]
-    for key in ("betas", "eps", "weight_decay"):
-        if saved[key] != mine[key]:
-            diffs.append(f"optimizer {key}: config {mine[key]}, checkpoint {saved[key]}: the checkpoint's is used")
-            g[key] = tuple(saved[key]) if key == "betas" else saved[key]
-    if saved["lr"] != mine["lr"]:
-        used = ("the config's scheduler sets it (at the checkpoint's step)" if state.lr_scheduler is not None
-                else "the checkpoint's is used")
-        diffs.append(f"optimizer lr: config {mine['lr']}, checkpoint {saved['lr']}: {used}")
-    if saved["scheduler"] != mine["scheduler"]:
-        diffs.append(f"scheduler: config {mine['scheduler']}, checkpoint {saved['scheduler']}: the config's is used "
-                     "(from the checkpoint's step)")
-    gas, old = mine["gradient_accumulation_steps"], saved["gradient_accumulation_steps"]
-    if gas != old:
-        realigned = (micro_steps // old) * gas  # whole windows done (a partial window's gradients are not saved)
-        diffs.append(f"gradient_accumulation_steps: config {gas}, checkpoint {old}: the config's is used (micro-step "
-                     f"count {micro_steps} -> {realigned}: the next step comes after {gas} micro-batches)")
-        micro_steps = realigned
-    if diffs:
-        log.warning("checkpoint %s: the config differs from the checkpoint's run: %s", path, "; ".join(diffs))
-    state.optimizer.defaults.update({k: g[k] for k in ("betas", "eps", "weight_decay")})
-    return micro_steps
-
-
 def _write_file(path: str, data: bytes) -> None:
     """Writes and fsyncs ``path``; an OSError (ENOSPC...) names the file."""
     try:
@@ -245,11 +204,13 @@ def _unlink_quiet(path: str) -> None:
 
 
 def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
-         base: Optional[dict] = None) -> tuple[str, dict]:
+         base: Optional[dict] = None, convert_optimizer_state: bool = False) -> tuple[str, dict]:
     """Restores a state written by ``save_checkpoint``; returns (path, client_state). Everything
     but state.bin's tensors is read and checked before the engine changes (see the module doc).
     ``base``: the identity of the pretrained weights this engine's frozen shards hold; a
-    checkpoint that records one (its frozen shards not saved) loads only over the same."""
+    checkpoint that records one (its frozen shards not saved) loads only over the same. A
+    checkpoint's optimizer state of another format than the engine's is refused unless
+    ``convert_optimizer_state`` (decoded to fp32, encoded in the engine's format)."""
     state.check_open()
     state.check_not_in_pass("load_checkpoint()")
     clean_checkpoint_leftovers(load_dir)  # puts back a tag a crash left renamed away
@@ -283,6 +244,11 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
         raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected 2 or {CHECKPOINT_VERSION})")
     entries = _validate_meta(state, path, meta)
     _check_base(path, meta.get("base"), base)
+    saved_format = _saved_format(state, meta)
+    if saved_format.name != state.optimizer.format.name and not convert_optimizer_state:
+        raise CheckpointError(f"checkpoint {path!r} holds the {saved_format.name} optimizer state, this engine keeps "
+                              f"the {state.optimizer.format.name} one: load_checkpoint(..., "
+                              "convert_optimizer_state=True) (pyinfinity train --resume-convert) converts it")
     if sums is None:
         unchecked = sum(1 for e in entries if "crc32c" not in e)
         log.warning("checkpoint %s: version 1, without %s: meta.json and rng.pt cannot be verified%s", path,
@@ -300,7 +266,7 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
     state.pending_backward = False
     state.coordinator.release_all()
     try:
-        _load_tensors(state, path, data_path, entries)
+        _load_tensors(state, path, data_path, entries, saved_format)
     except BaseException as exc:
         state.mark_partly_loaded(f"load_checkpoint({path!r}) failed part-way ({exc!r}): some shards hold the "
                                  "checkpoint's state, the others the previous one")
@@ -310,7 +276,7 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
     state.scaler.load_state_dict(meta["scaler"])
     for g, lr in zip(state.optimizer.param_groups, meta["lr"]):
         g["lr"] = lr
-    state.micro_steps = _apply_hyperparameters(state, path, meta.get("hyperparameters"), meta["micro_steps"])
+    state.micro_steps = apply_hyperparameters(state, path, meta.get("hyperparameters"), meta["micro_steps"])
     if state.lr_scheduler is not None and meta["scheduler"] is not None:
         state.lr_scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(rng["cpu"])
@@ -321,6 +287,15 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
     state.mark_whole()  # every shard's state and values are the checkpoint's now
     log.info("checkpoint loaded: %s (step %d)", path, state.global_steps)
     return path, meta["client_state"]
+
+
+def _saved_format(state: "TrainingState", meta: dict) -> Optional[OptimStateFormat]:
+    """The format of a checkpoint's optimizer state (fp32 when it records none: written before the
+    formats), None for a name this engine does not know."""
+    name = meta.get("optimizer_state", "fp32")
+    if name == state.optimizer.format.name:
+        return state.optimizer.format
+    return make_state_format(name, True) if name in STATE_FORMATS else None  # adam_w: only a step reads it
 
 
 def _check_base(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
@@ -349,17 +324,20 @@ def _check_base(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
                               f"{what} differ; load it into an engine built from the model directory it was trained on")
 
 
-def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: list[dict]) -> None:
+def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: list[dict],
+                  saved_format: OptimStateFormat) -> None:
     io = state.checkpoint_io()
     shards = state.partition.shards
+    fmt = state.optimizer.format
     for e in entries:
         sh = shards[e["shard"]]
         if e["kind"] == "optim":
-            buf = aligned_empty(3 * sh.numel, torch.float32)
+            buf = aligned_empty(*saved_format.home_spec(sh.numel))
             io.read(buf, data_path, e["offset"]).wait()
             _check_entry(path, e, buf)
-            state.optimizer.load_shard_state(sh, buf, e["step"])
-            state.write_param(sh, buf[:sh.numel]).wait()
+            data = convert_home(buf, sh.numel, saved_format, fmt)
+            state.optimizer.load_shard_state(sh, data, e["step"])
+            state.write_param(sh, fmt.master(data, sh.numel)).wait()
         else:
             buf = aligned_empty(sh.numel, sh.dtype)
             io.read(buf, data_path, e["offset"]).wait()
@@ -414,7 +392,7 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
 
     keys = {"version", "global_steps", "micro_steps", "shards", "entries", "data_bytes", "scaler", "scheduler",
             "lr", "client_state"}
-    optional = {"hyperparameters", "base"}  # written since resumes compare them / frozen shards not saved
+    optional = {"hyperparameters", "base", "optimizer_state"}  # resumes compare them / frozen shards not saved / fp32
     missing, extra = keys - meta.keys(), meta.keys() - keys - optional
     if missing or extra:
         raise CheckpointError(f"{where}: " + "; ".join(
@@ -424,6 +402,9 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
             raise bad(k, f"expected an integer >= 0, got {meta[k]!r}")
     if meta["micro_steps"] < meta["global_steps"]:
         raise bad("micro_steps", f"{meta['micro_steps']} is below global_steps ({meta['global_steps']})")
+    if _saved_format(state, meta) is None:
+        raise bad("optimizer_state", f"expected one of {sorted(STATE_FORMATS)}, got {meta['optimizer_state']!r}")
+    saved_format = _saved_format(state, meta)
     # the model and partition
     shards = meta["shards"]
     if not isinstance(shards, list):
@@ -472,7 +453,7 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
         if e["kind"] not in ("optim", "param") or (e["kind"] == "optim") != trainable:
             raise bad(f"{k}.kind", f"{e['kind']!r}, but shard {sh.index} ({sh.module_name!r}) is "
                       f"{'trainable: expected optim' if trainable else 'frozen: expected param'}")
-        nbytes = 3 * sh.numel * 4 if trainable else sh.numel * sh.dtype.itemsize
+        nbytes = saved_format.nbytes(sh.numel) if trainable else sh.numel * sh.dtype.itemsize
         if e["numel"] != sh.numel or e["nbytes"] != nbytes:
             raise bad(k, f"numel {e['numel']}, nbytes {e['nbytes']}; shard {sh.index} needs numel {sh.numel}, "
                       f"nbytes {nbytes}")

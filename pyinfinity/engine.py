@@ -11,7 +11,7 @@ around every module's use and moves gradients off it as they are produced
 (``telemetry``), and hands saving, loading and exporting to ``checkpoint`` and ``export``, which
 work on the training state (``engine.state``).
 
-One module for the facade (about 630 lines): the config's reading, the planning, the training
+One module for the facade (about 640 lines): the config's reading, the planning, the training
 calls and their records are the user's one surface, and each of them hands its work to the
 training state below it.
 """
@@ -35,7 +35,7 @@ from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.device_placement import SHRINK_AT
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import Partition, init_empty, parameter_sizes
-from pyinfinity.zero.state import TrainingState, check_state_format
+from pyinfinity.zero.state import TrainingState
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,6 @@ class Engine:
         self.state: Optional[TrainingState] = None
         guards.check_not_wrapped(model)
         cfg = load_config(config)
-        check_state_format(cfg)  # before the weights are read and the run is planned
         self.weights: Any = None  # pretrained.WeightLoader: names, shapes checked before anything is written
         from pyinfinity import adapters
 
@@ -528,7 +527,8 @@ class Engine:
             device_allocated_peak=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
             params=params, optimizer=self.optimizer.bytes_by_tier,
             grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
-            swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss())
+            swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss(),
+            optimizer_state=self.optimizer.format.name)
 
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
@@ -539,9 +539,13 @@ class Engine:
         written: the checkpoint records the weights' identity, which a load checks."""
         return checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity())
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, dict]:
-        """Restores a state written by ``save_checkpoint``; returns (path, client_state)."""
-        return checkpoint.load(self.state, load_dir, tag, base=self._base_identity())
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *,
+                        convert_optimizer_state: bool = False) -> tuple[str, dict]:
+        """Restores a state written by ``save_checkpoint``; returns (path, client_state). A
+        checkpoint whose optimizer state is of another format (``pyinfinity.optimizer_state``) is
+        refused unless ``convert_optimizer_state`` (then decoded to fp32 and encoded in this one's)."""
+        return checkpoint.load(self.state, load_dir, tag, base=self._base_identity(),
+                               convert_optimizer_state=convert_optimizer_state)
 
     def _base_identity(self) -> Optional[dict]:
         """The identity of the pretrained weights every parameter started from, when some shards are

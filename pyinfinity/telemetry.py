@@ -53,6 +53,7 @@ class MemoryReport:
     grads: dict[str, int]
     swap_files: list[str]
     host_rss: int
+    optimizer_state: str = "fp32"  # the optimizer state's format ("optimizer" counts its homes in it)
 
     def table(self) -> str:
         rows = [f"device {self.device}: resident {format_size(self.device_resident)}, peak "
@@ -60,6 +61,8 @@ class MemoryReport:
                 f"{format_size(self.device_budget) if self.device_budget else 'none'}"]
         for name, d in (("params", self.params), ("optimizer", self.optimizer), ("grads", self.grads)):
             held = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(d.items()) if v)
+            if name == "optimizer" and self.optimizer_state != "fp32":
+                held = f"{held or 'none held'} ({self.optimizer_state} state)"
             rows.append(f"{name:9s} " + (held or "none held"))
         return "\n".join(rows)
 

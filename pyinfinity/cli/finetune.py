@@ -94,7 +94,7 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
     with engine:
         engine.train()
         if resume[0] is not None:
-            path, client = engine.load_checkpoint(*resume)
+            path, client = engine.load_checkpoint(*resume, convert_optimizer_state=args.resume_convert)
             if "data" not in client:
                 raise SystemExit(f"--resume: {path} has no data position (it was not saved by a --model/--data run)")
             data.load_state_dict(client["data"], origin=path)

@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         engine.train()
         log.info("engine built in %.1fs", time.perf_counter() - t0)
         if resume_dir is not None:
-            path, client = engine.load_checkpoint(resume_dir, resume_tag)
+            path, client = engine.load_checkpoint(resume_dir, resume_tag,
+                                                 convert_optimizer_state=args.resume_convert)
             _check_resume_flags(path, client, args)
             drawn = int(client.get("batches_drawn", engine.global_steps * args.grad_accum))
             for _ in range(drawn):  # the data position of the saved run: the same windows come next

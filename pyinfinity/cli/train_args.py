@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the Adam step on the CPU (default), or stream the states to the device and step there")
     p.add_argument("--optimizer-state", choices=["fp32", "8bit", "bf16"],
                    help="the optimizer state's format: fp32 (default, exact), 8bit (fp32 master, Adam's moments "
-                        "block-wise quantised to a byte), bf16 (the bf16 weights as master, bf16 moments; needs bf16 "
+                        "block-wise quantised to a byte), bf16 (a bf16 master and bf16 moments; needs bf16 "
                         "compute): docs/optimizer_state.md")
     p.add_argument("--nvme", action="append", metavar="DIR",
                    help="swap directory (repeat to stripe over several drives); created if missing, with a "
@@ -113,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue the run saved there (a --save directory, or one of its global_stepN): "
                         "the step count, LR schedule, optimizer state and data position carry on; give the "
                         "same flags as the first run")
+    p.add_argument("--resume-convert", action="store_true",
+                   help="with --resume: convert a checkpoint whose optimizer state is of another format than "
+                        "this run's (--optimizer-state) into this run's (decoded to fp32, encoded again); without "
+                        "it such a resume is refused")
     p.add_argument("--export", metavar="DIR", help="export the trained weights (safetensors) there")
     p.add_argument("--json", metavar="FILE", help="write the run's telemetry as JSON")
     p.add_argument("--no-progress", action="store_true",
@@ -228,6 +232,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
         raise UsageError(f"--clip: {args.clip} must be 0 (off) or positive")
     if not 0 <= args.eval_fraction < 1:
         raise UsageError(f"--eval-fraction: {args.eval_fraction} must be in [0, 1)")
+    if args.resume_convert and not args.resume:
+        raise UsageError("--resume-convert: needs --resume DIR (the checkpoint to convert)")
     if args.save_every and not args.save:
         raise UsageError("--save-every: needs --save DIR (where to write the checkpoints)")
     if bool(args.model) != bool(args.data):

@@ -191,12 +191,15 @@ def step_scratch(state: str) -> int:
     return DEVICE_STEP_SCRATCH if state == "fp32" else FORMAT_STEP_SCRATCH
 
 
-def device_state_cost(itemsize: int, grad_accum: int, state: str = "fp32") -> float:
+def device_state_cost(itemsize: int, grad_accum: int, state: str = "fp32",
+                      state_bytes: Optional[float] = None) -> float:
     """Device bytes a parameter of a unit stepped on the device costs beyond its weights: its
-    optimizer state (the fp32 master and moments, or the ``state`` format's), its gradient (kept
-    there until the step when it cannot step during backward) and under accumulation the fp32
-    accumulator."""
-    return STATE_FORMATS[state].state_bytes + itemsize + (GRAD_BYTES_PER_PARAM if grad_accum > 1 else 0)
+    optimizer state (the fp32 master and moments, or the ``state`` format's; ``state_bytes``: the
+    bytes of the engine's copy of a home instead, ``OptimStateFormat.bytes_per_param``), its
+    gradient (kept there until the step when it cannot step during backward) and under
+    accumulation the fp32 accumulator."""
+    state_cost = STATE_FORMATS[state].state_bytes if state_bytes is None else state_bytes
+    return state_cost + itemsize + (GRAD_BYTES_PER_PARAM if grad_accum > 1 else 0)
 
 
 __all__ = ["PlanError", "TrainShape", "DeviceCharges", "device_charges", "grad_buffer_bytes", "working_set_bytes",

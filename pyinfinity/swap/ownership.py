@@ -36,7 +36,7 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from pyinfinity.config import ConfigError
+from pyinfinity.config import MIN_QUANTIZED_NUMEL, STATE_FORMATS, ConfigError
 from pyinfinity.swap.directories import make_swap_dir, mount_of, remove_created_dirs
 from pyinfinity.swap.manifest import (LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileEntry, Owner,
                                       SwapFileError, fsync_path, pid_running, read_manifest, write_atomic,
@@ -503,8 +503,16 @@ def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
     ratio = oo.ratio if oo.device == "nvme" else 0.0
     # optimizer state and gradients for the trainable parameters only: a frozen one costs its home
     train = getattr(sizes, "trainable_numel", sizes.numel)
-    optim_nvme = min(train * 12, int(train * 12 * ratio) + 6 * sizes.largest_shard_bytes) if ratio else 0
-    optim_ram = train * 12 - int(train * 12 * ratio)
+    # the format's bytes (docs/optimizer_state.md): the 8-bit state keeps shards below
+    # MIN_QUANTIZED_NUMEL in fp32 (at most one such shard a module: 6 bytes more a parameter of
+    # it); the bf16 state keeps its bf16 master beside the moments (the 2 bytes a gradient buffer
+    # would cost were the master the weights' home)
+    fmt = STATE_FORMATS[getattr(cfg, "optimizer_state_format", "fp32")]
+    per_param = fmt.state_bytes + (2 if fmt.weights_are_master else 0)
+    optim = int(train * per_param) + (6 * MIN_QUANTIZED_NUMEL * n_tensors if fmt.name == "8bit" else 0)
+    optim = min(optim, train * 12) if fmt.name == "8bit" else optim
+    optim_nvme = min(optim, int(optim * ratio) + 6 * sizes.largest_shard_bytes) if ratio else 0
+    optim_ram = optim - int(optim * ratio)
     # gradients on the host: they land in the parameter homes in RAM (the step rewrites those); homes
     # on NVMe or on the device need a buffer of their own (at most the trainable parameters' bytes);
     # accumulation keeps an fp32 sum

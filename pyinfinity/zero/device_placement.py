@@ -101,7 +101,8 @@ class DevicePlacement:
             return
         units = numel = 0
         for sh in self.partition.shards:
-            cost = device_state_cost(sh.dtype.itemsize, self.accumulation) * sh.numel
+            cost = device_state_cost(sh.dtype.itemsize, self.accumulation,
+                                     state_bytes=self.optimizer.format.nbytes(sh.numel) / max(1, sh.numel)) * sh.numel
             if not (sh.persistent and sh.trainable and sh.numel) or cost > left:
                 continue
             left -= cost

@@ -5,8 +5,9 @@ or on the compute device; global-norm clipping; fp16 dynamic loss scaling.
 is done by parts with one job each, in ``zero/optim/``:
 
 * ``formats.py`` — the state's format (``OptimStateFormat``: what a parameter costs, how a home is
-  allocated, filled, saved, loaded and stepped on the CPU and on the device); ``AdamFp32``, fp32
-  master and moments ``[master | exp_avg | exp_avg_sq]``, is the one in use;
+  allocated, filled, saved, loaded, converted and stepped on the CPU and on the device):
+  ``AdamFp32`` (fp32 master and moments ``[master | exp_avg | exp_avg_sq]``, the default),
+  ``Adam8bit`` and ``AdamBf16`` (``pyinfinity.optimizer_state``, docs/optimizer_state.md);
 * ``grads.py`` — gradient intake: each unit's gradient until the step reads it (kept, or added
   into an fp32 accumulator under accumulation, on the host by the accumulation worker or on the
   device), the norms;
@@ -336,7 +337,7 @@ class OffloadOptimizer:
             inv_dev = (torch.tensor(1.0 / factor, dtype=torch.float32, device=on_device[0].dev.device)
                        if factor != 1.0 else None)
             for st in on_device:
-                self.on_device.step(st, hyper, inv_dev)
+                self.on_device.step(st, hyper, inv_dev, 1.0 / factor)
             rest = [st for st in rest if st.dev is None]
         if self.background and self.step_device is None:
             job = StepJob(hyper, inv_factor)

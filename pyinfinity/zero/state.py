@@ -31,14 +31,14 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from pyinfinity.config import AUTO, Config, ConfigError, ModelSizes, default_optimizer_threads
+from pyinfinity.config import AUTO, MIN_QUANTIZED_NUMEL, Config, ModelSizes, default_optimizer_threads
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.device_placement import DevicePlacement
 from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
-from pyinfinity.zero.optim.formats import AdamFp32
+from pyinfinity.zero.optim.formats import AdamFp32, make_state_format
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import FlatShard, partition_model
 
@@ -60,17 +60,6 @@ def _weakly(method: Any) -> Any:
     return call
 
 
-def check_state_format(cfg: Config) -> None:
-    """Refuses an optimizer-state format the offloaded optimizer does not store yet (never an fp32
-    run in its place): the kernels, the reference steps and the planner know the 8bit and bf16
-    states (``zero.state_formats``), the optimizer keeps only the fp32 one so far."""
-    fmt = cfg.optimizer_state_format
-    if fmt != "fp32":
-        key = "pyinfinity.optimizer_state" if fmt == "8bit" else "bf16.bf16_master_weights_and_grads"
-        raise ConfigError(f"{key}: the {fmt} optimizer state is not yet supported by the engine (`pyinfinity plan` "
-                          "can plan with it); use the fp32 state")
-
-
 class TrainingState:
     """The partition, homes, coordinator, optimizer, device placement, scaler, scheduler and step
     counters of one model, and the checks on them (see the module docstring).
@@ -85,7 +74,6 @@ class TrainingState:
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, sizes: ModelSizes, *,
                  device_memory: Optional[int] = None, lr_scheduler: Any = None, materialize: Any = None,
                  background: bool = False, plan_sizes: Any = None, checkpointing: bool = False) -> None:
-        check_state_format(cfg)
         self._closed = True
         self._finalizer: Any = None
         self.config = cfg
@@ -103,12 +91,18 @@ class TrainingState:
         self._swap_engines: dict[str, Any] = {}
         op, oo = z.offload_param, z.offload_optimizer
         param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * max(1, sizes.param_bytes // max(1, sizes.numel)))
-        self.state_format = AdamFp32(cfg.optimizer.adam_w_mode)  # how each shard's optimizer state is kept
-        # the trainable parameters' state alone: a frozen one has none
-        optim_ram = sizes.trainable_numel * self.state_format.bytes_per_param * (1.0 - (oo.ratio if oo.device == "nvme"
-                                                                                        else 0.0))
+        # how each shard's optimizer state is kept (docs/optimizer_state.md)
+        fmt_name, adam_w = cfg.optimizer_state_format, cfg.optimizer.adam_w_mode
+        self.state_format = AdamFp32(adam_w) if fmt_name == "fp32" else make_state_format(fmt_name, adam_w)
+        # the trainable parameters' state alone: a frozen one has none; a format whose home is not
+        # proportional to its shard (small 8-bit shards kept fp32, sections aligned) gets the largest
+        # small shard's home as slack a module
+        n_modules = sum(1 for m in model.modules() if m._parameters)
+        slack = 0 if fmt_name == "fp32" else n_modules * self.state_format.nbytes(MIN_QUANTIZED_NUMEL - 1)
+        optim_ram = (sizes.trainable_numel * self.state_format.bytes_per_param + slack) * (
+            1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
-        self.ownership = claim_swap_dirs(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
+        self.ownership = claim_swap_dirs(cfg, sizes, n_modules)
         try:
             self.param_swapper = TensorSwapper("params", device, op.nvme_path,
                                                self._swap_engine("params") if op.device == "nvme" else None,
@@ -416,4 +410,4 @@ class TrainingState:
         fin()
 
 
-__all__ = ["TrainingState", "check_state_format"]
+__all__ = ["TrainingState"]

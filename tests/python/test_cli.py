@@ -288,8 +288,8 @@ def test_plan_for_a_target_machine_and_what_would_change_it(tmp_path):
 
 def test_plan_and_train_take_the_optimizer_state(tmp_path):
     """`plan --optimizer-state 8bit` places the 13B preset where the fp32 state is refused (8 GiB GPU,
-    100 GiB of RAM, a 64 GiB disk) and writes the key; a bf16 master needs bf16 compute; `train
-    --optimizer-state` reaches the engine, which refuses a state it does not store yet."""
+    100 GiB of RAM, a 64 GiB disk) and writes the key; a bf16 master needs bf16 compute (`train
+    --optimizer-state 8bit`: test_train_resumes_another_optimizer_state_only_converted)."""
     args = ["plan", "--model-size", "13b", "--gpu-memory", "8GiB", "--cpu-memory", "100GiB", "--checkpointing",
             "--nvme", str(tmp_path / "target-swap"), "--nvme-free", "64GiB"]
     assert_one_line_user_error(cli(*args), "swap: needs", "14.0 bytes a parameter")
@@ -300,9 +300,26 @@ def test_plan_and_train_take_the_optimizer_state(tmp_path):
     assert json.loads(out.read_text())["pyinfinity"]["optimizer_state"] == "8bit"
     assert_one_line_user_error(cli(*args, "--optimizer-state", "bf16", "--dtype", "fp16"), "--optimizer-state bf16",
                                "--dtype bf16")
-    assert_one_line_user_error(cli(*TRAIN, "--optimizer-state", "8bit"), "pyinfinity.optimizer_state",
-                               "not yet supported by the engine")
     assert_one_line_user_error(cli(*TRAIN, "--optimizer-state", "bf16"), "--optimizer-state bf16", "--dtype bf16")
+
+
+def test_train_resumes_another_optimizer_state_only_converted(tmp_path):
+    """`train --optimizer-state 8bit` trains and saves its state as it is; a --resume of it with
+    the fp32 state is refused in one line naming --resume-convert, which converts it."""
+    save = tmp_path / "ckpt"
+    p = cli(*TRAIN, "--optimizer-state", "8bit", "--save", str(save))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((save / "global_step1" / "meta.json").read_text())["optimizer_state"] == "8bit"
+    two = [*TRAIN[:TRAIN.index("--steps") + 1], "2", *TRAIN[TRAIN.index("--steps") + 2:], "--resume", str(save)]
+    p = cli(*two)  # refused once the engine is built (after the plan's table in the log): the last line says why
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("pyinfinity train: error: ") and "the 8bit optimizer state" in last, last
+    assert "the fp32 one" in last and "--resume-convert" in last, last
+    p = cli(*two, "--resume-convert")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed" in p.stderr and "at step 1 of 2" in p.stderr, p.stderr[-3000:]
+    assert_one_line_user_error(cli(*TRAIN, "--resume-convert"), "--resume-convert", "--resume")
 
 
 def test_the_run_plans_at_its_sequence_length():

@@ -10,7 +10,7 @@ import torch
 
 import pyinfinity
 import pyinfinity.zero.state
-from pyinfinity.config import OptimizerConfig
+from pyinfinity.config import MIN_QUANTIZED_NUMEL, OptimizerConfig
 from pyinfinity.swap.tensor_swapper import TensorSwapper, Tier
 from pyinfinity.zero.optim.formats import DEVICE_CHUNK, AdamFp32, OptimStateFormat
 from pyinfinity.zero.optimizer import OffloadOptimizer
@@ -55,14 +55,14 @@ class MasterLast(OptimStateFormat):
     def _kernel(self):
         return torch._fused_adamw_ if self.adam_w else torch._fused_adam_
 
-    def step_torch(self, flat, numel, grad, hyper, step, inv_factor):
+    def step_torch(self, flat, numel, grad, hyper, step, inv_factor, *, count, scale):
         self._count("step_torch")
         n = numel
         self._kernel()([flat[2 * n:]], [grad], [flat[:n]], [flat[n:2 * n]], [], [step], lr=hyper["lr"],
                        beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=hyper["weight_decay"],
                        eps=hyper["eps"], amsgrad=False, maximize=False, grad_scale=inv_factor)
 
-    def step_device(self, flat, numel, grad, out, hyper, step, inv_factor):
+    def step_device(self, flat, numel, grad, out, hyper, step, inv_factor, *, count, scale):
         self._count("step_device")
         n = numel
         for a in range(0, n, DEVICE_CHUNK):
@@ -164,3 +164,111 @@ def test_the_planner_charges_what_the_format_costs():
 
     assert OPT_BYTES_PER_PARAM == AdamFp32.bytes_per_param
     assert DEVICE_STEP_SCRATCH == 4 * DEVICE_CHUNK
+
+
+# ----------------------------------------------------------------------------- the compressed formats
+
+
+def _run_format(fmt_name: str, tmp_path, *, ratio=0.0, fused=True, background=False, streamed=False,
+                on_device=(), steps=3):
+    """The optimizer alone with format ``fmt_name`` on SIZES (clipping on): returns (norms, each
+    shard's home bytes, the new weights written, the optimizer's bytes by tier)."""
+    from pyinfinity.zero.optim.formats import make_state_format
+
+    cfg = OptimizerConfig(type="AdamW", lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adam_w_mode=True)
+    sw = TensorSwapper("optimizer", torch.device("cpu"), [str(tmp_path / f"swap-{fmt_name}-{ratio}")])
+    written = {}
+    opt = OffloadOptimizer(cfg, sw, nvme_ratio=ratio, buffer_count=3, state_format=make_state_format(fmt_name, True),
+                           write_param=lambda sh, m: written.__setitem__(sh.index, m.float().clone()),
+                           step_device=torch.device("cpu") if streamed else None)
+    opt.fused, opt.background = fused, background
+    shards, values = make_shards()
+    opt.plan(shards)
+    for sh, v in zip(shards, values):
+        opt.add_shard(sh, v)
+    for i in on_device:  # stepped by the format's device step (the CPU as the device)
+        shards[i].buffer = torch.empty(shards[i].numel)
+        opt.to_device(shards[i], torch.device("cpu"))
+    norms = []
+    for step in range(steps):
+        for sh, g in zip(shards, grads_for(step)):
+            opt.accumulate(sh, sh.slices[0], g)
+        norms.append(opt.step(clip=1.0).grad_norm)
+        opt.drain()
+        opt.zero_grad()
+    for i in on_device:
+        opt.to_host(shards[i], lambda sh, m: written.__setitem__(sh.index, m.float().clone()))
+    homes = {st.shard.index: flat.clone() for st, flat in opt.iter_states(write_back=False)}
+    by_tier = opt.bytes_by_tier
+    opt.close()
+    sw.close()
+    return norms, homes, written, by_tier
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "bf16"])
+@pytest.mark.parametrize("path", ["nvme+background", "torch step", "streamed", "device-stepped"])
+def test_a_compressed_format_steps_the_same_bits_on_every_path(fmt, path, tmp_path):
+    """The one-pass CPU kernel in RAM is the reference; half the state on NVMe (moved in its
+    compressed form, read ahead by the background worker), the torch step on the host, the
+    streamed device step and units stepped by the format's device step give the same bits."""
+    want = _run_format(fmt, tmp_path)
+    kw = {"nvme+background": dict(ratio=0.5, background=True), "torch step": dict(fused=False),
+          "streamed": dict(streamed=True), "device-stepped": dict(on_device=(1, 3))}[path]
+    got = _run_format(fmt, tmp_path, **kw)
+    assert got[1].keys() == want[1].keys() and got[2].keys() == want[2].keys()
+    # the 8-bit state's small shards are fp32: torch's fused kernel steps them there, which is not
+    # the one-pass kernel's bits (AdamFp32's paths differ the same way)
+    torch_fp32 = fmt == "8bit" and path in ("torch step", "streamed")
+    for k, n in enumerate(SIZES):
+        if torch_fp32 and n < MIN_QUANTIZED_NUMEL:
+            torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-5, atol=1e-6)
+            continue
+        assert torch.equal(got[1][k], want[1][k]) and torch.equal(got[2][k], want[2][k]), (k, n)
+    if not torch_fp32:
+        assert got[0] == want[0]
+    if path == "nvme+background":
+        assert set(got[3]) == {"cpu", "nvme"} and sum(got[3].values()) == sum(want[3].values())
+
+
+def test_the_8bit_state_is_quantised_above_the_threshold_and_steps_like_adam(tmp_path):
+    """Shards of MIN_QUANTIZED_NUMEL elements or more are stored in the 8-bit layout, smaller ones
+    in fp32 (bit for bit AdamFp32's); the quantised shards' updates follow fp32 Adam's."""
+    from pyinfinity.zero import state_formats as sf
+
+    _, homes8, w8, tiers8 = _run_format("8bit", tmp_path)
+    _, homes32, w32, tiers32 = _run_format("fp32", tmp_path)
+    _, values = make_shards()
+    for i, n in enumerate(SIZES):
+        if n < MIN_QUANTIZED_NUMEL:
+            assert torch.equal(homes8[i].view(torch.float32), homes32[i]) and torch.equal(w8[i], w32[i])
+            continue
+        assert homes8[i].dtype == torch.uint8 and homes8[i].numel() == sf.layout_8bit(n).nbytes
+        d8, d32 = w8[i] - values[i], w32[i] - values[i]
+        assert (d8 - d32).norm() / d32.norm() < 0.05
+        assert torch.nn.functional.cosine_similarity(d8, d32, dim=0) > 0.999
+    assert sum(tiers8.values()) < 0.6 * sum(tiers32.values())
+
+
+def test_conversions_between_formats_round_trip():
+    """to_fp32 / from_fp32: fp32 -> 8bit -> fp32 keeps the master exactly and the moments within
+    the codes' precision; bf16 rounds each to nearest even; fp32 is exact."""
+    from pyinfinity.zero.optim.formats import make_state_format
+
+    n = 5000
+    g = torch.Generator().manual_seed(0)
+    master, m, v = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6
+    for name in ("fp32", "8bit", "bf16"):
+        fmt = make_state_format(name, True)
+        home = fmt.from_fp32(master, m, v)
+        assert home.numel() == fmt.home_spec(n)[0] and home.dtype == fmt.home_spec(n)[1]
+        p2, m2, v2 = fmt.to_fp32(home, n)
+        if name == "fp32":
+            assert torch.equal(p2, master) and torch.equal(m2, m) and torch.equal(v2, v)
+        elif name == "8bit":
+            assert torch.equal(p2, master)
+            torch.testing.assert_close(m2, m, rtol=0.07, atol=m.abs().max().item() * 2 ** -9)
+            torch.testing.assert_close(v2.sqrt(), v.sqrt(), rtol=0.04, atol=0)
+        else:
+            assert torch.equal(p2, master.bfloat16().float()) and torch.equal(m2, m.bfloat16().float())
+    with pytest.raises(ValueError, match="expected one of fp32, 8bit, bf16, got 'int4'"):
+        make_state_format("int4", True)

@@ -57,10 +57,12 @@ class CpuStep:
         g32 = self.grads.fp32_for_step(st) if grad is None else grad
         t1 = time.perf_counter()
         st.step += 1
+        scale = float(inv_factor) if inv_factor is not None else 1.0  # before any copy is queued
         if self.streamed is not None:  # stream the state to the device, step there, bring it back
-            self.streamed.step(flat, n, g32, hyper, st.step, inv_factor, k)
+            self.streamed.step(flat, n, g32, hyper, st.step, inv_factor, k, scale)
         else:
-            self.format.step_torch(flat, n, g32, hyper, torch.tensor(float(st.step)), inv_factor)
+            self.format.step_torch(flat, n, g32, hyper, torch.tensor(float(st.step)), inv_factor, count=st.step,
+                                   scale=scale)
         self.phases.add(gradient=t1 - t0, adam=time.perf_counter() - t1)
         return self.format.master(flat, n)
 
@@ -103,10 +105,13 @@ class CpuStep:
     def staging_buffers(self) -> list[torch.Tensor]:
         """The buffers NVMe states are read into (sized for the largest, allocated on first use)."""
         if not self._staging:
-            biggest = max((st.numel for st in self.states if st.home.tier == Tier.NVME), default=0)
-            if biggest:
+            # the largest home (a format's home need not grow with its shard: the 8-bit state keeps
+            # small shards in fp32)
+            on_disk = [st for st in self.states if st.home.tier == Tier.NVME]
+            if on_disk:
                 n = self.buffer_count if self.pipeline else 1
-                numel, dtype = self.format.home_spec(biggest)
+                numel = max(st.home.numel for st in on_disk)
+                dtype = on_disk[0].home.dtype
                 self._staging = [aligned_empty(numel, dtype, pin=self.swapper.pin) for _ in range(n)]
         return self._staging
 

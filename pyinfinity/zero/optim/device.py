@@ -53,10 +53,12 @@ class DeviceStates:
         shard.device_step = True
         return st.dev.numel() * st.dev.element_size()
 
-    def step(self, st: ShardOptimState, hyper: dict, inv_factor: Optional[torch.Tensor]) -> None:
+    def step(self, st: ShardOptimState, hyper: dict, inv_factor: Optional[torch.Tensor],
+             scale: float = 1.0) -> None:
         """One step of a unit whose state is on the device, on the current stream (the compute
         stream: after the gradient, before the unit's next use); the new weights are cast into the
-        unit's device buffer. ``inv_factor``: a scalar tensor on that device, or None."""
+        unit's device buffer. ``inv_factor``: a scalar tensor on that device, or None; ``scale`` its
+        value on the host (1.0 for None)."""
         t0 = time.perf_counter()
         n, dev = st.numel, st.dev
         g = st.src if st.src is not None else st.grad
@@ -68,7 +70,7 @@ class DeviceStates:
         if out is None or out.numel() != n:
             raise RuntimeError(f"shard {st.shard.index} ({st.shard.module_name or '<root>'}) steps on the device but is "
                                "not resident there")
-        self.format.step_device(dev, n, g, out, hyper, st.dev_step, inv_factor)
+        self.format.step_device(dev, n, g, out, hyper, st.dev_step, inv_factor, count=st.step, scale=scale)
         st.dev_stale = True
         st.handed = True  # stepped in this step (a failure after this leaves the state partly stepped)
         st.src = st.event = None
@@ -132,20 +134,22 @@ class StreamedStep:
     def buffers(self, which: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._bufs:
             biggest = max((st.numel for st in self.states), default=0)
-            numel, dtype = self.format.home_spec(biggest)
+            numel = max((st.home.numel for st in self.states), default=0)  # the largest home (not the largest shard's)
+            dtype = self.states[0].home.dtype if self.states else torch.float32
             self._bufs = [(torch.empty(numel, dtype=dtype, device=self.device),
                            torch.empty(biggest, dtype=torch.float32, device=self.device)) for _ in range(2)]
         return self._bufs[which]
 
     def step(self, flat: torch.Tensor, numel: int, grad32: torch.Tensor, hyper: dict, step: int,
-             inv_factor: Optional[torch.Tensor], k: int) -> None:
+             inv_factor: Optional[torch.Tensor], k: int, scale: float = 1.0) -> None:
         """One step of the host state ``flat`` on the device (buffer set ``k % 2``); ``flat`` holds
-        the new state when this returns."""
+        the new state when this returns. ``scale``: ``inv_factor``'s value on the host."""
         dflat, dgrad = self.buffers(k % 2)
         work, g = dflat[:flat.numel()], dgrad[:numel]
         work.copy_(flat, non_blocking=True)
         g.copy_(grad32, non_blocking=True)
-        self.format.step_torch(work, numel, g, hyper, torch.tensor(float(step), device=self.device), inv_factor)
+        self.format.step_torch(work, numel, g, hyper, torch.tensor(float(step), device=self.device), inv_factor,
+                               count=step, scale=scale)
         flat.copy_(work)  # device -> host; waits for the kernel (the write-back needs it)
 
     def close(self) -> None:

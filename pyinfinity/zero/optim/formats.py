@@ -5,11 +5,18 @@ gradient intake, device placement) goes through :class:`OptimStateFormat` and ne
 a home. A format says what a parameter's state costs, allocates a shard's home and fills it from
 the fp32 weights, gives the fp32 master values of a home (for the weights, checkpoints and
 export), turns a home into what a checkpoint stores and back, and steps a home on the CPU and on
-the compute device. :class:`AdamFp32` is the one in use: fp32 master weights and Adam/AdamW
-moments, ``[master | exp_avg | exp_avg_sq]`` in one flat fp32 home (one read and one write per
-shard per step). A compressed format (8-bit block-quantised moments beside an fp32 master, or a
-bf16 master and moments) is another subclass; the planner's ``plan.charges.OPT_BYTES_PER_PARAM``
-charges ``bytes_per_param`` of the format in use.
+the compute device. Three are built in (``make_state_format`` picks the one
+``Config.optimizer_state_format`` names; docs/optimizer_state.md):
+
+* :class:`AdamFp32` (the default, exact): fp32 master and Adam/AdamW moments,
+  ``[master | exp_avg | exp_avg_sq]`` in one flat fp32 home (one read and one write per shard per
+  step);
+* :class:`Adam8bit`: the fp32 master and block-quantised 8-bit moments in one byte home
+  (``zero.state_formats.layout_8bit``), shards below ``MIN_QUANTIZED_NUMEL`` kept in fp32;
+* :class:`AdamBf16` (DeepSpeed's bf16 master and moments): ``[master | exp_avg | exp_avg_sq]`` in bf16.
+
+Homes on NVMe move in the format's own form (bytes of its home). ``bytes_per_param`` is what the
+engine's capacity checks charge; the planner charges ``config.STATE_FORMATS``.
 """
 from __future__ import annotations
 
@@ -18,7 +25,11 @@ from typing import Optional
 
 import torch
 
-from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper
+from pyinfinity.config import STATE_FORMATS
+from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper, aligned_empty
+from pyinfinity.zero.state_formats import (AdamHyper, Adam8bitState, cpu_step_8bit, cpu_step_bf16, dequantize_moments,
+                                           device_step_8bit, device_step_bf16, quantize_moments, state_nbytes,
+                                           views_8bit)
 
 DEVICE_CHUNK = 16 << 20  # elements of a device-stepped unit converted to fp32 at a time (plan.placement counts it)
 
@@ -30,7 +41,7 @@ class OptimStateFormat(abc.ABC):
     weight_decay."""
 
     name: str = ""
-    bytes_per_param: int = 0  # bytes of a home per parameter (RAM, disk; the device copy costs the same)
+    bytes_per_param: float = 0  # bytes of a home per parameter (RAM, disk; the device copy costs the same)
 
     @abc.abstractmethod
     def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
@@ -70,17 +81,35 @@ class OptimStateFormat(abc.ABC):
 
     @abc.abstractmethod
     def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
-                   inv_factor: Optional[torch.Tensor]) -> None:
+                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
         """One step of a state in place with torch's kernels, on whatever device ``flat`` is
         (the streamed device step, and the CPU path without the one-pass kernel); ``grad`` fp32 on
-        the same device, ``step`` a scalar tensor there, ``inv_factor`` what grad is divided by."""
+        the same device, ``step`` a scalar tensor there, ``inv_factor`` what grad is divided by;
+        ``count`` and ``scale`` the same two as host numbers (a format whose step needs them on the
+        host reads these, never the tensors: no synchronisation)."""
 
     @abc.abstractmethod
     def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
-                    step: torch.Tensor, inv_factor: Optional[torch.Tensor]) -> None:
+                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
         """One step of a state kept on the compute device (``OffloadOptimizer.to_device``), on the
         current stream, ``grad`` in any float dtype there; the new weights are cast into ``out``
-        (the unit's device buffer). ``step`` is the device scalar of the count (already advanced)."""
+        (the unit's device buffer). ``step`` is the device scalar of the count (already advanced);
+        ``count`` and ``scale`` as for ``step_torch``."""
+
+    def to_fp32(self, flat: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of a state in fp32 (decoded where stored compressed): what
+        converting a checkpoint of this format into another starts from."""
+        raise NotImplementedError(f"the {self.name} optimizer state cannot be converted from")
+
+    def from_fp32(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> torch.Tensor:
+        """A home of this format (in RAM) holding the fp32 state given (encoded where stored
+        compressed): the other half of a conversion."""
+        raise NotImplementedError(f"the {self.name} optimizer state cannot be converted into")
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes of the home of a shard of ``numel`` parameters."""
+        n, dtype = self.home_spec(numel)
+        return n * torch.empty((), dtype=dtype).element_size()
 
 
 class AdamFp32(OptimStateFormat):
@@ -104,6 +133,13 @@ class AdamFp32(OptimStateFormat):
     def master(self, flat: torch.Tensor, numel: int) -> torch.Tensor:
         return flat[:numel]
 
+    def to_fp32(self, flat: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = numel
+        return flat[:n], flat[n:2 * n], flat[2 * n:3 * n]
+
+    def from_fp32(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> torch.Tensor:
+        return torch.cat([master.float(), exp_avg.float(), exp_avg_sq.float()])
+
     def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
                  step: int, grad_scale: float, threads: int) -> torch.Tensor:
         from pyinfinity import _C
@@ -119,7 +155,7 @@ class AdamFp32(OptimStateFormat):
         return torch._fused_adamw_ if self.adam_w else torch._fused_adam_
 
     def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
-                   inv_factor: Optional[torch.Tensor]) -> None:
+                   inv_factor: Optional[torch.Tensor], *, count: int = 0, scale: float = 1.0) -> None:
         n = numel
         # unscaling/clipping happens inside the kernel (it divides by grad_scale): no extra pass
         self._kernel()([flat[:n]], [grad], [flat[n:2 * n]], [flat[2 * n:]], [], [step], lr=hyper["lr"],
@@ -127,7 +163,8 @@ class AdamFp32(OptimStateFormat):
                        eps=hyper["eps"], amsgrad=False, maximize=False, grad_scale=inv_factor)
 
     def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
-                    step: torch.Tensor, inv_factor: Optional[torch.Tensor]) -> None:
+                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int = 0,
+                    scale: float = 1.0) -> None:
         n, kernel = numel, self._kernel()
         for a in range(0, n, DEVICE_CHUNK):  # Adam is elementwise: the fp32 gradient a chunk at a time
             b = min(n, a + DEVICE_CHUNK)
@@ -139,4 +176,164 @@ class AdamFp32(OptimStateFormat):
             out[a:b].copy_(master)
 
 
-__all__ = ["AdamFp32", "DEVICE_CHUNK", "OptimStateFormat"]
+def _hyper(hyper: dict, adam_w: bool, count: int, scale: float) -> AdamHyper:
+    """The optimizer's hyperparameters and one step's count and gradient divisor for the
+    compressed formats' steps (``zero.state_formats``)."""
+    return AdamHyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                     weight_decay=hyper["weight_decay"], adamw=adam_w, step=int(count), grad_scale=float(scale))
+
+
+class Adam8bit(OptimStateFormat):
+    """``pyinfinity.optimizer_state: "8bit"``: the fp32 master and Adam's moments block-quantised
+    to a byte each (``zero.state_formats``: E4M3 ``exp_avg``, unsigned E4M4 ``sqrt(exp_avg_sq)``,
+    one fp32 scale per moment per block of 256), about 6.03 bytes a parameter. A home is a byte
+    buffer in ``state_formats.layout_8bit``'s layout; a shard below ``MIN_QUANTIZED_NUMEL``
+    elements keeps the fp32 state (``[master | exp_avg | exp_avg_sq]``) in its bytes. Stepped on
+    the CPU by ``_C.adam_step_8bit`` (one pass); elsewhere by ``state_formats.device_step_8bit``
+    (torch, in chunks), which gives the kernel's bits."""
+
+    name = "8bit"
+    bytes_per_param = STATE_FORMATS["8bit"].state_bytes
+
+    def __init__(self, adam_w: bool) -> None:
+        self.adam_w = bool(adam_w)
+        self._fp32 = AdamFp32(adam_w)
+
+    @staticmethod
+    def quantized(numel: int) -> bool:
+        """Whether a shard of ``numel`` parameters keeps the 8-bit state (else fp32: below
+        ``MIN_QUANTIZED_NUMEL``, ``StateFormat.shard_format``)."""
+        return STATE_FORMATS["8bit"].shard_format(numel).name == "8bit"
+
+    def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
+        return state_nbytes("8bit", numel), torch.uint8
+
+    def _state(self, flat: torch.Tensor, numel: int) -> Adam8bitState:
+        return views_8bit(flat, numel)
+
+    def init(self, flat: torch.Tensor, numel: int, values: torch.Tensor) -> None:
+        if not self.quantized(numel):
+            return self._fp32.init(flat.view(torch.float32), numel, values)
+        flat.zero_()  # codes and scales of zero moments
+        self._state(flat, numel).master.copy_(values)
+
+    def master(self, flat: torch.Tensor, numel: int) -> torch.Tensor:
+        if not self.quantized(numel):
+            return flat.view(torch.float32)[:numel]
+        return self._state(flat, numel).master
+
+    def to_fp32(self, flat: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.quantized(numel):
+            return self._fp32.to_fp32(flat.view(torch.float32), numel)
+        state = self._state(flat, numel)
+        return (state.master, *dequantize_moments(state))
+
+    def from_fp32(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> torch.Tensor:
+        n = master.numel()
+        if not self.quantized(n):
+            return self._fp32.from_fp32(master, exp_avg, exp_avg_sq).view(torch.uint8)
+        flat = torch.zeros(state_nbytes("8bit", n), dtype=torch.uint8)
+        src = quantize_moments(exp_avg.float(), exp_avg_sq.float(), master.float())
+        for dst, t in zip(self._state(flat, n).tensors(), src.tensors()):
+            dst.copy_(t)
+        return flat
+
+    def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
+                 step: int, grad_scale: float, threads: int) -> torch.Tensor:
+        if not self.quantized(numel):
+            return self._fp32.step_cpu(flat.view(torch.float32), numel, grad, out, hyper, step, grad_scale, threads)
+        state = self._state(flat, numel)
+        cpu_step_8bit(state, grad, _hyper(hyper, self.adam_w, step, grad_scale), out, threads=threads)
+        return state.master
+
+    def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
+                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
+        if not self.quantized(numel):
+            return self._fp32.step_torch(flat.view(torch.float32), numel, grad, hyper, step, inv_factor)
+        device_step_8bit(self._state(flat, numel), grad, _hyper(hyper, self.adam_w, count, scale))
+
+    def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
+                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
+        if not self.quantized(numel):
+            return self._fp32.step_device(flat.view(torch.float32), numel, grad, out, hyper, step, inv_factor)
+        device_step_8bit(self._state(flat, numel), grad, _hyper(hyper, self.adam_w, count, scale), out=out)
+
+
+class AdamBf16(OptimStateFormat):
+    """DeepSpeed's ``bf16.bf16_master_weights_and_grads`` + ``bf16.bf16_optimizer_states``: a bf16
+    master and bf16 moments, ``[master | exp_avg | exp_avg_sq]`` in one bf16 home (6 bytes a
+    parameter), stepped in fp32 and rounded to nearest even (``_C.adam_step_bf16`` on the CPU,
+    ``state_formats.device_step_bf16`` elsewhere: the same bits). The master is a bf16 copy of the
+    weights kept with the moments, so the gradient lands in the weights' home as for the other
+    formats; the new weights are the master, copied into it after the step."""
+
+    name = "bf16"
+    # the bf16 master with the moments: what the planner charges for the state (4) and for the
+    # gradient buffer a master in the weights' home would need (2)
+    bytes_per_param = STATE_FORMATS["bf16"].state_bytes + 2
+
+    def __init__(self, adam_w: bool) -> None:
+        self.adam_w = bool(adam_w)
+
+    def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
+        return 3 * numel, torch.bfloat16
+
+    @staticmethod
+    def _parts(flat: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return flat[:n], flat[n:2 * n], flat[2 * n:3 * n]
+
+    def init(self, flat: torch.Tensor, numel: int, values: torch.Tensor) -> None:
+        flat[:numel].copy_(values)
+        flat[numel:].zero_()
+
+    def master(self, flat: torch.Tensor, numel: int) -> torch.Tensor:
+        return flat[:numel]
+
+    def to_fp32(self, flat: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(t.float() for t in self._parts(flat, numel))  # type: ignore[return-value]
+
+    def from_fp32(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> torch.Tensor:
+        return torch.cat([master, exp_avg, exp_avg_sq]).to(torch.bfloat16)  # nearest even
+
+    def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
+                 step: int, grad_scale: float, threads: int) -> torch.Tensor:
+        p, m, v = self._parts(flat, numel)
+        cpu_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, step, grad_scale), threads=threads)
+        if out is not None:  # the weights' home (where the gradient was): the new weights
+            out.copy_(p)
+        return p
+
+    def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
+                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
+        device_step_bf16(*self._parts(flat, numel), grad, _hyper(hyper, self.adam_w, count, scale))
+
+    def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
+                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
+        p, m, v = self._parts(flat, numel)
+        device_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, count, scale))
+        out.copy_(p)
+
+
+def make_state_format(name: str, adam_w: bool) -> OptimStateFormat:
+    """The format class of ``Config.optimizer_state_format`` (a key of ``config.STATE_FORMATS``)."""
+    classes = {"8bit": Adam8bit, "bf16": AdamBf16}
+    if name == "fp32":
+        return AdamFp32(adam_w)
+    if name not in classes:
+        raise ValueError(f"optimizer state format: expected one of fp32, {', '.join(classes)}, got {name!r}")
+    return classes[name](adam_w)
+
+
+def convert_home(data: torch.Tensor, numel: int, src: OptimStateFormat, dst: OptimStateFormat) -> torch.Tensor:
+    """A home of format ``src`` (e.g. a checkpoint's) as a home of ``dst``: unchanged when the two
+    are one format, else decoded to fp32 and encoded again (a page-aligned host tensor)."""
+    if src.name == dst.name:
+        return data
+    new = dst.from_fp32(*src.to_fp32(data, numel))
+    out = aligned_empty(new.numel(), new.dtype)
+    out.copy_(new)
+    return out
+
+
+__all__ = ["Adam8bit", "AdamBf16", "AdamFp32", "DEVICE_CHUNK", "OptimStateFormat", "convert_home",
+           "make_state_format"]
