@@ -65,11 +65,11 @@ def _adapter_values(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
 
 
-def _train_reference(model, steps: int = STEPS) -> list[float]:
+def _train_reference(model, steps: int = STEPS, device: str = "cpu") -> list[float]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     losses = []
     for i in range(steps):
-        x = _ids(i)
+        x = _ids(i).to(device)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
@@ -614,19 +614,6 @@ def _release_cuda() -> None:
     torch.cuda.empty_cache()
 
 
-def _train_on(model, device: str, steps: int) -> list[float]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
-    losses = []
-    for i in range(steps):
-        x = _ids(i).to(device)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.gpu
 def test_on_a_gpu_a_frozen_bf16_base_streams_under_a_budget_a_third_its_size_and_its_export_loads(tmp_path):
     """The LoRA path on CUDA: a bf16 base three times the device budget streams from NVMe one module
@@ -669,7 +656,7 @@ def test_on_a_gpu_lora_trains_with_peft_s_losses(model_dirs, tmp_path):
         losses = _train_engine(eng)
     torch.manual_seed(7)
     ref = peft.get_peft_model(_base(path), _lora()).cuda()
-    torch.testing.assert_close(losses, _train_on(ref, "cuda", STEPS), rtol=1e-4, atol=0)
+    torch.testing.assert_close(losses, _train_reference(ref, STEPS, "cuda"), rtol=1e-4, atol=0)
 
 
 @pytest.mark.gpu

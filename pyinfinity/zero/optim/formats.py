@@ -112,19 +112,15 @@ class OptimStateFormat(abc.ABC):
         return n * torch.empty((), dtype=dtype).element_size()
 
 
-class AdamFp32(OptimStateFormat):
-    """fp32 master and Adam/AdamW moments: ``[master | exp_avg | exp_avg_sq]``, 12 bytes a
-    parameter. On the CPU the one-pass C++ kernel (``_C.adam_step``: 28 bytes of memory traffic a
-    parameter, the bf16 weights written in the same pass); on the device torch's fused kernel."""
-
-    name = "fp32"
-    bytes_per_param = 12
+class _MasterThenMoments(OptimStateFormat):
+    """A home laid out ``[master | exp_avg | exp_avg_sq]``, each ``numel`` long, in one dtype."""
 
     def __init__(self, adam_w: bool) -> None:
         self.adam_w = bool(adam_w)
 
-    def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
-        return 3 * numel, torch.float32
+    @staticmethod
+    def _parts(flat: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return flat[:n], flat[n:2 * n], flat[2 * n:3 * n]
 
     def init(self, flat: torch.Tensor, numel: int, values: torch.Tensor) -> None:
         flat[:numel].copy_(values)
@@ -133,9 +129,20 @@ class AdamFp32(OptimStateFormat):
     def master(self, flat: torch.Tensor, numel: int) -> torch.Tensor:
         return flat[:numel]
 
+
+class AdamFp32(_MasterThenMoments):
+    """fp32 master and Adam/AdamW moments: ``[master | exp_avg | exp_avg_sq]``, 12 bytes a
+    parameter. On the CPU the one-pass C++ kernel (``_C.adam_step``: 28 bytes of memory traffic a
+    parameter, the bf16 weights written in the same pass); on the device torch's fused kernel."""
+
+    name = "fp32"
+    bytes_per_param = 12
+
+    def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
+        return 3 * numel, torch.float32
+
     def to_fp32(self, flat: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = numel
-        return flat[:n], flat[n:2 * n], flat[2 * n:3 * n]
+        return self._parts(flat, numel)
 
     def from_fp32(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> torch.Tensor:
         return torch.cat([master.float(), exp_avg.float(), exp_avg_sq.float()])
@@ -259,7 +266,7 @@ class Adam8bit(OptimStateFormat):
         device_step_8bit(self._state(flat, numel), grad, _hyper(hyper, self.adam_w, count, scale), out=out)
 
 
-class AdamBf16(OptimStateFormat):
+class AdamBf16(_MasterThenMoments):
     """DeepSpeed's ``bf16.bf16_master_weights_and_grads`` + ``bf16.bf16_optimizer_states``: a bf16
     master and bf16 moments, ``[master | exp_avg | exp_avg_sq]`` in one bf16 home (6 bytes a
     parameter), stepped in fp32 and rounded to nearest even (``_C.adam_step_bf16`` on the CPU,
@@ -272,22 +279,8 @@ class AdamBf16(OptimStateFormat):
     # gradient buffer a master in the weights' home would need (2)
     bytes_per_param = STATE_FORMATS["bf16"].state_bytes + 2
 
-    def __init__(self, adam_w: bool) -> None:
-        self.adam_w = bool(adam_w)
-
     def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
         return 3 * numel, torch.bfloat16
-
-    @staticmethod
-    def _parts(flat: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return flat[:n], flat[n:2 * n], flat[2 * n:3 * n]
-
-    def init(self, flat: torch.Tensor, numel: int, values: torch.Tensor) -> None:
-        flat[:numel].copy_(values)
-        flat[numel:].zero_()
-
-    def master(self, flat: torch.Tensor, numel: int) -> torch.Tensor:
-        return flat[:numel]
 
     def to_fp32(self, flat: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(t.float() for t in self._parts(flat, numel))  # type: ignore[return-value]
