@@ -167,27 +167,46 @@ def init_empty(config: Any = None) -> Iterator[None]:
 
 
 def materialize_module(module: nn.Module, root: Optional[nn.Module],
-                       replaced: Optional[dict[int, nn.Parameter]] = None) -> None:
+                       replaced: Optional[dict[int, nn.Parameter]] = None, *,
+                       init_device: Optional[torch.device] = None, init_bytes: int = 0) -> None:
     """Gives a module's own meta parameters real storage on the CPU and initialises them.
 
     Used by ``init_empty``: one module at a time, so the whole model never exists in RAM at once.
     Initialisation: ``module.reset_parameters()`` when it has one, then the transformers root
     model's ``_init_weights(module)`` when there is one; with neither, zeros (logged).
+    ``init_device`` (a GPU engine's device): a module whose new parameters take at most
+    ``init_bytes`` is initialised there, by that device's random generator, and copied to the CPU
+    (a CPU generator draws a few hundred million values a second on one core: minutes for a
+    model of tens of billions of parameters).
     """
     replaced = {} if replaced is None else replaced
     metas = []
+    pending = [p for p in module._parameters.values() if p is not None and p.is_meta and id(p) not in replaced]
+    where = torch.device("cpu")
+    if init_device is not None and sum(p.numel() * p.element_size() for p in pending) <= init_bytes:
+        where = init_device
     for name, p in list(module._parameters.items()):
         if p is None or not p.is_meta:
             continue
         if id(p) in replaced:  # tied to a parameter materialised with an earlier module
             module._parameters[name] = replaced[id(p)]
             continue
-        new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad)
+        new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=where), requires_grad=p.requires_grad)
         replaced[id(p)] = new
         module._parameters[name] = new
         metas.append((name, new))
     if not metas:
         return
+    try:
+        _initialize(module, root, metas)
+    finally:
+        if where.type != "cpu":
+            for _, new in metas:  # the same Parameter objects (tied references stay valid), on the CPU
+                new.data = new.data.to("cpu")
+
+
+def _initialize(module: nn.Module, root: Optional[nn.Module], metas: list) -> None:
+    """The module's own initialiser, then the transformers root's (see ``materialize_module``)."""
     reset = getattr(module, "reset_parameters", None)
     init_weights = getattr(root, "_init_weights", None) if root is not None else None
     with torch.no_grad():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import time
 import weakref
@@ -40,7 +41,7 @@ from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
 from pyinfinity.zero.optim.formats import AdamFp32, make_state_format
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
-from pyinfinity.zero.partition import FlatShard, partition_model
+from pyinfinity.zero.partition import FlatShard, materialize_module, partition_model
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,9 @@ class TrainingState:
         self._finalizer = weakref.finalize(self, TrainingState._cleanup, self.param_swapper, self.optim_swapper,
                                            self._swap_engines, self.ownership, self._held)
         atexit.register(self._finalizer)
+        if materialize is None and device.type == "cuda" and device_memory:
+            # a random init draws its values on the GPU, a module at a time, within a quarter of the budget
+            materialize = functools.partial(materialize_module, init_device=device, init_bytes=device_memory // 4)
         try:
             t0 = time.perf_counter()
             self.partition = partition_model(model, fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled,

@@ -3,6 +3,7 @@ device budget, telemetry from CUDA events, bf16 transformers training under a me
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -209,3 +210,44 @@ def test_gpu_optimizer_state_on_the_device(clip, tiny_lm, lm_batches, tmp_path):
     with pyinfinity.initialize(tiny_lm(seed=3, layers=3), cfg) as eng:
         eng.load_checkpoint(str(tmp_path / "ckptTrue"))
         assert train_steps(eng, batches[3:]) == got[True][0][3:]
+
+
+@cuda
+def test_a_random_init_on_a_gpu_engine_draws_on_the_gpu_a_module_at_a_time(tmp_path):
+    """init_empty + a CUDA engine: each module small enough (a quarter of the budget) is initialised
+    by the GPU's generator and copied to the host; the same seed gives the same model, a tied
+    parameter stays one tensor, and the values follow the model's init (std 0.02 here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pyinfinity.zero.partition import materialize_module
+
+    lin = torch.nn.Linear(256, 512, device="meta")
+    materialize_module(lin, None, {}, init_device=torch.device("cuda"), init_bytes=1 << 30)
+    assert lin.weight.device.type == "cpu" and lin.bias.device.type == "cpu"
+    assert 0.5 / 256 ** 0.5 < lin.weight.std().item() < 0.7 / 256 ** 0.5  # kaiming_uniform(a=sqrt 5): 1/sqrt(3 fan_in)
+
+    mc = LlamaConfig(vocab_size=260, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, use_cache=False,
+                     tie_word_embeddings=True)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    def first_losses() -> list[float]:
+        torch.manual_seed(0)
+        with pyinfinity.init_empty():
+            model = LlamaForCausalLM(mc)
+        cfg = _cfg("cpu", tmp_path, pyinfinity={"device": "cuda", "device_memory": "1GiB"})
+        with pyinfinity.initialize(model, cfg) as eng:
+            eng.train()
+            out = []
+            for _ in range(2):
+                loss = eng(input_ids=x, labels=x).loss
+                eng.backward(loss)
+                eng.step()
+                out.append(loss.item())
+            names = [s.name for sh in eng.partition.shards for s in sh.slices]
+            assert sum("embed_tokens" in n or "lm_head" in n for n in names) == 1  # tied: one tensor
+        return out
+
+    a, b = first_losses(), first_losses()
+    assert a == b
+    assert abs(a[0] - math.log(260)) < 0.5  # std-0.02 weights: the first loss is about ln(vocab)
