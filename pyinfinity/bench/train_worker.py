@@ -214,7 +214,9 @@ class Run:
         import torch
         from transformers import LlamaForCausalLM
 
-        model = LlamaForCausalLM(_llama(self.spec)).to(dtype=_dtype(self.spec)).to(self.device)
+        with torch.device(self.device):  # drawn by the device's generator: the CPU's takes minutes at 13B and up
+            model = LlamaForCausalLM(_llama(self.spec))
+        model = model.to(dtype=_dtype(self.spec))
         lora = _lora_config(self.spec)
         if lora is not None:  # plain PEFT: the adapters fp32 on the bf16 base
             import peft
