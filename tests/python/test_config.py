@@ -282,37 +282,19 @@ def test_optimizer_state_combinations_that_make_no_sense_are_one_line_errors(cfg
     assert "\n" not in str(exc.value)
 
 
-@pytest.mark.parametrize("cfg, key", [(base(pyinfinity={"optimizer_state": "8bit", "device": "cpu"}),
-                                       "pyinfinity.optimizer_state"),
-                                      (base(bf16=BF16_STATE, pyinfinity={"device": "cpu"}),
-                                       "bf16.bf16_master_weights_and_grads")])
-def test_engine_refuses_a_state_it_does_not_store_yet(cfg, key):
-    """Never an fp32 run in place of the state asked for, until the optimizer stores it."""
+@pytest.mark.parametrize("cfg, name", [(base(pyinfinity={"optimizer_state": "8bit", "device": "cpu"}), "8bit"),
+                                       (base(bf16=BF16_STATE, pyinfinity={"device": "cpu"}), "bf16"),
+                                       (base(pyinfinity={"device": "cpu"}), "fp32")])
+def test_the_engine_stores_the_state_the_config_asks_for(cfg, name):
+    """Never an fp32 state in place of the one asked for: the optimizer's format, and what
+    memory_report says, are the config's."""
     import torch
 
     import pyinfinity
 
-    with pytest.raises(ConfigError, match=rf"{key}: the (8bit|bf16) optimizer state is not yet supported by the "
-                                          "engine"):
-        pyinfinity.initialize(torch.nn.Linear(4, 4), cfg)
-
-
-def test_training_state_refuses_a_state_it_does_not_store_yet(tmp_path):
-    """The state that builds the optimizer refuses too, before it claims a swap directory or
-    builds anything, whoever builds it."""
-    import torch
-
-    from pyinfinity.zero.state import TrainingState
-
-    swap = tmp_path / "swap"
-    cfg = load_config(base(pyinfinity={"optimizer_state": "8bit", "device": "cpu"},
-                           zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme",
-                                                                                "nvme_path": str(swap)}}))
-    model = torch.nn.Linear(4, 4)
-    sizes = ModelSizes(numel=20, param_bytes=80, largest_shard_bytes=80, largest_module_bytes=80)
-    with pytest.raises(ConfigError, match="pyinfinity.optimizer_state: the 8bit optimizer state is not yet supported"):
-        TrainingState(model, cfg, torch.device("cpu"), sizes)
-    assert not swap.exists() and model.weight.device.type == "cpu" and model.weight.numel() == 16
+    with pyinfinity.initialize(torch.nn.Linear(64, 64), cfg) as eng:
+        assert eng.optimizer.format.name == name
+        assert eng.memory_report().optimizer_state == name
 
 
 def test_auto_heuristic_charges_the_state_format(tmp_path):
