@@ -212,13 +212,22 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in result["runs"].items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, linewidth=1)
-    ax.set_xlabel("optimizer step")
+    runs = result["runs"]
+    ref = runs["fp32"]["losses"]
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
+    for name, r in runs.items():
+        steps = range(1, len(r["losses"]) + 1)
+        (line,) = ax.plot(steps, r["losses"], label=name, linewidth=1)
+        if name != "fp32" and r["seed"] == runs["fp32"]["seed"]:  # the same batches: the curves' difference
+            diff.plot(steps, [a - b for a, b in zip(r["losses"], ref)], label=name, linewidth=1,
+                      color=line.get_color())
     ax.set_ylabel("training loss (byte-level)")
     ax.set_title("optimizer-state formats: loss curves")
     ax.legend()
+    diff.axhline(0, color="grey", linewidth=0.5)
+    diff.set_xlabel("optimizer step")
+    diff.set_ylabel("loss - fp32's (same seed)")
+    diff.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
