@@ -63,3 +63,17 @@ def test_the_targets_catch_a_format_that_is_silently_fp32_or_a_run_that_does_not
     stuck = copy.deepcopy(result)
     stuck["runs"]["bf16"]["final_loss"] = stuck["runs"]["bf16"]["first_loss"]
     assert any("bf16's loss did not fall" in f for f in ex.target_failures(stuck))
+
+
+def test_the_table_json_and_plot_of_a_result(parity, tmp_path):
+    import json
+
+    ex, result, _ = parity
+    text = ex.table(result, 10)
+    assert text.splitlines()[0].split()[:3] == ["run", "format", "seed"]
+    assert [line.split()[0] for line in text.splitlines()[1:5]] == ["fp32", "8bit", "bf16", "fp32-seed1"]
+    assert "fp32 seed-to-seed gap" in text and "skipped deepspeed-bf16: --no-deepspeed" in text
+    assert json.loads(json.dumps(result))["runs"]["8bit"]["losses"] == result["runs"]["8bit"]["losses"]
+    pytest.importorskip("matplotlib")
+    ex.plot(result, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
