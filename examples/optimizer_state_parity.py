@@ -64,8 +64,9 @@ def train_pyinfinity(fmt: str, seed: int, opts: argparse.Namespace, corpus: byte
     args = train_args(fmt, seed, opts)
     cfg, _device = engine_config(args)
     torch.manual_seed(seed)
-    with pyinfinity.init_empty(cfg):
-        model = LlamaForCausalLM(llama_config(args))
+    # built whole (not under pyinfinity.init_empty, which initialises a module at a time in another
+    # order): DeepSpeed's run starts from these very weights
+    model = LlamaForCausalLM(llama_config(args))
     data = ByteBatches(corpus, args.seq, args.batch, seed)
     losses: list[float] = []
     t0 = time.perf_counter()

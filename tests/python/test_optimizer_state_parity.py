@@ -36,7 +36,7 @@ def test_the_formats_train_to_fp32_s_loss_with_half_its_bytes(parity):
     assert set(runs) == {"fp32", "8bit", "bf16", "fp32-seed1"} and result["skipped"] == {ex.DEEPSPEED_RUN: "--no-deepspeed"}
     assert all(len(r["losses"]) == 40 for r in runs.values())
     assert [runs[n]["format"] for n in ("fp32", "8bit", "bf16")] == ["fp32", "8bit", "bf16"]
-    # the same model and data: the seed-0 runs start from one loss (a rate probe must not move the RNG)
+    # the same model and data: the seed-0 runs start from one loss
     assert runs["fp32"]["losses"][0] == runs["8bit"]["losses"][0] == runs["bf16"]["losses"][0]
     assert runs["fp32-seed1"]["losses"][0] != runs["fp32"]["losses"][0]
     assert ex.target_failures(result) == []
