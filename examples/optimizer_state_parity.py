@@ -13,7 +13,7 @@ its bf16 master and states (``deepspeed-bf16``). Every run computes in bf16 (the
 is the bf16 weights), so the formats are all that differs between the seed-0 runs.
 
     python examples/optimizer_state_parity.py                       # CPU, about 2 minutes on 2 cores
-    python examples/optimizer_state_parity.py --device cuda --steps 500 --model-size small \\
+    python examples/optimizer_state_parity.py --device cuda --steps 500 --model-size small --layers 0 \\
         --json parity.json --plot parity.png
 
 The table gives each run's final loss (the mean over the last ``--last`` steps), its gap to fp32,
@@ -67,6 +67,7 @@ def train_pyinfinity(fmt: str, seed: int, opts: argparse.Namespace, corpus: byte
     # built whole (not under pyinfinity.init_empty, which initialises a module at a time in another
     # order): DeepSpeed's run starts from these very weights
     model = LlamaForCausalLM(llama_config(args))
+    n_params = sum(p.numel() for p in model.parameters())
     data = ByteBatches(corpus, args.seq, args.batch, seed)
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -83,7 +84,7 @@ def train_pyinfinity(fmt: str, seed: int, opts: argparse.Namespace, corpus: byte
         report = engine.memory_report()
     return {"format": report.optimizer_state, "seed": seed, "losses": losses,
             "optimizer_bytes": sum(v for k, v in report.optimizer.items() if k != "device"),
-            "params": sum(p.numel() for p in model.parameters()), "seconds": time.perf_counter() - t0}
+            "params": n_params, "seconds": time.perf_counter() - t0}
 
 
 def deepspeed_unavailable(device: str) -> Optional[str]:
@@ -118,6 +119,7 @@ def train_deepspeed(seed: int, opts: argparse.Namespace, corpus: bytes,
     cfg["steps_per_print"] = 1 << 30
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(args))
+    n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     data = ByteBatches(corpus, args.seq, args.batch, seed)
     losses: list[float] = []
@@ -132,7 +134,7 @@ def train_deepspeed(seed: int, opts: argparse.Namespace, corpus: bytes,
         on_step(step + 1, losses[-1])
     engine.destroy()
     return {"format": "bf16 (DeepSpeed)", "seed": seed, "losses": losses, "optimizer_bytes": None,
-            "params": sum(p.numel() for p in model.parameters()), "seconds": time.perf_counter() - t0}
+            "params": n_params, "seconds": time.perf_counter() - t0}
 
 
 def final_loss(losses: list[float], last: int) -> float:
@@ -145,6 +147,7 @@ def run_parity(opts: argparse.Namespace, progress: Callable[[str], None] = lambd
     """Trains every run of ``RUNS`` (and DeepSpeed's where it can); returns the runs, what was
     skipped and the summary the table prints (final loss, gap to fp32, optimizer bytes)."""
     corpus = stdlib_corpus(parse_size(str(opts.corpus_bytes), "--corpus-bytes"))
+
     def reporter(name: str) -> Callable[[int, float], None]:
         def on_step(i: int, loss: float) -> None:  # about ten lines a run
             if i == 1 or i % max(1, opts.steps // 10) == 0 or i == opts.steps:
