@@ -32,8 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from pyinfinity.bench.train_bound import (best_disk_rates, bound, measure_bound_rates, measure_matmul_rate, probe_disk,
-                                          tier_fractions, uses_disk)
+from pyinfinity.bench.train_bound import (best_disk_rates, bound, measure_bound_rates, measure_matmul_rate,
+                                          optimizer_state_bytes, probe_disk, tier_fractions, uses_disk)
 from pyinfinity.bench.train_matrix import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
                                            DEFAULT_SYSTEMS_LORA, PEERS, SCHEMA, SIZES, BenchTrainError, SystemSpec,
                                            base_system, lora_spec, model_fields, parse_system, parse_systems,
@@ -90,8 +90,15 @@ def _resolve(settings: Settings) -> tuple[str, str]:
         device = "cuda:0"  # each worker is a fresh process: torch.cuda.set_device needs an index
     dtype = settings.dtype
     if dtype == "auto":
-        dtype = "bf16" if device.startswith("cuda") else "fp32"
+        dtype = "bf16" if device.startswith("cuda") or _bf16_master(settings.systems) else "fp32"
     return device, dtype
+
+
+def _bf16_master(systems: list[str]) -> bool:
+    """Whether a system's variant asks for a bf16 master (``bf16.bf16_master_weights_and_grads``),
+    which needs bf16 compute: then ``--dtype auto`` is bf16 on the CPU too, for every system."""
+    return any(dict(parse_system(label).variant).get("bf16.bf16_master_weights_and_grads") is True
+               for label in systems)
 
 
 def _summarise(res: dict[str, Any], warmup: int, tokens: int, facts: dict[str, Any]) -> None:
@@ -107,9 +114,9 @@ def _summarise(res: dict[str, Any], warmup: int, tokens: int, facts: dict[str, A
         res["disk_write_per_step"] = int(statistics.mean(s["disk_write"] for s in tail))
 
 
-def _disk_need(system: str, facts: dict[str, Any]) -> int:
+def _disk_need(system: str, facts: dict[str, Any], state_bytes: float) -> int:
     f_par, f_opt = tier_fractions(system, None) if TIERS[base_system(system)][0] != "auto" else (0.0, 0.0)
-    return int(12 * facts.get("trainable", facts["params"]) * f_opt + facts["param_bytes"] * f_par)
+    return int(state_bytes * facts.get("trainable", facts["params"]) * f_opt + facts["param_bytes"] * f_par)
 
 
 def run_one(spec: dict[str, Any], timeout: float, log_path: str, on_line: Any = None) -> dict[str, Any]:
@@ -238,7 +245,8 @@ def check_configs(settings: Settings, fields: dict[str, Any], device: str, dtype
             if spec["system"].startswith("pyinfinity"):
                 load_config(pyinfinity_config(spec))
         except (ConfigError, ValueError) as exc:
-            raise BenchTrainError(f"--systems {label}: {exc}") from exc
+            hint = " (with --dtype bf16, or leave --dtype auto)" if "requires bf16.enabled" in str(exc) else ""
+            raise BenchTrainError(f"--systems {label}: {exc}{hint}") from exc
 
 
 def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
@@ -304,7 +312,8 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
                                settings.checkpointing, settings.lora)
             bar.set_description(f"{size} {system}")
             spec = _spec(settings, size, system, fields[size], device, dtype, cuda, k)
-            need = _disk_need(system, facts)
+            state_bytes = optimizer_state_bytes(spec)
+            need = _disk_need(system, facts, state_bytes)
             free = shutil.disk_usage(settings.nvme_dir).free
             probes: list[dict[str, Any]] = []
             if need and need > free:
@@ -345,7 +354,8 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
             if probes:
                 res["disk_probes"] = probes
                 rr.update(best_disk_rates(*probes))
-            res["bound"] = bound(system, facts, rr, cuda, res.get("placement"))
+            res["optimizer_state_bytes"] = state_bytes
+            res["bound"] = bound(system, facts, rr, cuda, res.get("placement"), state_bytes)
             res["bound"]["rates"] = {k: rr[k] for k in ("disk_read", "disk_write")}
             if res.get("step_seconds"):
                 res["step_over_bound"] = res["step_seconds"] / res["bound"]["seconds"]
@@ -366,7 +376,8 @@ __all__ = ["Settings", "run_bench", "run_one", "plan_runs", "check_configs",
            "SCHEMA", "SIZES", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "DEFAULT_SYSTEMS_LORA",
            "PEERS", "DEEPSPEED_DEFAULTS", "lora_spec",
            "BenchTrainError", "SystemSpec", "parse_system", "parse_systems", "base_system", "model_fields", "size_facts",
-           "tier_fractions", "bound", "measure_bound_rates", "probe_disk", "best_disk_rates", "uses_disk",
+           "tier_fractions", "bound", "optimizer_state_bytes", "measure_bound_rates", "probe_disk", "best_disk_rates",
+           "uses_disk",
            "measure_matmul_rate", "load_results", "save_results", "latest_runs", "below_bound", "usable",
            "compare_to_best_deepspeed", "one_line", "HEADER", "table_rows", "rss_over_plan", "ratio_lines", "report",
            "plot"]

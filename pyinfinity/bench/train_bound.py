@@ -7,11 +7,12 @@ in the same invocation:
                  parameters kept on the GPU cross once, as the updated values: parameter bytes / H2D)
       disk     = max(bytes read / disk read rate, bytes written / disk write rate): the disk serves
                  reads and writes at once (their sum is reported beside it), where the bytes are
-                 what the run's tiers force: optimizer on disk = 12 B/param read and written
-                 (fp32 master, m, v; for pyinfinity only the state its run steps from disk, as units
-                 stepped on the GPU never cross it); parameters on disk = read twice (forward,
-                 backward), written once; the rates are the best of probes taken right before and
-                 right after the run (a shared disk's rate moves)
+                 what the run's tiers force: optimizer on disk = its state's bytes a parameter read
+                 and written (fp32 master, m, v: 12; pyinfinity's 8bit state: 6.03; a bf16 master
+                 with bf16 moments: 6; ``optimizer_state_bytes``), for pyinfinity the bytes its run
+                 reports it steps from disk (units stepped on the GPU never cross it); parameters on
+                 disk = read twice (forward, backward), written once; the rates are the best of
+                 probes taken right before and right after the run (a shared disk's rate moves)
       CPU Adam = parameters stepped on the CPU / the CPU Adam rate measured on the engine's kernel
                  (offloaded optimizer only; pyinfinity's units with device optimizer state are
                  stepped on the GPU, and the run's placement says how many parameters they hold)
@@ -52,10 +53,30 @@ def tier_fractions(system: str, placement: Optional[dict]) -> tuple[float, float
     return share(placement.get("params"), ("gpu", "cpu", "nvme")), share(placement.get("optimizer"), ("cpu", "nvme"))
 
 
+def optimizer_state_bytes(spec: dict[str, Any]) -> float:
+    """Bytes of optimizer state a trainable parameter keeps in RAM or on disk in the format the
+    run's config asks for: pyinfinity's format (``pyinfinity.optimizer_state``, or DeepSpeed's
+    ``bf16`` keys), DeepSpeed's fp32 or bf16 master and moments. For pyinfinity the figure of the
+    quantised format (``Adam8bit.bytes_per_param``) leaves out the small shards that stay fp32; the
+    run's placement then reports the exact bytes (``optimizer_disk_per_step``)."""
+    from pyinfinity.bench.train_worker import system_config
+
+    cfg = system_config(spec) or {}
+    if spec["system"].startswith("pyinfinity"):
+        from pyinfinity.config import load_config
+        from pyinfinity.zero.optim.formats import make_state_format
+
+        return float(make_state_format(load_config(cfg).optimizer_state_format, True).bytes_per_param)
+    bf16 = cfg.get("bf16") or {}
+    master = 2 if bf16.get("bf16_master_weights_and_grads") else 4
+    return float(master + (4 if bf16.get("bf16_optimizer_states") else 8))
+
+
 def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: bool,
-          placement: Optional[dict] = None) -> dict[str, Any]:
+          placement: Optional[dict] = None, state_bytes: float = 12.0) -> dict[str, Any]:
     """The analytic lower bound of one optimizer step (see the module's docstring), term by term.
-    ``facts["flops_per_step"]`` is the whole optimizer step's (every micro-batch)."""
+    ``facts["flops_per_step"]`` is the whole optimizer step's (every micro-batch); ``state_bytes``
+    the run's optimizer state a parameter (``optimizer_state_bytes``)."""
     system = base_system(system)
     n, pb = facts["params"], facts["param_bytes"]
     frozen = facts.get("frozen_bytes", 0)  # LoRA: the base's bytes (no gradient, never written)
@@ -71,7 +92,7 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
                 streamed = max(0, pb - int(((placement or {}).get("params") or {}).get("device(resident)", 0)))
             terms["pcie"] = max(2 * streamed / rates["h2d"], (pb - frozen) / rates["d2h"])
     f_par, f_opt = tier_fractions(system, placement) if offloaded else (0.0, 0.0)
-    opt_disk = 12 * n_train * f_opt
+    opt_disk = state_bytes * n_train * f_opt
     if placement and placement.get("optimizer_disk_per_step") is not None:
         opt_disk = placement["optimizer_disk_per_step"]  # the run's own: state stepped on the GPU stays off the disk
     read = 2 * pb * f_par + opt_disk

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="auto: bf16 on a GPU, fp32 on the CPU")
+                   help="auto: bf16 on a GPU, fp32 on the CPU unless a system's variant asks for a bf16 master "
+                        "(bf16.bf16_master_weights_and_grads), which needs bf16 compute")
     p.add_argument("--no-checkpointing", action="store_true", help="keep activations (default: recompute them)")
     p.add_argument("--clip", type=float, default=0.0, metavar="NORM",
                    help="gradient clipping to this global norm for every system (default: 0 = off)")

@@ -18,6 +18,7 @@ one place.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -203,6 +204,16 @@ class Rates:
             rows.append(("shard_overhead", f"{self.shard_overhead * 1e6:.1f} us per shard"))
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v:<20} {self.source.get(k, 'unknown')}" for k, v in rows)
+
+
+def _keeps_rng(fn: Callable) -> Callable:
+    """A probe that draws random tensors (or builds a model) on a fork of torch's RNG: a run's seed
+    gives the same model and data whether the engine measured rates first or not."""
+    @functools.wraps(fn)
+    def probe(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+            return fn(*args, **kwargs)
+    return probe
 
 
 def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Callable[[], None] = lambda: None,
@@ -422,6 +433,7 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
+@_keeps_rng
 def measure_decoder_compute(model_config: dict, device: Union[str, torch.device], micro_batch: int, seq_len: int,
                             dtype: torch.dtype = torch.bfloat16, checkpointing: bool = False,
                             reps: int = 5) -> tuple[float, int]:
@@ -517,6 +529,7 @@ def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
 _CACHE: dict[tuple, Rates] = {}
 
 
+@_keeps_rng
 def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[str] = None, *,
                   rates_file: Optional[str] = None, aio: Optional[dict] = None,
                   matmul_shape: tuple[int, int, int] = (1024, 1024, 1024),

@@ -370,6 +370,51 @@ def test_a_pyinfinity_variant_key_the_config_rejects_stops_the_bench_before_it_r
     assert not (tmp_path / "bt.json").exists()
 
 
+BF16_KEYS = {"bf16.bf16_optimizer_states": True, "bf16.bf16_master_weights_and_grads": True}
+
+
+def test_the_disk_term_charges_the_run_s_optimizer_state_format():
+    """12 B/param only for the exact state: pyinfinity's 8bit and bf16 formats, DeepSpeed's bf16 master and
+    states, each at its own bytes (the bound's disk term; the disk-space check before a run charges the same)."""
+    state = bt.optimizer_state_bytes
+    assert state(_spec("pyinfinity-nvme")) == 12
+    assert state(_spec("pyinfinity-nvme", {"optimizer_state": "8bit"})) == pytest.approx(6 + 8 / 256)
+    assert state(_spec("pyinfinity-auto", BF16_KEYS)) == 6  # a bf16 master beside the bf16 moments
+    assert state(_spec("deepspeed-nvme")) == 12
+    assert state(_spec("deepspeed-nvme", BF16_KEYS)) == 6
+    assert state(_spec("deepspeed-nvme", {"bf16.bf16_master_weights_and_grads": True})) == 10
+    b = bt.bound("pyinfinity-nvme", FACTS, RATES, cuda=True, state_bytes=state(_spec("pyinfinity-nvme",
+                                                                                    {"optimizer_state": "8bit"})))
+    assert b["disk_bytes"] == {"read": 6_031_250_000, "write": 6_031_250_000}
+    assert b["terms"]["disk"] == pytest.approx(6.03125e9 / 1e9)
+    # a run's own figure (pyinfinity's placement: the exact homes, small fp32 shards included) still wins
+    placement = {"params": {"cpu": 1}, "optimizer": {"nvme": 1}, "optimizer_disk_per_step": 7_000_000_000}
+    assert bt.bound("pyinfinity-nvme", FACTS, RATES, True, placement, 6.0)["disk_bytes"]["read"] == 7e9
+
+
+def test_compressed_optimizer_state_systems_run_on_the_cpu(tmp_path):
+    """The two compressed formats as `bench train` variants, on the CPU: the bf16 master makes --dtype auto
+    bf16 (it needs bf16 compute), each run's config and record carry its format and bytes."""
+    eight, bf16 = "pyinfinity-auto[optimizer_state=8bit]", \
+        "pyinfinity-auto[bf16.bf16_optimizer_states=true,bf16.bf16_master_weights_and_grads=true]"
+    out = tmp_path / "bt.json"
+    p = _cli(*TINY, "--device", "cpu", "--no-trace", "--systems", f"{eight},{bf16}", "--nvme", str(tmp_path / "swap"),
+             "--json", str(out), "--log-dir", str(tmp_path / "logs"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = {r["system"]: r for r in json.loads(out.read_text())["runs"]}
+    assert list(runs) == [eight, bf16]
+    for r in runs.values():
+        assert r["ok"], r
+        assert r["dtype"] == "bf16" and r["steps"] and r["tokens_per_s"] > 0
+    assert runs[eight]["config"]["pyinfinity"]["optimizer_state"] == "8bit"
+    assert runs[eight]["optimizer_state_bytes"] == pytest.approx(6 + 8 / 256)
+    assert runs[bf16]["config"]["bf16"] == {"enabled": True, **{k.split(".")[1]: True for k in BF16_KEYS}}
+    assert runs[bf16]["optimizer_state_bytes"] == 6
+    # with --dtype fp32 the bf16 master is refused before anything runs, saying what to give
+    p = _cli(*TINY, "--device", "cpu", "--dtype", "fp32", "--systems", bf16, "--nvme", str(tmp_path / "swap"))
+    assert p.returncode == 2 and "requires bf16.enabled" in p.stderr and "--dtype bf16" in p.stderr
+
+
 def test_parameters_on_the_gpu_cross_pcie_once():
     b = bt.bound("deepspeed-z2-cpu[bf16.enabled=true]", FACTS, RATES, cuda=True)
     assert b["terms"]["pcie"] == pytest.approx(max(2e9 / 50e9, 2e9 / 40e9))
@@ -424,8 +469,8 @@ def test_vs_the_best_deepspeed_of_the_invocation_and_flagged_runs_left_out(monke
                "deepspeed-z3-gpu-params": None, "torch": 0.2}
     real_bound = bt.bound
 
-    def bound(system, facts, rates, cuda, placement=None):
-        b = real_bound(system, facts, rates, cuda, placement)
+    def bound(system, facts, rates, cuda, placement=None, state_bytes=12.0):
+        b = real_bound(system, facts, rates, cuda, placement, state_bytes)
         if system.endswith("[bf16.bf16_optimizer_states=true]"):
             b["seconds"] = 0.3
         return b

@@ -60,6 +60,22 @@ def test_measure_rates_probes_once_per_thread_count(probes):
     assert c.source["adam"] == "probe, 1 thread"
 
 
+
+def test_the_probes_leave_torch_s_rng_where_it_was(monkeypatch):
+    """A probe draws random tensors and builds a model: on a fork of the RNG, so a seed set before
+    ``initialize`` gives the same weights (``init_empty``'s, initialised after the plan) and dropout
+    whether the engine measured rates or not."""
+    monkeypatch.setattr(rates_mod, "_CACHE", {})
+    monkeypatch.setattr(rates_mod, "measure_adam", lambda *a, **k: torch.randn(4).abs().sum().item() * 1e9)
+    torch.manual_seed(7)
+    rates_mod.measure_rates("cpu")
+    rates_mod.measure_decoder_compute({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                                       "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+                                      "cpu", 1, 8, dtype=torch.float32, reps=1)
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(3))
+
 def test_measure_adam_runs_the_kernel_on_the_given_threads():
     assert rates_mod.measure_adam(1 << 18, reps=1, threads=1) > 0
     with pytest.raises(ValueError, match="threads must be at least 1"):
