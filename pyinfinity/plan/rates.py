@@ -8,7 +8,8 @@ swap directory (O_DIRECT where the filesystem allows, as the engine does). Every
 timed here: the engine's one-pass CPU Adam kernel on ADAM_PROBE_NUMEL parameters with the engine's
 optimizer thread count (and the kernel of the optimizer-state format planned, when it is not
 fp32), a matmul of the model's shape on the compute device, pinned copies (GPU) or memcpy (CPU
-device), each on a few MB.
+device), and a host memcpy of MEMCPY_PROBE_BYTES (the Adam and memcpy probes reach beyond the
+last-level cache, as the engine's work does).
 Figures are medians of a few repetitions.
 
 One module for the rates (about 610 lines): the record, the probes, the rates files and the named
