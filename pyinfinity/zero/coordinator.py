@@ -79,7 +79,8 @@ class ParameterCoordinator:
     """
 
     def __init__(self, model: nn.Module, partition: Partition, swapper: Any, device: torch.device, *,
-                 device_memory: Optional[int] = None, prefetch_bytes: int = 0, prefetch: bool = True,
+                 device_memory: Optional[int] = None, device_base: int = 0, prefetch_bytes: int = 0,
+                 prefetch: bool = True,
                  on_grad: Optional[Callable[[FlatShard, torch.Tensor, Any, Optional[torch.Tensor]], None]] = None,
                  grad_dest: Optional[Callable[[FlatShard], tuple[torch.Tensor, bool]]] = None,
                  wait_home: Optional[Callable[[FlatShard], float]] = None,
@@ -91,7 +92,8 @@ class ParameterCoordinator:
         self.swapper = swapper
         self.device = torch.device(device)
         self.budget = DeviceBudget(capacity=device_memory,
-                                   cuda_device=self.device if self.device.type == "cuda" else None)
+                                   cuda_device=self.device if self.device.type == "cuda" else None,
+                                   base=device_base if self.device.type == "cuda" else 0)
         self.budget.add(fixed_bytes)
         self.budget.fixed = fixed_bytes
         self.prefetch_bytes = int(prefetch_bytes)
@@ -210,6 +212,8 @@ class ParameterCoordinator:
     def fetch(self, module: nn.Module) -> None:
         """Makes ``module``'s shards resident on the compute device (waits for them)."""
         shards = self.shards_of(module)
+        if self.in_backward and shards:  # a recompute (activation checkpointing) entered this unit
+            self._release_passed(shards[0])
         for sh in shards:
             if sh.owner is module and not self.in_backward:
                 sh.calls += 1
@@ -219,6 +223,8 @@ class ParameterCoordinator:
             self._complete(sh)
             if sh.persistent:
                 self._ready(sh)
+            elif self.in_backward:
+                self._hold_for_backward(sh)
 
     def release(self, module: nn.Module) -> None:
         """Ends ``module``'s use of its shards; a shard no call uses any more leaves the device."""
@@ -586,12 +592,22 @@ class ParameterCoordinator:
         if sh.n_trainable and sh.grads_seen < sh.n_trainable:
             sh.backward_held = True
         self._complete(sh)
-        if not sh.backward_held and sh.users == 0:
-            # no gradient of this backward releases it (a frozen shard, or its gradients are in): held
-            # while backward stays in its unit, released when it moves on (_release_passed)
-            sh.backward_held = True
-            self._held_no_grad.append(sh)
+        if sh.users == 0:
+            self._hold_for_backward(sh)
         return sh.buffer.as_strided(x.size, x.stride, sh.buffer.storage_offset() + x.offset)
+
+    def _hold_for_backward(self, sh: FlatShard) -> None:
+        """Backward uses ``sh`` (a saved tensor unpacked, or a recompute under activation
+        checkpointing fetched its unit): it stays on the device until its gradients are in, or, with
+        none to wait for (a frozen shard, or its gradients are in), until backward moves on to
+        another unit (_release_passed). A recompute saves some parameters as the Parameter objects
+        themselves (``weight * x`` in a norm): releasing the unit between the recompute's modules
+        would leave those pointing at an empty placeholder, and fetch the unit once per module."""
+        if sh.backward_held:
+            return
+        sh.backward_held = True
+        if not (sh.n_trainable and sh.grads_seen < sh.n_trainable):
+            self._held_no_grad.append(sh)
 
     def _release_passed(self, cur: FlatShard) -> None:
         """Backward reached ``cur``'s unit: the shards held without a gradient to wait for (frozen

@@ -232,6 +232,65 @@ def test_activation_checkpointing(engine_config, reentrant):
             assert not resident(eng)
 
 
+class Scaled(nn.Module):
+    """An RMSNorm's pattern: ``weight * x`` saves the Parameter object itself for backward."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return self.weight * x
+
+
+class CheckpointedUnits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(Scaled(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                                     for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return x.pow(2).mean()
+
+
+BLOCK_BYTES = (16 + 16 * 32 + 32 + 32 * 16 + 16) * 4
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_recompute_keeps_its_unit_on_the_device_until_backward_leaves_it(engine_config, frozen):
+    """Units of several modules (a decoder layer) under activation checkpointing: the recompute
+    fetches each unit once and keeps it until backward moves on. Releasing it after each module of
+    the recompute left a norm's saved weight pointing at the empty placeholder (torch's checkpoint
+    refused the recomputed shapes) and fetched the unit once per module. ``frozen``: all but the
+    last Linear of each block frozen, as under LoRA."""
+    torch.manual_seed(0)
+    model = CheckpointedUnits()
+    if frozen:
+        for b in model.blocks:
+            for p in list(b[0].parameters()) + list(b[1].parameters()):
+                p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    cfg = engine_config("cpu", pyinfinity={"device": "cpu", "device_memory": "64MiB", "unit_bytes": BLOCK_BYTES})
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    with pyinfinity.initialize(model, cfg) as eng:
+        units = {sh.owner for sh in eng.partition.shards}
+        assert units == set(model.blocks)  # one unit per block (a shard per block, or two with frozen weights)
+        for _ in range(2):
+            eng.zero_grad()
+            ref.zero_grad()
+            before = eng.coordinator.stats.fetched_bytes
+            loss = eng(x)
+            eng.backward(loss)
+            ref(x).backward()
+            assert_grads_match(eng, ref)
+            # forward, then the recompute: each unit's bytes twice, not once per module
+            assert eng.coordinator.stats.fetched_bytes - before == 2 * sum(sh.nbytes for sh in eng.partition.shards)
+            assert not resident(eng)
+
+
 class SlowBlock(nn.Module):
     """A layer whose compute takes a fixed time, so there is something to hide I/O behind."""
 
