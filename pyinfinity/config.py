@@ -180,7 +180,8 @@ class EngineConfig:
     device: compute device ("auto" = cuda when present, else cpu; cuda = cuda:$LOCAL_RANK under
     torchrun, else the current device: pyinfinity.device.resolve_device). device_memory: the budget the
     engine keeps resident parameters, buffers and prefetch within ("auto" = heuristic, None = no
-    cap). host_memory: RAM the engine may use for offloaded state ("auto" = 80% of available).
+    cap); on a GPU it caps torch's allocator for the process at what the process held when the
+    engine was made plus this budget. host_memory: RAM the engine may use for offloaded state ("auto" = 80% of available).
     prefetch: trace-driven prefetch on/off. Swap files are always removed on close (and a crashed
     run's on the next start: swap/ownership.py).
     checksums: a CRC-32C of every 64 KiB written to the swap files (computed in the I/O thread),

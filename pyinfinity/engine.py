@@ -201,16 +201,24 @@ class Engine:
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
         self._capped = False  # this engine set torch's per-process memory fraction (close() puts it back)
+        device_base = 0
         if self.device.type == "cuda" and self.device_memory:
+            # the budget is this engine's, on top of what the process holds on the device already
+            # (a reference model, a batch): torch's cap is on the allocator's reserved bytes, so
+            # the cached free blocks go back first and the cap is what stays reserved plus the budget
+            torch.cuda.empty_cache()
+            device_base = torch.cuda.memory_allocated(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, self.device_memory / total), self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, (reserved + self.device_memory) / total), self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._capped = True
+        self._device_base = device_base
         try:
             self.state = TrainingState(model, cfg, self.device, sizes, device_memory=self.device_memory,
                                        lr_scheduler=lr_scheduler, materialize=self.weights,
                                        background=self._overlap_mode == "on", plan_sizes=plan_sizes,
-                                       checkpointing=checkpointing)
+                                       checkpointing=checkpointing, device_base=device_base)
         except BaseException:
             self._uncap()
             raise
@@ -497,7 +505,7 @@ class Engine:
         loss = float(torch.stack([l.float() for l in self._losses]).mean()) if self._losses else float("nan")
         peak_alloc = None
         if self.device.type == "cuda":
-            peak_alloc = torch.cuda.max_memory_allocated(self.device)
+            peak_alloc = torch.cuda.max_memory_allocated(self.device) - self._device_base
         rec = StepRecord(step=self.global_steps, loss=loss, lr=lr, tokens=self._tokens, seconds=seconds,
                          tokens_per_s=self._tokens / seconds if seconds > 0 else 0.0,
                          grad_norm=res.grad_norm, skipped=res.skipped,
@@ -524,7 +532,8 @@ class Engine:
         return MemoryReport(
             device=str(self.device), device_budget=self.device_memory,
             device_resident=self.coordinator.budget.resident, device_peak=self.coordinator.budget.peak,
-            device_allocated_peak=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            device_allocated_peak=(torch.cuda.max_memory_allocated(self.device) - self._device_base
+                                   if self.device.type == "cuda" else None),
             params=params, optimizer=self.optimizer.bytes_by_tier,
             grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
             swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss(),

@@ -24,7 +24,8 @@ class StepRecord:
     skipped: bool
     loss_scale: float
     peak_device_bytes: int  # resident shard + buffer bytes high-water (the engine's own count)
-    peak_device_allocated: Optional[int]  # torch.cuda.max_memory_allocated on a GPU, else None
+    # GPU: torch.cuda.max_memory_allocated less what the process held before the engine; else None
+    peak_device_allocated: Optional[int]
     bytes_moved: dict[str, int]  # "params.nvme.read" etc., this step
     overlap_fraction: Optional[float]  # share of parameter transfer time hidden behind compute
     prefetch_hits: int

@@ -60,6 +60,9 @@ class DeviceBudget:
     # CPU device the planner's headroom (``plan.charges.device_charges``: the engine sets it from
     # the same charges as the planner). A fetch the compute waits for may still use all of capacity.
     reserve: int = 0
+    # on a GPU: the bytes torch's allocator held for the rest of the process when the engine was
+    # made (the budget is on top of them; the allocator's figures are read minus this)
+    base: int = 0
 
     def fits(self, nbytes: int) -> bool:
         if self.capacity is None:
@@ -68,7 +71,8 @@ class DeviceBudget:
             return False
         if self.cuda_device is not None:  # a host-side counter: no synchronisation
             headroom = max(self.reserve, min(256 << 20, self.capacity // 8))
-            return torch.cuda.memory_allocated(self.cuda_device) + nbytes <= self.capacity - headroom
+            used = torch.cuda.memory_allocated(self.cuda_device) - self.base
+            return used + nbytes <= self.capacity - headroom
         return self.resident + nbytes <= self.capacity - self.reserve
 
     step_peak: int = 0  # the high-water since the last ``reset_step_peak`` (the engine's per-step measure)

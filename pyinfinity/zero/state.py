@@ -74,7 +74,8 @@ class TrainingState:
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, sizes: ModelSizes, *,
                  device_memory: Optional[int] = None, lr_scheduler: Any = None, materialize: Any = None,
-                 background: bool = False, plan_sizes: Any = None, checkpointing: bool = False) -> None:
+                 background: bool = False, plan_sizes: Any = None, checkpointing: bool = False,
+                 device_base: int = 0) -> None:
         self._closed = True
         self._finalizer: Any = None
         self.config = cfg
@@ -178,7 +179,7 @@ class TrainingState:
             self.placement.place_device_accumulators()
             self.coordinator = ParameterCoordinator(
                 model, self.partition, self.param_swapper, device,
-                device_memory=device_memory,
+                device_memory=device_memory, device_base=device_base,
                 prefetch_bytes=int(z.stage3_prefetch_bucket_size), prefetch=cfg.pyinfinity.prefetch,
                 on_grad=self.optimizer.grad_ready, grad_dest=self.homes.grad_dest, wait_home=_weakly(self.wait_home),
                 master_values=self.optimizer.master_values,

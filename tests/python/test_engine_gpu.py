@@ -62,7 +62,10 @@ def test_gpu_parity_with_torch_adamw(tier, step_device, tiny_lm, lm_batches, tmp
 
 
 @cuda
-def test_gpu_budget_holds_and_llama_bf16_trains(tmp_path):
+@pytest.mark.parametrize("held", [0, 768 << 20])
+def test_gpu_budget_holds_and_llama_bf16_trains(held, tmp_path):
+    """``held``: bytes the process keeps on the GPU before the engine is made (a reference model,
+    say), more than the engine's budget: the budget is the engine's own, on top of them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import gc
@@ -83,7 +86,9 @@ def test_gpu_budget_holds_and_llama_bf16_trains(tmp_path):
     cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = budget // 4
     cfg["optimizer"]["params"]["lr"] = 1e-3
     x = torch.randint(0, 256, (2, 128), device="cuda")
+    other = torch.full((held // 4,), 7.0, device="cuda")
     with pyinfinity.initialize(model, cfg) as eng:
+        assert held == 0 or held > budget  # what the process held is more than the engine may use
         eng.train()
         for _ in range(6):
             out = eng(input_ids=x, labels=x)
@@ -95,6 +100,7 @@ def test_gpu_budget_holds_and_llama_bf16_trains(tmp_path):
         assert max(r.peak_device_bytes for r in h) <= budget < weights
         assert max(r.peak_device_allocated for r in h) <= budget
         assert sum(r.prefetch_hits for r in h) > 0
+    assert bool((other == 7.0).all())
 
 
 @cuda
