@@ -217,7 +217,7 @@ class Placement:
         if inputs is None or seq_len <= 0:
             return None
         sizes, budgets, rates, train, paths = inputs
-        return evaluate(sizes, replace(train, seq_len=int(seq_len)), budgets, rates, self.knobs, paths)
+        return evaluate(sizes, train_at_seq_len(sizes, train, seq_len), budgets, rates, self.knobs, paths)
 
     def compare(self, step_seconds: Sequence[float], warmup: int = 2,
                 tokens_per_micro_batch: Optional[int] = None, parts: Optional[dict[str, float]] = None) -> str:
@@ -250,6 +250,16 @@ class Placement:
         return (f"plan: predicted {pred.total:.3f} s/step{shape} (bound by {pred.bottleneck}), "
                 f"measured {med:.3f} s/step (median of {len(steady)}){terms}, predicted/measured "
                 f"{pred.total / med:.2f}")
+
+
+def train_at_seq_len(sizes: ModelSizes, train: TrainShape, seq_len: int) -> TrainShape:
+    """``train`` at another sequence length; a measured compute figure scaled by the FLOPs."""
+    out = replace(train, seq_len=int(seq_len))
+    if train.compute_seconds is not None:
+        was = sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing)
+        now = sizes.flops_per_step(train.micro_batch, out.seq_len, train.checkpointing)
+        out.compute_seconds = train.compute_seconds * now / was if was > 0 else None
+    return out
 
 
 def on_cuda(rates: Rates, budgets: Budgets) -> bool:
@@ -497,12 +507,16 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     grads_off = (_div((train_numel - device_stepped - device_accumulated) * isz, rates.d2h)
                  + _div(device_accumulated * GRAD_BYTES_PER_PARAM / g, rates.d2h)) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
-    # the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
+    # (the gradient adds: at their own probe's pace where measured, Rates.accumulate); the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
     # bytes touched), later ones add to it (isz + 8)
     touched = ((isz + 4) + (g - 1) * (isz + 8)) / g
     # host work per micro-batch: accumulating gradients (the accumulation worker's), and the engine's
     # per-shard bookkeeping
-    accumulate = _div(host_acc * touched, 2 * rates.memcpy) + len(sizes.shard_numels) * rates.shard_overhead
+    if rates.accumulate > 0:  # the add's measured pace (the first micro-batch's copy taken at the same pace a byte)
+        adds = _div(host_acc * touched / (isz + 8), rates.accumulate)
+    else:
+        adds = _div(host_acc * touched, 2 * rates.memcpy)
+    accumulate = adds + len(sizes.shard_numels) * rates.shard_overhead
     overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
     latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
     if cuda:
@@ -571,5 +585,5 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
                     micro_batch=micro, optimizer_phase=visible, total=total, bottleneck=bottleneck)
 
 
-__all__ = ["Knobs", "Share", "StepTime", "Placement", "evaluate", "predict", "on_cuda", "FETCH_PASSES",
+__all__ = ["Knobs", "Share", "StepTime", "Placement", "evaluate", "predict", "on_cuda", "train_at_seq_len", "FETCH_PASSES",
            "BACKWARD_SHARE", "ELEMENTWISE_SHARE", "SWAP_GROW", "SWAP_SLOT_ALIGN"]

@@ -8,11 +8,13 @@ swap directory (O_DIRECT where the filesystem allows, as the engine does). Every
 timed here: the engine's one-pass CPU Adam kernel on ADAM_PROBE_NUMEL parameters with the engine's
 optimizer thread count (and the kernel of the optimizer-state format planned, when it is not
 fp32), a matmul of the model's shape on the compute device, pinned copies (GPU) or memcpy (CPU
-device), and a host memcpy of MEMCPY_PROBE_BYTES (the Adam and memcpy probes reach beyond the
-last-level cache, as the engine's work does).
+device), a host memcpy of MEMCPY_PROBE_BYTES, and under gradient accumulation the engine's own
+gradient add (the Adam, memcpy and add probes reach beyond the last-level cache, as the engine's
+work does). ``measure_decoder_compute`` times one micro-batch of the model itself (1 and 2 of its
+layers) where a figure from FLOPs and the matmul rate would miss the small kernels around them.
 Figures are medians of a few repetitions.
 
-One module for the rates (about 610 lines): the record, the probes, the rates files and the named
+One module for the rates (about 750 lines): the record, the probes, the rates files and the named
 presets all fill the same fields and name each one's source, so a figure's every origin reads in
 one place.
 """
@@ -127,6 +129,9 @@ class Rates:
     ``block_size`` pieces, an unaligned tail is one more), disk_latency fitted from a one-page read.
     memcpy: host memory bandwidth (gradient accumulation, cpu-tier write-back).
     adam, adam_8bit, adam_bf16: the CPU optimizer step of each state format (:meth:`adam_rate`).
+    accumulate: params/s of the host's gradient add under accumulation (the engine's ``add_into`` of
+    a gradient in the compute dtype into its fp32 accumulator; 0: not measured, the memcpy model
+    stands in).
     source: where each figure came from ("probe", "file:<path>", "given").
     """
 
@@ -142,6 +147,7 @@ class Rates:
     h2d_pageable: float = 0.0  # from pageable host memory (0: same as h2d); write-back to device homes
     adam_8bit: float = 0.0  # params/s of the 8-bit state's CPU step (0: not measured; the fp32 rate stands in)
     adam_bf16: float = 0.0  # params/s of the bf16 state's CPU step (0: not measured; likewise)
+    accumulate: float = 0.0  # params/s of the host's gradient add (0: not measured; memcpy model)
     shard_overhead: float = 0.0  # host seconds per shard per forward+backward (hooks, bookkeeping)
     shard_step_overhead: float = 0.0  # host seconds per shard in the optimizer step
     device: str = "cpu"
@@ -160,7 +166,8 @@ class Rates:
     def from_json(cls, d: dict) -> "Rates":
         keys = {k: d[k] for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
                                   "disk_latency", "block_size", "h2d_pageable", "shard_overhead",
-                                  "shard_step_overhead", "adam_8bit", "adam_bf16", "device", "source") if k in d}
+                                  "shard_step_overhead", "adam_8bit", "adam_bf16", "accumulate", "device", "source")
+                if k in d}
         return cls(**keys)
 
     def adam_rate(self, state: str = "fp32") -> float:
@@ -199,7 +206,7 @@ class Rates:
                 ("disk_latency", f"{self.disk_latency * 1e3:.3f} ms per piece"),
                 ("adam", f"{self.adam / 1e9:.3f} Gparam/s"), ("matmul", f"{self.matmul / 1e12:.3f} TFLOP/s"),
                 ("memcpy", f"{self.memcpy / g:.2f} GB/s")]
-        rows[7:7] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s") for k in ("adam_8bit", "adam_bf16")
+        rows[7:7] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s") for k in ("adam_8bit", "adam_bf16", "accumulate")
                      if getattr(self, k)]
         if self.shard_overhead or "shard_overhead" in self.source:
             rows.append(("shard_overhead", f"{self.shard_overhead * 1e6:.1f} us per shard"))
@@ -337,6 +344,30 @@ def measure_memcpy(nbytes: int = 64 << 20, reps: int = 5) -> float:
     return nbytes / _median_time(lambda: b.copy_(a), reps, min_seconds=0.05)
 
 
+ACCUMULATE_PROBE_NUMEL = 32 << 20  # 128 MiB of fp32 accumulator: past the caches, as a shard's is
+
+
+def measure_accumulate(numel: int = ACCUMULATE_PROBE_NUMEL, reps: int = 5, threads: Optional[int] = None,
+                       dtype: torch.dtype = torch.bfloat16) -> float:
+    """Params/s of the engine's host gradient add under accumulation: ``zero.accumulate.add_into``
+    of a ``dtype`` gradient into an fp32 accumulator (chunked through an fp32 scratch when it
+    converts), on ``threads`` threads as the accumulation worker runs it (None: torch's current
+    setting). About half the memcpy model's pace on an H200 box's host: the conversion and the
+    add are separate passes over each chunk."""
+    from pyinfinity.zero.accumulate import ADD_CHUNK, add_into
+
+    dst = torch.zeros(numel, dtype=torch.float32)
+    src = torch.full((numel,), 0.5, dtype=dtype)
+    scratch = torch.empty(min(numel, ADD_CHUNK), dtype=torch.float32) if dtype != torch.float32 else None
+    was = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return numel / _median_time(lambda: add_into(dst, src, copy=False, scratch=scratch), reps, min_seconds=0.05)
+    finally:
+        torch.set_num_threads(was)
+
+
 def measure_matmul(device: Union[str, torch.device] = "cpu", m: int = 1024, k: int = 1024, n: int = 1024,
                    dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
     """FLOP/s of an (m x k) @ (k x n) matmul on ``device`` in ``dtype`` (the model's shape)."""
@@ -434,6 +465,26 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
+def decoder_probe_bytes(model_config: dict, micro_batch: int, seq_len: int, itemsize: int = 2,
+                        checkpointing: bool = False) -> int:
+    """An upper estimate of the device bytes :func:`measure_decoder_compute` takes: its 2-layer
+    model's weights (embeddings and head counted apart, tied or not), the largest parameter's
+    gradient (each is dropped as soon as it is made), the logits with the fp32 loss and its
+    gradient, and the layers' activations (one layer's at a time under checkpointing)."""
+    h = int(model_config.get("hidden_size") or 0)
+    inter = int(model_config.get("intermediate_size") or 4 * h)
+    vocab = int(model_config.get("vocab_size") or 0)
+    heads = int(model_config.get("num_attention_heads") or 1)
+    kv = h * int(model_config.get("num_key_value_heads") or heads) // max(1, heads)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * inter
+    tokens = micro_batch * seq_len
+    weights = (2 * layer + 2 * vocab * h) * itemsize
+    grad = max(vocab * h, h * inter) * itemsize
+    logits = tokens * vocab * (itemsize + 3 * 4)
+    acts = tokens * (16 * h + 4 * inter) * itemsize * (1 if checkpointing else 2)
+    return weights + grad + logits + acts
+
+
 @_keeps_rng
 def measure_decoder_compute(model_config: dict, device: Union[str, torch.device], micro_batch: int, seq_len: int,
                             dtype: torch.dtype = torch.bfloat16, checkpointing: bool = False,
@@ -457,7 +508,13 @@ def measure_decoder_compute(model_config: dict, device: Union[str, torch.device]
         d["num_hidden_layers"] = n
         cfg = transformers.AutoConfig.for_model(model_config.get("model_type", "llama"), **d)
         cfg.use_cache = False
-        model = transformers.AutoModelForCausalLM.from_config(cfg).to(device=dev, dtype=dtype)
+        was = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in its dtype where it runs (a CPU generator takes seconds)
+        try:
+            with dev:
+                model = transformers.AutoModelForCausalLM.from_config(cfg)
+        finally:
+            torch.set_default_dtype(was)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -503,8 +560,8 @@ def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
     aio = dict(d.get("aio") or {})
     if d.get("schema") == SCHEMA:
         out = {k: float(d[k]) for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
-                                        "disk_latency", "h2d_pageable", "adam_8bit", "adam_bf16")
-               if isinstance(d.get(k), (int, float)) and (d[k] or not k.startswith("adam_"))}
+                                        "disk_latency", "h2d_pageable", "adam_8bit", "adam_bf16", "accumulate")
+               if isinstance(d.get(k), (int, float)) and (d[k] or not k.startswith(("adam_", "accumulate")))}
     elif isinstance(d.get("results"), list):
         best: dict[str, float] = {}
         for r in d["results"]:
@@ -536,7 +593,8 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                   matmul_shape: tuple[int, int, int] = (1024, 1024, 1024),
                   dtype: torch.dtype = torch.float32, quick: bool = True, cache: bool = False,
                   link: Optional[str] = None, disk: Optional[str] = None, matmul: Optional[float] = None,
-                  optimizer_threads: Optional[int] = None, optimizer_state: str = "fp32") -> Rates:
+                  optimizer_threads: Optional[int] = None, optimizer_state: str = "fp32",
+                  accumulation: bool = False) -> Rates:
     """Rates for a run on ``device``. Each figure comes from, in this order: ``rates_file``; the
     named ``link`` (h2d/d2h, :data:`LINK_PRESETS`) and ``disk`` (:data:`DISK_PRESETS`) presets
     and a given ``matmul`` (FLOP/s); a probe on this machine (about a second with ``quick``).
@@ -549,10 +607,12 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
     "auto" does, so several engines in one process probe once). optimizer_threads: the threads the
     engine's CPU Adam step will use (``pyinfinity.optimizer_threads``, resolved); the Adam probe runs
     on as many (None: every CPU of this process). optimizer_state: the state format planned; its
-    kernel is timed too when it is not fp32 (``Rates.adam_8bit`` / ``adam_bf16``)."""
+    kernel is timed too when it is not fp32 (``Rates.adam_8bit`` / ``adam_bf16``). accumulation: the
+    run accumulates gradients over micro-batches; the host's gradient add is timed too
+    (``Rates.accumulate``, on the optimizer's threads, gradients in ``dtype``)."""
     dev = torch.device(device)
     key = (str(dev), swap_dir, rates_file, json.dumps(aio, sort_keys=True, default=str), matmul_shape, str(dtype),
-           quick, link, disk, matmul, optimizer_threads, optimizer_state)
+           quick, link, disk, matmul, optimizer_threads, optimizer_state, accumulation)
     if cache and key in _CACHE:
         return _CACHE[key]
     here = device_is_here(dev)
@@ -593,6 +653,10 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
     if "memcpy" not in vals:
         vals["memcpy"] = measure_memcpy(MEMCPY_PROBE_BYTES, reps)
         source["memcpy"] = host_note
+    if accumulation and "accumulate" not in vals:  # the gradient adds between optimizer steps
+        vals["accumulate"] = measure_accumulate(ACCUMULATE_PROBE_NUMEL, reps, threads=threads,
+                                                dtype=dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
+        source["accumulate"] = f"{host_note}, {threads} thread{'s' if threads != 1 else ''}"
     if "h2d" not in vals or "d2h" not in vals:
         if dev.type == "cuda":
             h, d, pg = measure_copies(dev, (64 << 20) if quick else (512 << 20), reps)
@@ -629,7 +693,7 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                   adam=vals["adam"], matmul=vals["matmul"], memcpy=vals["memcpy"],
                   disk_latency=vals.get("disk_latency", 0.0), h2d_pageable=vals.get("h2d_pageable", 0.0),
                   adam_8bit=vals.get("adam_8bit", 0.0), adam_bf16=vals.get("adam_bf16", 0.0),
-                  block_size=int(aio.get("block_size") or (1 << 20)), device=str(dev), source=source)
+                  accumulate=vals.get("accumulate", 0.0), block_size=int(aio.get("block_size") or (1 << 20)), device=str(dev), source=source)
     log.debug("rates: %s", rates.describe())
     if cache:
         _CACHE[key] = rates
@@ -678,5 +742,6 @@ def preset_rates(device: Union[str, torch.device] = "cuda", link: Optional[str] 
 
 __all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRESETS", "DISK_PRESETS", "LinkPreset",
            "DiskPreset", "disk_probe_size", "all_cpus", "ADAM_PROBE_NUMEL", "MEMCPY_PROBE_BYTES",
-           "measure_decoder_compute", "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
+           "measure_decoder_compute", "decoder_probe_bytes", "measure_accumulate", "ACCUMULATE_PROBE_NUMEL",
+           "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
            "measure_disk", "load_rates_file"]

@@ -16,7 +16,7 @@ import torch
 
 from pyinfinity.plan.budgets import Budgets, measure_budgets
 from pyinfinity.plan.charges import PlanError, TrainShape, largest_shape
-from pyinfinity.plan.evaluation import Knobs, Placement, evaluate
+from pyinfinity.plan.evaluation import ELEMENTWISE_SHARE, Knobs, Placement, evaluate, train_at_seq_len
 from pyinfinity.plan.placement import Fixed, solve
 from pyinfinity.plan.rates import Rates, measure_rates
 from pyinfinity.plan.sizes import ModelSizes, model_sizes
@@ -107,6 +107,22 @@ def compute_dtype(cfg: Any) -> Optional[torch.dtype]:
     if cfg.bf16.enabled:
         return torch.bfloat16
     return None
+
+
+def run_dtype(cfg: Any, model: Any = None) -> torch.dtype:
+    """The dtype the compute runs in, for the matmul and gradient-add probes: the config's (fp16 or
+    bf16 enabled), else the dtype most of the model's floating parameters are in (a LoRA run keeps
+    its bf16 base beside fp32 adapters with no bf16 section: timing fp32 matmuls for it predicted a
+    compute ten times too slow), else fp32."""
+    dt = compute_dtype(cfg)
+    if dt is not None:
+        return dt
+    counts: dict[torch.dtype, int] = {}
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            if p.is_floating_point():
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=lambda d: counts[d]) if counts else torch.float32
 
 
 def planned_device(cfg: Any, device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -237,9 +253,10 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
         rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=rates_file,
                               aio=aio_options(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
                                                                                 * (seq_len or DEFAULT_SEQ_LEN))), m, m),
-                              dtype=compute_dtype(cfg) or torch.float32, cache=True,
+                              dtype=run_dtype(cfg, model_or_sizes), cache=True,
                               optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev),
-                              optimizer_state=cfg.optimizer_state_format)
+                              optimizer_state=cfg.optimizer_state_format,
+                              accumulation=cfg.gradient_accumulation_steps > 1)
     fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
     train = _train_shape(cfg, seq_len, checkpointing)
     train.compute_seconds, train.activation_bytes = compute_seconds, activation_bytes
@@ -262,6 +279,44 @@ def aio_options(cfg: Any) -> dict:
     a = cfg.aio
     return {"block_size": a.block_size, "queue_depth": a.queue_depth, "thread_count": a.thread_count,
             "backend": a.backend}
+
+
+def measured_compute(model: Any, train: TrainShape, device: torch.device, device_memory: Optional[int],
+                     dtype: Optional[torch.dtype]) -> Optional[float]:
+    """Seconds of one micro-batch's forward + backward on a GPU, measured with 1 and 2 layers of
+    the model (``rates.measure_decoder_compute``): a step of small kernels around the matmuls runs
+    well below the matmul probe's rate (at 1.1B on an H200 about half of it), so FLOPs / matmul
+    rate under-predicts. None (the FLOPs estimate stays) for a model that is not a transformers
+    decoder, one with frozen parameters (adapters: their backward skips the weight gradients the
+    probe computes), or when the probe would not fit 3/4 of the device budget."""
+    from pyinfinity.plan.rates import decoder_probe_bytes, measure_decoder_compute
+
+    conf = getattr(model, "config", None)
+    to_dict = getattr(conf, "to_dict", None)
+    if not callable(to_dict) or getattr(conf, "is_encoder_decoder", False) or not isinstance(model, torch.nn.Module):
+        return None
+    if any(not p.requires_grad for p in model.parameters()):
+        return None
+    d = to_dict()
+    if int(d.get("num_hidden_layers") or 0) < 2 or not d.get("model_type"):
+        return None
+    dtype = dtype or torch.float32
+    need = decoder_probe_bytes(d, train.micro_batch, train.seq_len, torch.empty((), dtype=dtype).element_size(),
+                               train.checkpointing)
+    if device_memory and need > device_memory * 3 // 4:
+        return None
+    try:
+        seconds, _ = measure_decoder_compute(d, device, train.micro_batch, train.seq_len, dtype, train.checkpointing)
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:  # OOM is a RuntimeError
+        log.info("plan: the compute probe did not run (%s); compute from FLOPs / matmul rate", exc)
+        torch.cuda.empty_cache()
+        return None
+    return seconds if seconds > 0 else None
+
+
+def _flops_compute(sizes: ModelSizes, train: TrainShape, rates: Rates) -> float:
+    return (sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
+            * (1 + ELEMENTWISE_SHARE))
 
 
 def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *,
@@ -301,14 +356,17 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     if rates is None:
         m = sizes.hidden or 1024
         rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=aio_options(c),
-                              matmul_shape=(1024, m, m), dtype=compute_dtype(c) or torch.float32, cache=True,
+                              matmul_shape=(1024, m, m), dtype=run_dtype(c, model), cache=True,
                               optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev),
-                              optimizer_state=c.optimizer_state_format)
+                              optimizer_state=c.optimizer_state_format,
+                              accumulation=c.gradient_accumulation_steps > 1)
     fixed, owned = _fixed_from(c, None)
     train = _train_shape(c, seq_len, checkpointing)
     if not str(dev).startswith("cuda"):
         # the CPU device: activations live in host RAM beside it, not in the device budget
         train.activation_bytes = 0
+    else:
+        train.compute_seconds = measured_compute(model, train, dev, budgets.device_memory, run_dtype(c, model))
     try:
         out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
         planned_at = f"{DEFAULT_SEQ_LEN} tokens per sequence"
@@ -321,7 +379,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         if mb != train.micro_batch or seq >= train.seq_len:
             raise
         for _ in range(20):  # knobs the config fixes (a prefetch bucket, say) take a little more
-            train.seq_len = seq
+            train = train_at_seq_len(sizes, train, seq)
             try:
                 out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
                 break
@@ -338,6 +396,10 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     if seq_len is None:
         placement.notes.append(f"sequence length unknown at initialize: activations and compute estimated at "
                                f"{planned_at}")
+    if train.compute_seconds is not None:
+        placement.notes.append(f"compute: {train.compute_seconds:.3f} s a micro-batch, measured on the device with "
+                               "1 and 2 of the model's layers (FLOPs / matmul rate would say "
+                               f"{_flops_compute(sizes, train, rates):.3f})")
     log.info("plan:\n%s", placement.table())
     return out, decisions, placement
 
@@ -362,4 +424,4 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
 
 
 __all__ = ["resolve_auto", "plan_engine_config", "placement_of", "plan_config", "Decision", "DEFAULT_SEQ_LEN",
-           "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads"]
+           "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads", "measured_compute", "run_dtype"]

@@ -603,3 +603,91 @@ def test_under_accumulation_the_host_s_adds_and_the_cpu_step_do_not_hide_each_ot
     adds = sizes.trainable_numel * ((2 + 4) + 3 * (2 + 8)) / 4 / (2 * slow.memcpy)
     assert p.predicted.total == pytest.approx(4 * adds + p.predicted.optimizer, rel=1e-6)
     assert p.predicted.optimizer_phase < p.predicted.optimizer  # the overlapped step alone would hide part of it
+
+
+def _tiny_llama(frozen: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=4))
+    if frozen:
+        model.model.embed_tokens.weight.requires_grad_(False)
+    return model
+
+
+def test_the_engine_measures_a_decoder_s_compute_where_it_fits_and_keeps_the_flops_estimate_otherwise():
+    """``measured_compute``: one and two of the model's layers timed on the device (here the CPU);
+    None for a model with frozen parameters (the probe's backward would compute weight gradients
+    adapters skip), a module without a transformers config, or a probe above 3/4 of the budget.
+    The probe leaves torch's RNG where it was (a seed gives the same model with or without it)."""
+    from pyinfinity.plan.rates import decoder_probe_bytes
+    from pyinfinity.plan.resolve import measured_compute
+
+    train = TrainShape(micro_batch=2, seq_len=32, checkpointing=True)
+    model = _tiny_llama()
+    rng = torch.random.get_rng_state()
+    seconds = measured_compute(model, train, torch.device("cpu"), 1 << 30, torch.float32)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert seconds is not None and 0 < seconds < 5
+    assert measured_compute(_tiny_llama(frozen=True), train, torch.device("cpu"), 1 << 30, torch.float32) is None
+    assert measured_compute(torch.nn.Linear(4, 4), train, torch.device("cpu"), 1 << 30, torch.float32) is None
+    need = decoder_probe_bytes(model.config.to_dict(), 2, 32, 4, True)
+    assert measured_compute(model, train, torch.device("cpu"), need, torch.float32) is None  # 3/4 of it is too little
+    assert measured_compute(model, train, torch.device("cpu"), need * 2, torch.float32) is not None
+
+
+def test_a_measured_compute_figure_is_scaled_by_the_flops_at_another_sequence_length():
+    from pyinfinity.plan.evaluation import train_at_seq_len
+
+    sizes = llama_sizes({"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                         "num_attention_heads": 32, "num_key_value_heads": 4})
+    train = TrainShape(micro_batch=4, seq_len=1024, checkpointing=True, compute_seconds=0.1)
+    longer = train_at_seq_len(sizes, train, 2048)
+    want = 0.1 * sizes.flops_per_step(4, 2048, True) / sizes.flops_per_step(4, 1024, True)
+    assert longer.seq_len == 2048 and longer.compute_seconds == pytest.approx(want)
+    assert 0.2 <= longer.compute_seconds <= 0.25  # twice the tokens, plus attention's quadratic part
+    assert train_at_seq_len(sizes, TrainShape(seq_len=1024), 512).compute_seconds is None
+
+
+def test_the_gradient_add_is_timed_under_accumulation_and_its_rate_prices_the_host_adds():
+    """``Rates.accumulate``: the engine's own add (a bf16 gradient into an fp32 accumulator), probed
+    when the run accumulates; the planner prices the host's adds at it instead of the memcpy model
+    (on the H200 box the adds ran at about half the memcpy model's pace: the engine kept units
+    resident and added most gradients on the host, predicted 0.71 s/step and ran 1.05)."""
+    from pyinfinity.plan.evaluation import Knobs, evaluate
+    from pyinfinity.plan.rates import measure_accumulate
+
+    rate = measure_accumulate(1 << 20, reps=2, threads=1)
+    assert 1e6 < rate < 1e11
+    sizes = llama_sizes({"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                         "num_attention_heads": 32, "num_key_value_heads": 4})
+    train = TrainShape(micro_batch=4, seq_len=1024, grad_accum=4, checkpointing=True, compute_seconds=0.13)
+    budgets = Budgets(device_memory=8 << 30, host_memory=100 << 30, device_is_host=False)
+    memcpy_model = Rates(h2d=55e9, d2h=55e9, disk_read=2e9, disk_write=3e9, adam=3.8e9, matmul=645e12, memcpy=30e9,
+                         device="cuda:0")
+    measured = Rates(**{**memcpy_model.__dict__, "accumulate": 1.9e9})
+    knobs = Knobs(param_device="cpu", optimizer_device="cpu", resident_bytes=1 << 40)  # every gradient added on the host
+    a, b = evaluate(sizes, train, budgets, memcpy_model, knobs), evaluate(sizes, train, budgets, measured, knobs)
+    per_micro = sizes.trainable_numel * ((2 + 4) + 3 * (2 + 8)) / 4 / (2 + 8) / 1.9e9
+    assert per_micro > 0.13 and b.predicted.micro_batch >= per_micro  # the adds, not the compute, pace a micro-batch
+    assert b.predicted.total > a.predicted.total
+    # the loader keeps the figure; a rates file without it leaves the memcpy model
+    assert Rates.from_json(measured.to_json()).accumulate == 1.9e9
+    assert Rates.from_json(memcpy_model.to_json()).accumulate == 0.0
+
+
+def test_the_probes_time_the_dtype_most_of_the_model_computes_in():
+    """A LoRA run sets no bf16 section (the base keeps its bf16, the adapters are fp32): the matmul
+    probe timed fp32 for it, and the engine predicted a 13B step of 11.6 s that ran in 1.1."""
+    peft = pytest.importorskip("peft")
+    from pyinfinity.adapters import get_peft_model
+    from pyinfinity.plan.resolve import run_dtype
+
+    base = _tiny_llama().to(torch.bfloat16)
+    lora = get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    plain = load_config({"train_micro_batch_size_per_gpu": 1})
+    assert {p.dtype for p in lora.parameters()} == {torch.bfloat16, torch.float32}
+    assert run_dtype(plain, lora) == torch.bfloat16
+    assert run_dtype(load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}}), lora) == torch.float16
+    assert run_dtype(plain, _tiny_llama()) == torch.float32 and run_dtype(plain, None) == torch.float32
