@@ -32,8 +32,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from pyinfinity.bench.train_bound import (best_disk_rates, bound, measure_bound_rates, measure_matmul_rate,
-                                          optimizer_state_bytes, probe_disk, tier_fractions, uses_disk)
+from pyinfinity.bench.train_bound import (adam_rate_key, best_disk_rates, bound, measure_bound_rates,
+                                          measure_matmul_rate, optimizer_state_bytes, optimizer_state_format, probe_disk,
+                                          tier_fractions, uses_disk)
 from pyinfinity.bench.train_matrix import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
                                            DEFAULT_SYSTEMS_LORA, PEERS, SCHEMA, SIZES, BenchTrainError, SystemSpec,
                                            base_system, lora_spec, model_fields, parse_system, parse_systems,
@@ -355,7 +356,13 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
                 res["disk_probes"] = probes
                 rr.update(best_disk_rates(*probes))
             res["optimizer_state_bytes"] = state_bytes
-            res["bound"] = bound(system, facts, rr, cuda, res.get("placement"), state_bytes)
+            fmt = optimizer_state_format(spec)
+            if adam_rate_key(fmt) not in rates:  # a compressed state's kernel: timed once, when a run uses it
+                from pyinfinity.plan.rates import ADAM_PROBE_NUMEL, measure_adam
+
+                rates[adam_rate_key(fmt)] = measure_adam(ADAM_PROBE_NUMEL, 5, state=fmt)
+                rr[adam_rate_key(fmt)] = rates[adam_rate_key(fmt)]
+            res["bound"] = bound(system, facts, rr, cuda, res.get("placement"), state_bytes, fmt)
             res["bound"]["rates"] = {k: rr[k] for k in ("disk_read", "disk_write")}
             if res.get("step_seconds"):
                 res["step_over_bound"] = res["step_seconds"] / res["bound"]["seconds"]

@@ -72,11 +72,32 @@ def optimizer_state_bytes(spec: dict[str, Any]) -> float:
     return float(master + (4 if bf16.get("bf16_optimizer_states") else 8))
 
 
+def optimizer_state_format(spec: dict[str, Any]) -> str:
+    """The CPU step kernel a run's state format uses ("fp32", "8bit" or "bf16"): the key of the
+    CPU Adam rate its bound takes (DeepSpeed's bf16 moments are timed with pyinfinity's bf16 kernel,
+    as its fp32 state is with the fp32 one)."""
+    from pyinfinity.bench.train_worker import system_config
+
+    cfg = system_config(spec) or {}
+    if spec["system"].startswith("pyinfinity"):
+        from pyinfinity.config import load_config
+
+        return str(load_config(cfg).optimizer_state_format)
+    return "bf16" if (cfg.get("bf16") or {}).get("bf16_optimizer_states") else "fp32"
+
+
+def adam_rate_key(state_format: str) -> str:
+    """The key of ``measure_bound_rates``' figures that holds ``state_format``'s CPU Adam rate."""
+    return "adam" if state_format == "fp32" else f"adam_{state_format}"
+
+
 def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: bool,
-          placement: Optional[dict] = None, state_bytes: float = 12.0) -> dict[str, Any]:
+          placement: Optional[dict] = None, state_bytes: float = 12.0,
+          state_format: str = "fp32") -> dict[str, Any]:
     """The analytic lower bound of one optimizer step (see the module's docstring), term by term.
     ``facts["flops_per_step"]`` is the whole optimizer step's (every micro-batch); ``state_bytes``
-    the run's optimizer state a parameter (``optimizer_state_bytes``)."""
+    the run's optimizer state a parameter (``optimizer_state_bytes``); ``state_format`` its CPU
+    kernel (``optimizer_state_format``), whose rate in ``rates`` the CPU Adam term takes."""
     system = base_system(system)
     n, pb = facts["params"], facts["param_bytes"]
     frozen = facts.get("frozen_bytes", 0)  # LoRA: the base's bytes (no gradient, never written)
@@ -108,7 +129,7 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
             serial = round(read / rates["disk_read"] + write / rates["disk_write"], 5)
     if offloaded:  # the parameters a run steps on the GPU (pyinfinity's device optimizer state) skip the CPU
         on_device = int((placement or {}).get("optimizer_device_numel", 0))
-        terms["cpu_adam"] = max(0, n_train - on_device) / rates["adam"]
+        terms["cpu_adam"] = max(0, n_train - on_device) / rates.get(adam_rate_key(state_format), rates["adam"])
     finite = {k: v for k, v in terms.items() if v == v}
     name = max(finite, key=lambda k: finite[k])
     out = {"seconds": finite[name], "bound_by": name, "terms": {k: round(v, 5) for k, v in terms.items()},

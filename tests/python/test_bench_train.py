@@ -392,6 +392,20 @@ def test_the_disk_term_charges_the_run_s_optimizer_state_format():
     assert bt.bound("pyinfinity-nvme", FACTS, RATES, True, placement, 6.0)["disk_bytes"]["read"] == 7e9
 
 
+def test_the_cpu_adam_term_takes_the_rate_of_the_run_s_state_format():
+    """The 8-bit kernel steps faster than the fp32 one (fewer bytes a parameter): an 8bit run bounded by
+    the fp32 rate ran below its bound on the H200 box. Each format's term takes its own probe's rate."""
+    fmt = bt.optimizer_state_format
+    assert fmt(_spec("pyinfinity-auto")) == "fp32"
+    assert fmt(_spec("pyinfinity-auto", {"optimizer_state": "8bit"})) == "8bit"
+    assert fmt(_spec("pyinfinity-auto", BF16_KEYS)) == "bf16"
+    assert fmt(_spec("deepspeed-cpu", BF16_KEYS)) == "bf16" and fmt(_spec("deepspeed-cpu")) == "fp32"
+    rates = {**RATES, "adam_8bit": 8e9}
+    assert bt.bound("pyinfinity-cpu", FACTS, rates, cuda=True)["terms"]["cpu_adam"] == pytest.approx(0.25)
+    assert bt.bound("pyinfinity-cpu", FACTS, rates, cuda=True, state_format="8bit")["terms"]["cpu_adam"] == \
+        pytest.approx(0.125)
+
+
 def test_compressed_optimizer_state_systems_run_on_the_cpu(tmp_path):
     """The two compressed formats as `bench train` variants, on the CPU: the bf16 master makes --dtype auto
     bf16 (it needs bf16 compute), each run's config and record carry its format and bytes."""
@@ -435,7 +449,9 @@ def test_the_best_disk_rates_of_several_probes():
 def _fake_bench(monkeypatch, tmp_path, systems, seconds, probes, grad_accum=1):
     """run_bench with its rates and workers faked: ``seconds[label]`` is each run's step time (None: it fails)."""
     calls: list[str] = []
-    monkeypatch.setattr(bt, "measure_bound_rates", lambda device, d: dict(RATES, disk_read=1e9, disk_write=1e9))
+    # the compressed formats' CPU Adam rates given too (a run of one is otherwise probed once, for real)
+    monkeypatch.setattr(bt, "measure_bound_rates", lambda device, d: dict(RATES, disk_read=1e9, disk_write=1e9,
+                                                                          adam_8bit=6e9, adam_bf16=5e9))
     monkeypatch.setattr(bt, "measure_matmul_rate", lambda *a: RATES["matmul"])
     it = iter(probes)
 
@@ -469,8 +485,8 @@ def test_vs_the_best_deepspeed_of_the_invocation_and_flagged_runs_left_out(monke
                "deepspeed-z3-gpu-params": None, "torch": 0.2}
     real_bound = bt.bound
 
-    def bound(system, facts, rates, cuda, placement=None, state_bytes=12.0):
-        b = real_bound(system, facts, rates, cuda, placement, state_bytes)
+    def bound(system, facts, rates, cuda, placement=None, state_bytes=12.0, state_format="fp32"):
+        b = real_bound(system, facts, rates, cuda, placement, state_bytes, state_format)
         if system.endswith("[bf16.bf16_optimizer_states=true]"):
             b["seconds"] = 0.3
         return b
