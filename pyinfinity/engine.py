@@ -219,6 +219,19 @@ class Engine:
                                        lr_scheduler=lr_scheduler, materialize=self.weights,
                                        background=self._overlap_mode == "on", plan_sizes=plan_sizes,
                                        checkpointing=checkpointing, device_base=device_base)
+        except torch.OutOfMemoryError as exc:  # placing the model (persistent shards, resident units, buffers)
+            from pyinfinity.plan.charges import PlanError
+
+            self._uncap()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            what = str(exc).splitlines()[0] if str(exc) else "out of memory"
+            budget = format_size(self.device_memory) if self.device_memory else "(no cap)"
+            raise PlanError(f"pyinfinity.device_memory {budget}: the device ran out of memory while the engine "
+                            f"placed the model, before any step ({what}); the budget must hold the small "
+                            "persistent shards, the units kept resident, device optimizer state and the "
+                            "gradient buffers: raise it (--gpu-memory), or lower "
+                            "stage3_param_persistence_threshold") from exc
         except BaseException:
             self._uncap()
             raise

@@ -402,3 +402,22 @@ def test_gpu_a_llama_under_a_tight_cap_trains_within_it_or_is_refused_in_one_lin
             return
         assert all(r.peak_device_allocated <= cap for r in eng.history), [r.peak_device_allocated for r in eng.history]
         assert len(eng.history) == 3
+
+
+def test_running_out_of_device_memory_while_placing_the_model_is_one_clear_error(tiny_lm, engine_config, monkeypatch):
+    """Before any step (persistent shards, resident units, buffers placed at initialize): not torch's
+    raw out-of-memory error but a PlanError (a ValueError: one line from the command line) naming the
+    budget and what it must hold."""
+    import pyinfinity.engine as engine_mod
+    from pyinfinity.plan import PlanError
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has ...\nmore")
+
+    monkeypatch.setattr(engine_mod, "TrainingState", oom)
+    with pytest.raises(PlanError) as info:
+        pyinfinity.initialize(tiny_lm(layers=2), _cfg(engine_config, device_memory="48MiB"))
+    msg = str(info.value)
+    assert "pyinfinity.device_memory 48.00 MiB" in msg and "CUDA out of memory. Tried to allocate 2.00 MiB" in msg
+    assert "--gpu-memory" in msg and "\n" not in msg
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
