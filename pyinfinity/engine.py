@@ -213,7 +213,6 @@ class Engine:
             torch.cuda.set_per_process_memory_fraction(min(1.0, (reserved + self.device_memory) / total), self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._capped = True
-        self._device_base = device_base
         try:
             self.state = TrainingState(model, cfg, self.device, sizes, device_memory=self.device_memory,
                                        lr_scheduler=lr_scheduler, materialize=self.weights,
@@ -518,7 +517,7 @@ class Engine:
         loss = float(torch.stack([l.float() for l in self._losses]).mean()) if self._losses else float("nan")
         peak_alloc = None
         if self.device.type == "cuda":
-            peak_alloc = torch.cuda.max_memory_allocated(self.device) - self._device_base
+            peak_alloc = self.coordinator.budget.allocator_peaks()[0]
         rec = StepRecord(step=self.global_steps, loss=loss, lr=lr, tokens=self._tokens, seconds=seconds,
                          tokens_per_s=self._tokens / seconds if seconds > 0 else 0.0,
                          grad_norm=res.grad_norm, skipped=res.skipped,
@@ -545,8 +544,7 @@ class Engine:
         return MemoryReport(
             device=str(self.device), device_budget=self.device_memory,
             device_resident=self.coordinator.budget.resident, device_peak=self.coordinator.budget.peak,
-            device_allocated_peak=(torch.cuda.max_memory_allocated(self.device) - self._device_base
-                                   if self.device.type == "cuda" else None),
+            device_allocated_peak=self.coordinator.budget.allocator_peaks()[0] if self.device.type == "cuda" else None,
             params=params, optimizer=self.optimizer.bytes_by_tier,
             grads={"cpu": 0, **self.optimizer.grad_bytes_by_tier},
             swap_files=self.param_swapper.files() + self.optim_swapper.files(), host_rss=host_rss(),

@@ -32,9 +32,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from pyinfinity.bench.train_bound import (adam_rate_key, best_disk_rates, bound, measure_bound_rates,
-                                          measure_matmul_rate, optimizer_state_bytes, optimizer_state_format, probe_disk,
-                                          tier_fractions, uses_disk)
+from pyinfinity.bench.train_bound import (adam_rate_for, adam_rate_key, best_disk_rates, bound, measure_bound_rates,
+                                          measure_matmul_rate, optimizer_state, optimizer_state_bytes,
+                                          optimizer_state_format, probe_disk, tier_fractions, uses_disk)
 from pyinfinity.bench.train_matrix import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
                                            DEFAULT_SYSTEMS_LORA, PEERS, SCHEMA, SIZES, BenchTrainError, SystemSpec,
                                            base_system, lora_spec, model_fields, parse_system, parse_systems,
@@ -313,7 +313,7 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
                                settings.checkpointing, settings.lora)
             bar.set_description(f"{size} {system}")
             spec = _spec(settings, size, system, fields[size], device, dtype, cuda, k)
-            state_bytes = optimizer_state_bytes(spec)
+            fmt, state_bytes = optimizer_state(spec)
             need = _disk_need(system, facts, state_bytes)
             free = shutil.disk_usage(settings.nvme_dir).free
             probes: list[dict[str, Any]] = []
@@ -356,12 +356,7 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
                 res["disk_probes"] = probes
                 rr.update(best_disk_rates(*probes))
             res["optimizer_state_bytes"] = state_bytes
-            fmt = optimizer_state_format(spec)
-            if adam_rate_key(fmt) not in rates:  # a compressed state's kernel: timed once, when a run uses it
-                from pyinfinity.plan.rates import ADAM_PROBE_NUMEL, measure_adam
-
-                rates[adam_rate_key(fmt)] = measure_adam(ADAM_PROBE_NUMEL, 5, state=fmt)
-                rr[adam_rate_key(fmt)] = rates[adam_rate_key(fmt)]
+            rr[adam_rate_key(fmt)] = adam_rate_for(rates, fmt)
             res["bound"] = bound(system, facts, rr, cuda, res.get("placement"), state_bytes, fmt)
             res["bound"]["rates"] = {k: rr[k] for k in ("disk_read", "disk_write")}
             if res.get("step_seconds"):
@@ -383,7 +378,8 @@ __all__ = ["Settings", "run_bench", "run_one", "plan_runs", "check_configs",
            "SCHEMA", "SIZES", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "DEFAULT_SYSTEMS_LORA",
            "PEERS", "DEEPSPEED_DEFAULTS", "lora_spec",
            "BenchTrainError", "SystemSpec", "parse_system", "parse_systems", "base_system", "model_fields", "size_facts",
-           "tier_fractions", "bound", "optimizer_state_bytes", "measure_bound_rates", "probe_disk", "best_disk_rates",
+           "tier_fractions", "bound", "optimizer_state", "optimizer_state_bytes", "optimizer_state_format",
+           "measure_bound_rates", "probe_disk", "best_disk_rates",
            "uses_disk",
            "measure_matmul_rate", "load_results", "save_results", "latest_runs", "below_bound", "usable",
            "compare_to_best_deepspeed", "one_line", "HEADER", "table_rows", "rss_over_plan", "ratio_lines", "report",

@@ -53,12 +53,14 @@ def tier_fractions(system: str, placement: Optional[dict]) -> tuple[float, float
     return share(placement.get("params"), ("gpu", "cpu", "nvme")), share(placement.get("optimizer"), ("cpu", "nvme"))
 
 
-def optimizer_state_bytes(spec: dict[str, Any]) -> float:
-    """Bytes of optimizer state a trainable parameter keeps in RAM or on disk in the format the
-    run's config asks for: pyinfinity's format (``pyinfinity.optimizer_state``, or DeepSpeed's
-    ``bf16`` keys), DeepSpeed's fp32 or bf16 master and moments. For pyinfinity the figure of the
-    quantised format (``Adam8bit.bytes_per_param``) leaves out the small shards that stay fp32; the
-    run's placement then reports the exact bytes (``optimizer_disk_per_step``)."""
+def optimizer_state(spec: dict[str, Any]) -> tuple[str, float]:
+    """The run's optimizer state as its config asks for it: (the CPU step kernel its format uses,
+    "fp32", "8bit" or "bf16": the key of the CPU Adam rate its bound takes; the bytes a trainable
+    parameter keeps in RAM or on disk). pyinfinity: its format (``pyinfinity.optimizer_state``, or
+    DeepSpeed's ``bf16`` keys), whose quantised figure (``Adam8bit.bytes_per_param``) leaves out the
+    small shards that stay fp32 (the run's placement then reports the exact bytes,
+    ``optimizer_disk_per_step``). DeepSpeed: its fp32 or bf16 master and moments, the bf16 moments
+    timed with pyinfinity's bf16 kernel as its fp32 state is with the fp32 one."""
     from pyinfinity.bench.train_worker import system_config
 
     cfg = system_config(spec) or {}
@@ -66,24 +68,33 @@ def optimizer_state_bytes(spec: dict[str, Any]) -> float:
         from pyinfinity.config import load_config
         from pyinfinity.zero.optim.formats import make_state_format
 
-        return float(make_state_format(load_config(cfg).optimizer_state_format, True).bytes_per_param)
+        name = load_config(cfg).optimizer_state_format
+        return name, float(make_state_format(name, True).bytes_per_param)
     bf16 = cfg.get("bf16") or {}
     master = 2 if bf16.get("bf16_master_weights_and_grads") else 4
-    return float(master + (4 if bf16.get("bf16_optimizer_states") else 8))
+    moments = bf16.get("bf16_optimizer_states")
+    return ("bf16" if moments else "fp32"), float(master + (4 if moments else 8))
+
+
+def optimizer_state_bytes(spec: dict[str, Any]) -> float:
+    """The bytes a trainable parameter's optimizer state keeps in RAM or on disk (``optimizer_state``)."""
+    return optimizer_state(spec)[1]
 
 
 def optimizer_state_format(spec: dict[str, Any]) -> str:
-    """The CPU step kernel a run's state format uses ("fp32", "8bit" or "bf16"): the key of the
-    CPU Adam rate its bound takes (DeepSpeed's bf16 moments are timed with pyinfinity's bf16 kernel,
-    as its fp32 state is with the fp32 one)."""
-    from pyinfinity.bench.train_worker import system_config
+    """The CPU step kernel of the run's optimizer-state format (``optimizer_state``)."""
+    return optimizer_state(spec)[0]
 
-    cfg = system_config(spec) or {}
-    if spec["system"].startswith("pyinfinity"):
-        from pyinfinity.config import load_config
 
-        return str(load_config(cfg).optimizer_state_format)
-    return "bf16" if (cfg.get("bf16") or {}).get("bf16_optimizer_states") else "fp32"
+def adam_rate_for(rates: dict[str, Any], state_format: str) -> float:
+    """``state_format``'s CPU Adam rate from ``measure_bound_rates``' figures; a compressed
+    format's kernel is probed the first time a run uses it and kept in ``rates``."""
+    key = adam_rate_key(state_format)
+    if key not in rates:
+        from pyinfinity.plan.rates import ADAM_PROBE_NUMEL, measure_adam
+
+        rates[key] = measure_adam(ADAM_PROBE_NUMEL, 5, state=state_format)
+    return float(rates[key])
 
 
 def adam_rate_key(state_format: str) -> str:

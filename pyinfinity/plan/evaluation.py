@@ -252,6 +252,14 @@ class Placement:
                 f"{pred.total / med:.2f}")
 
 
+def flops_compute(sizes: ModelSizes, train: TrainShape, rates: Rates) -> float:
+    """Seconds of one micro-batch's forward + backward from its FLOPs at the matmul rate, plus
+    ELEMENTWISE_SHARE of it for the kernels around the matmuls (a measured figure, when there is
+    one, is ``TrainShape.compute_seconds``)."""
+    return (sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
+            * (1 + ELEMENTWISE_SHARE))
+
+
 def train_at_seq_len(sizes: ModelSizes, train: TrainShape, seq_len: int) -> TrainShape:
     """``train`` at another sequence length; a measured compute figure scaled by the FLOPs."""
     out = replace(train, seq_len=int(seq_len))
@@ -492,11 +500,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     isz = sizes.itemsize
     train_numel = sizes.trainable_numel
     # -- one micro-batch
-    if train.compute_seconds is not None:
-        compute = train.compute_seconds
-    else:
-        compute = (sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
-                   * (1 + ELEMENTWISE_SHARE))
+    compute = train.compute_seconds if train.compute_seconds is not None else flops_compute(sizes, train, rates)
     passes = FETCH_PASSES
     ram_copy = _div(passes * fetch_ram, rates.h2d)
     disk_read = passes * fetch_disk_s
@@ -507,8 +511,9 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     grads_off = (_div((train_numel - device_stepped - device_accumulated) * isz, rates.d2h)
                  + _div(device_accumulated * GRAD_BYTES_PER_PARAM / g, rates.d2h)) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
-    # (the gradient adds: at their own probe's pace where measured, Rates.accumulate); the first micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4
-    # bytes touched), later ones add to it (isz + 8)
+    # (the gradient adds at their own probe's pace where measured, Rates.accumulate); the first
+    # micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4 bytes
+    # touched), later ones add to it (isz + 8)
     touched = ((isz + 4) + (g - 1) * (isz + 8)) / g
     # host work per micro-batch: accumulating gradients (the accumulation worker's), and the engine's
     # per-shard bookkeeping
@@ -585,5 +590,5 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
                     micro_batch=micro, optimizer_phase=visible, total=total, bottleneck=bottleneck)
 
 
-__all__ = ["Knobs", "Share", "StepTime", "Placement", "evaluate", "predict", "on_cuda", "train_at_seq_len", "FETCH_PASSES",
-           "BACKWARD_SHARE", "ELEMENTWISE_SHARE", "SWAP_GROW", "SWAP_SLOT_ALIGN"]
+__all__ = ["Knobs", "Share", "StepTime", "Placement", "evaluate", "predict", "on_cuda", "flops_compute",
+           "train_at_seq_len", "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE", "SWAP_GROW", "SWAP_SLOT_ALIGN"]

@@ -693,7 +693,8 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                   adam=vals["adam"], matmul=vals["matmul"], memcpy=vals["memcpy"],
                   disk_latency=vals.get("disk_latency", 0.0), h2d_pageable=vals.get("h2d_pageable", 0.0),
                   adam_8bit=vals.get("adam_8bit", 0.0), adam_bf16=vals.get("adam_bf16", 0.0),
-                  accumulate=vals.get("accumulate", 0.0), block_size=int(aio.get("block_size") or (1 << 20)), device=str(dev), source=source)
+                  accumulate=vals.get("accumulate", 0.0), block_size=int(aio.get("block_size") or (1 << 20)),
+                  device=str(dev), source=source)
     log.debug("rates: %s", rates.describe())
     if cache:
         _CACHE[key] = rates

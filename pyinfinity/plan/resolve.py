@@ -16,7 +16,7 @@ import torch
 
 from pyinfinity.plan.budgets import Budgets, measure_budgets
 from pyinfinity.plan.charges import PlanError, TrainShape, largest_shape
-from pyinfinity.plan.evaluation import ELEMENTWISE_SHARE, Knobs, Placement, evaluate, train_at_seq_len
+from pyinfinity.plan.evaluation import Knobs, Placement, evaluate, flops_compute, train_at_seq_len
 from pyinfinity.plan.placement import Fixed, solve
 from pyinfinity.plan.rates import Rates, measure_rates
 from pyinfinity.plan.sizes import ModelSizes, model_sizes
@@ -282,7 +282,7 @@ def aio_options(cfg: Any) -> dict:
 
 
 def measured_compute(model: Any, train: TrainShape, device: torch.device, device_memory: Optional[int],
-                     dtype: Optional[torch.dtype]) -> Optional[float]:
+                     dtype: torch.dtype) -> Optional[float]:
     """Seconds of one micro-batch's forward + backward on a GPU, measured with 1 and 2 layers of
     the model (``rates.measure_decoder_compute``): a step of small kernels around the matmuls runs
     well below the matmul probe's rate (at 1.1B on an H200 about half of it), so FLOPs / matmul
@@ -300,7 +300,6 @@ def measured_compute(model: Any, train: TrainShape, device: torch.device, device
     d = to_dict()
     if int(d.get("num_hidden_layers") or 0) < 2 or not d.get("model_type"):
         return None
-    dtype = dtype or torch.float32
     need = decoder_probe_bytes(d, train.micro_batch, train.seq_len, torch.empty((), dtype=dtype).element_size(),
                                train.checkpointing)
     if device_memory and need > device_memory * 3 // 4:
@@ -312,11 +311,6 @@ def measured_compute(model: Any, train: TrainShape, device: torch.device, device
         torch.cuda.empty_cache()
         return None
     return seconds if seconds > 0 else None
-
-
-def _flops_compute(sizes: ModelSizes, train: TrainShape, rates: Rates) -> float:
-    return (sizes.flops_per_step(train.micro_batch, train.seq_len, train.checkpointing) / rates.matmul
-            * (1 + ELEMENTWISE_SHARE))
 
 
 def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *,
@@ -353,10 +347,11 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         return c, decisions, None
     ub = c.pyinfinity.unit_bytes
     sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
+    dtype = run_dtype(c, model)
     if rates is None:
         m = sizes.hidden or 1024
         rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=aio_options(c),
-                              matmul_shape=(1024, m, m), dtype=run_dtype(c, model), cache=True,
+                              matmul_shape=(1024, m, m), dtype=dtype, cache=True,
                               optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev),
                               optimizer_state=c.optimizer_state_format,
                               accumulation=c.gradient_accumulation_steps > 1)
@@ -366,7 +361,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
         # the CPU device: activations live in host RAM beside it, not in the device budget
         train.activation_bytes = 0
     else:
-        train.compute_seconds = measured_compute(model, train, dev, budgets.device_memory, run_dtype(c, model))
+        train.compute_seconds = measured_compute(model, train, dev, budgets.device_memory, dtype)
     try:
         out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
         planned_at = f"{DEFAULT_SEQ_LEN} tokens per sequence"
@@ -399,7 +394,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     if train.compute_seconds is not None:
         placement.notes.append(f"compute: {train.compute_seconds:.3f} s a micro-batch, measured on the device with "
                                "1 and 2 of the model's layers (FLOPs / matmul rate would say "
-                               f"{_flops_compute(sizes, train, rates):.3f})")
+                               f"{flops_compute(sizes, train, rates):.3f})")
     log.info("plan:\n%s", placement.table())
     return out, decisions, placement
 

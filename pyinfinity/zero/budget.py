@@ -75,6 +75,13 @@ class DeviceBudget:
             return used + nbytes <= self.capacity - headroom
         return self.resident + nbytes <= self.capacity - self.reserve
 
+    def allocator_peaks(self) -> tuple[int, int]:
+        """On a GPU: torch's peak allocated and reserved bytes since their last reset, less what
+        the process held before the engine (``base``)."""
+        assert self.cuda_device is not None
+        return (torch.cuda.max_memory_allocated(self.cuda_device) - self.base,
+                torch.cuda.max_memory_reserved(self.cuda_device) - self.base)
+
     step_peak: int = 0  # the high-water since the last ``reset_step_peak`` (the engine's per-step measure)
 
     def reset_step_peak(self) -> None:

@@ -188,8 +188,7 @@ class DevicePlacement:
         budget = coord.budget
         cuda = self.device.type == "cuda"
         if cuda:  # torch's peak since the last shrink (reset only then: tools read it at the end of a run)
-            peak = torch.cuda.max_memory_allocated(self.device) - budget.base
-            reserved = torch.cuda.max_memory_reserved(self.device) - budget.base
+            peak, reserved = budget.allocator_peaks()
         else:
             peak, reserved = budget.step_peak, budget.step_peak
         budget.reset_step_peak()
