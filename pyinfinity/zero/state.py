@@ -39,7 +39,7 @@ from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.device_placement import DevicePlacement
 from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
-from pyinfinity.zero.optim.formats import make_state_format
+from pyinfinity.zero.optim.formats import AdamFp32, make_state_format
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import FlatShard, materialize_module, partition_model
 
@@ -95,7 +95,8 @@ class TrainingState:
         param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * max(1, sizes.param_bytes // max(1, sizes.numel)))
         # how each shard's optimizer state is kept (docs/optimizer_state.md)
         fmt_name, adam_w = cfg.optimizer_state_format, cfg.optimizer.adam_w_mode
-        self.state_format = make_state_format(fmt_name, adam_w)
+        # (AdamFp32 named here: tests swap in another fp32 layout through this module's name)
+        self.state_format = AdamFp32(adam_w) if fmt_name == "fp32" else make_state_format(fmt_name, adam_w)
         # the trainable parameters' state alone: a frozen one has none; a format whose home is not
         # proportional to its shard (small 8-bit shards kept fp32, sections aligned) gets the largest
         # small shard's home as slack a module
