@@ -168,8 +168,9 @@ def probe_disk(nvme_dir: str) -> dict[str, Any]:
     from pyinfinity.plan.rates import measure_disk
 
     try:
-        r, w, lat = measure_disk(nvme_dir, 256 << 20, 3)
-        return {"disk_read": r, "disk_write": w, "disk_latency": lat}
+        probe = measure_disk(nvme_dir, 256 << 20, 3)
+        return {"disk_read": probe.read, "disk_write": probe.write, "disk_latency": probe.latency,
+                "disk_duplex": probe.duplex}
     except OSError as exc:
         log.warning("disk rates at %s could not be measured (%s); disk bounds will be missing", nvme_dir, exc)
         return {"disk_read": 0.0, "disk_write": 0.0, "disk_error": str(exc)}

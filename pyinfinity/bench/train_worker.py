@@ -442,11 +442,16 @@ def run(spec: dict) -> dict:
         # the other timed steps paid for their predecessor's in their forward, so the timed steps
         # hold exactly one optimizer pass each on average (their median is the steady state for
         # three or more; the first has no predecessor, the last two passes)
+        io0 = proc_io()
         t = time.perf_counter()
         r.synchronize()
         _sync(device)
-        if per_step:
-            per_step[-1]["seconds"] = round(per_step[-1]["seconds"] + time.perf_counter() - t, 5)
+        io1 = proc_io()
+        if per_step:  # and its disk traffic in the last step's (an optimizer on disk reads and writes then)
+            last = per_step[-1]
+            last["seconds"] = round(last["seconds"] + time.perf_counter() - t, 5)
+            last["disk_read"] += io1[0] - io0[0]
+            last["disk_write"] += io1[1] - io0[1]
         res["steps"] = per_step
         res["peak_device_allocated"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         res["peak_rss"] = peak_rss()

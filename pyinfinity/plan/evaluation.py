@@ -19,7 +19,8 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     parameter the CPU steps at the measured rate of the optimizer state's format's kernel (which
     includes writing bf16 weights into a home in RAM; a home on disk or on the device, or another
     dtype, adds a cast pass from the fp32 master); the RAM part first, then the disk part
-    pipelined (read k+1 || step k || write k-1) with the parameter write-back. Serial after the
+    pipelined (read k+1 || step k || write k-1) with the parameter write-back, its reads and
+    writes at the disk's measured duplex share (``Rates.disk_duplex``) of the two one after the other. Serial after the
     last backward, unless the step overlaps it (``pyinfinity.overlap_step``,
     :attr:`TrainShape.overlap_step`): then the boundary
     micro-batch's backward (and recompute) hides up to its own length of it (on the CPU device
@@ -565,6 +566,8 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     disk_a = seg_a["param_disk_s"] + first_read
     disk_b = seg_b["state_s"] + seg_b["param_disk_s"] - first_read
     if knobs.pipeline:
+        # the pipeline's reads (shard k+1) run beside its writes (k-1): at the disk's duplex share
+        disk_b *= rates.disk_duplex
         backlog = max(0.0, disk_a - a)
         opt_phase = host + a + max(b, backlog + disk_b)
     else:

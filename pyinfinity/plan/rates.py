@@ -29,7 +29,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -127,6 +127,8 @@ class Rates:
     the compute thread does itself). disk_read/disk_write: one SwapEngine (one queue) on the swap
     directory; a request costs ``pieces(n) * disk_latency + n / rate`` (the engine splits it into
     ``block_size`` pieces, an unaligned tail is one more), disk_latency fitted from a one-page read.
+    disk_duplex: a read and a write of one size issued together, in seconds over the two issued one
+    after the other (the optimizer's disk pipeline overlaps its reads with its writes).
     memcpy: host memory bandwidth (gradient accumulation, cpu-tier write-back).
     adam, adam_8bit, adam_bf16: the CPU optimizer step of each state format (:meth:`adam_rate`).
     accumulate: params/s of the host's gradient add under accumulation (the engine's ``add_into`` of
@@ -143,6 +145,10 @@ class Rates:
     matmul: float
     memcpy: float
     disk_latency: float = 0.0  # seconds per I/O piece, on top of bytes / rate
+    # seconds of a read and a write of one size at once over the two one after the other (the
+    # pipelined optimizer reads shard k+1 while it writes k-1): 1.0 when not measured, down to 0.5
+    # for a disk whose reads and writes do not slow each other
+    disk_duplex: float = 1.0
     block_size: int = 1 << 20  # the aio block size the disk figures were measured with
     h2d_pageable: float = 0.0  # from pageable host memory (0: same as h2d); write-back to device homes
     adam_8bit: float = 0.0  # params/s of the 8-bit state's CPU step (0: not measured; the fp32 rate stands in)
@@ -165,7 +171,7 @@ class Rates:
     @classmethod
     def from_json(cls, d: dict) -> "Rates":
         keys = {k: d[k] for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
-                                  "disk_latency", "block_size", "h2d_pageable", "shard_overhead",
+                                  "disk_latency", "disk_duplex", "block_size", "h2d_pageable", "shard_overhead",
                                   "shard_step_overhead", "adam_8bit", "adam_bf16", "accumulate", "device", "source")
                 if k in d}
         return cls(**keys)
@@ -204,9 +210,10 @@ class Rates:
                 ("h2d_pageable", f"{(self.h2d_pageable or self.h2d) / g:.2f} GB/s"),
                 ("disk_read", f"{self.disk_read / g:.3f} GB/s"), ("disk_write", f"{self.disk_write / g:.3f} GB/s"),
                 ("disk_latency", f"{self.disk_latency * 1e3:.3f} ms per piece"),
+                ("disk_duplex", f"{self.disk_duplex:.2f} of read + write when both run"),
                 ("adam", f"{self.adam / 1e9:.3f} Gparam/s"), ("matmul", f"{self.matmul / 1e12:.3f} TFLOP/s"),
                 ("memcpy", f"{self.memcpy / g:.2f} GB/s")]
-        rows[7:7] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s") for k in ("adam_8bit", "adam_bf16", "accumulate")
+        rows[8:8] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s") for k in ("adam_8bit", "adam_bf16", "accumulate")
                      if getattr(self, k)]
         if self.shard_overhead or "shard_overhead" in self.source:
             rows.append(("shard_overhead", f"{self.shard_overhead * 1e6:.1f} us per shard"))
@@ -397,11 +404,22 @@ def measure_copies(device: Union[str, torch.device], nbytes: int = 256 << 20,
     return h2d, d2h, h2d_pg
 
 
+class DiskProbe(NamedTuple):
+    """One probe of a swap directory (:func:`measure_disk`)."""
+
+    read: float  # bytes/s
+    write: float  # bytes/s
+    latency: float  # seconds per I/O piece
+    duplex: float  # seconds of a read and a write at once over the two one after the other
+
+
 def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
-                 aio: Optional[dict] = None) -> tuple[float, float, float]:
-    """(read bytes/s, write bytes/s, seconds per I/O piece) of one SwapEngine on a file in
-    ``directory`` (removed afterwards). The per-piece cost is the time of a one-page read; the
-    rates are of a large transfer with its pieces' cost taken out (at most 95% of it).
+                 aio: Optional[dict] = None) -> DiskProbe:
+    """Read and write bytes/s, seconds per I/O piece and the duplex share of one SwapEngine on a
+    file in ``directory`` (removed afterwards). The per-piece cost is the time of a one-page read;
+    the rates are of a transfer of ``nbytes`` with its pieces' cost taken out (at most 95% of it);
+    the duplex share times a read of ``nbytes`` and a write of as many to the other half of the file
+    issued together, against the two alone (between the larger alone's share and 1).
 
     aio: the ``aio`` section to use (block_size, queue_depth, thread_count/intra_op_parallelism, backend).
     """
@@ -414,23 +432,33 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
         remove_created_dirs(made)
 
 
-def _measure_disk(directory: str, nbytes: int, reps: int, aio: dict) -> tuple[float, float, float]:
+def _measure_disk(directory: str, nbytes: int, reps: int, aio: dict) -> DiskProbe:
     from pyinfinity.swap import SwapEngine
     from pyinfinity.swap.tensor_swapper import aligned_empty
 
-    nbytes = disk_probe_size(directory, nbytes)
+    nbytes = disk_probe_size(directory, 2 * nbytes) // 2 // 4096 * 4096  # the file holds two halves
     path = os.path.join(directory, f".pyinfinity-rates-{os.getpid()}.bin")
     buf = aligned_empty(nbytes, torch.uint8)
     buf.random_(0, 256)
+    other = aligned_empty(nbytes, torch.uint8)
     page = buf[:4096]
     threads = aio.get("thread_count", aio.get("intra_op_parallelism"))
     eng = SwapEngine(backend=aio.get("backend"), block_size=aio.get("block_size"),
                      queue_depth=aio.get("queue_depth"), threads=threads)
     eng_block = eng.block_size
+
+    def both() -> None:
+        r = eng.read(other, path, 0)
+        w = eng.write(buf, path, nbytes)
+        r.wait()
+        w.wait()
+
     try:
-        eng.write(buf, path, 0).wait()  # allocate the file's blocks before timing
+        for off in (0, nbytes):  # allocate the file's blocks before timing
+            eng.write(buf, path, off).wait()
         w = _median_time(lambda: eng.write(buf, path, 0).wait(), reps, warmup=0)
         r = _median_time(lambda: eng.read(buf, path, 0).wait(), reps, warmup=1)
+        rw = _median_time(both, reps, warmup=1)
         lat = _median_time(lambda: eng.read(page, path, nbytes // 2).wait(), max(5, reps), warmup=1)
     finally:
         eng.close()
@@ -441,7 +469,8 @@ def _measure_disk(directory: str, nbytes: int, reps: int, aio: dict) -> tuple[fl
     block = int(aio.get("block_size") or eng_block)
     n = -(-nbytes // block)
     lat = min(lat, 0.95 * min(r, w) / n)
-    return nbytes / (r - n * lat), nbytes / (w - n * lat), lat
+    duplex = min(1.0, max(rw, r, w) / (r + w))
+    return DiskProbe(nbytes / (r - n * lat), nbytes / (w - n * lat), lat, duplex)
 
 
 def disk_probe_size(directory: str, nbytes: int) -> int:
@@ -560,7 +589,8 @@ def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
     aio = dict(d.get("aio") or {})
     if d.get("schema") == SCHEMA:
         out = {k: float(d[k]) for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
-                                        "disk_latency", "h2d_pageable", "adam_8bit", "adam_bf16", "accumulate")
+                                        "disk_latency", "disk_duplex", "h2d_pageable", "adam_8bit", "adam_bf16",
+                                        "accumulate")
                if isinstance(d.get(k), (int, float)) and (d[k] or not k.startswith(("adam_", "accumulate")))}
     elif isinstance(d.get("results"), list):
         best: dict[str, float] = {}
@@ -671,7 +701,7 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
     if "disk_read" not in vals or "disk_write" not in vals:
         if swap_dir:
             try:
-                r, w, lat = measure_disk(swap_dir, (32 << 20) if quick else (256 << 20), reps, aio)
+                probe = measure_disk(swap_dir, (128 << 20) if quick else (256 << 20), reps, aio)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC or exc.filename != swap_dir:
                     raise
@@ -679,9 +709,10 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                 log.warning("%s", exc.strerror)
                 _set_disk_preset(vals, source, DEFAULT_DISK, f"; not measured: {swap_dir} is nearly full")
             else:
-                vals.setdefault("disk_latency", lat)
-                vals.setdefault("disk_read", r)
-                vals.setdefault("disk_write", w)
+                vals.setdefault("disk_latency", probe.latency)
+                vals.setdefault("disk_read", probe.read)
+                vals.setdefault("disk_write", probe.write)
+                vals.setdefault("disk_duplex", probe.duplex)
         else:
             vals.setdefault("disk_read", 0.0)
             vals.setdefault("disk_write", 0.0)
@@ -691,7 +722,8 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
         source.setdefault(k, "probe")
     rates = Rates(h2d=vals["h2d"], d2h=vals["d2h"], disk_read=vals["disk_read"], disk_write=vals["disk_write"],
                   adam=vals["adam"], matmul=vals["matmul"], memcpy=vals["memcpy"],
-                  disk_latency=vals.get("disk_latency", 0.0), h2d_pageable=vals.get("h2d_pageable", 0.0),
+                  disk_latency=vals.get("disk_latency", 0.0), disk_duplex=vals.get("disk_duplex", 1.0),
+                  h2d_pageable=vals.get("h2d_pageable", 0.0),
                   adam_8bit=vals.get("adam_8bit", 0.0), adam_bf16=vals.get("adam_bf16", 0.0),
                   accumulate=vals.get("accumulate", 0.0), block_size=int(aio.get("block_size") or (1 << 20)),
                   device=str(dev), source=source)
@@ -745,4 +777,4 @@ __all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRE
            "DiskPreset", "disk_probe_size", "all_cpus", "ADAM_PROBE_NUMEL", "MEMCPY_PROBE_BYTES",
            "measure_decoder_compute", "decoder_probe_bytes", "measure_accumulate", "ACCUMULATE_PROBE_NUMEL",
            "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
-           "measure_disk", "load_rates_file"]
+           "measure_disk", "DiskProbe", "load_rates_file"]

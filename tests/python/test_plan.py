@@ -691,3 +691,40 @@ def test_the_probes_time_the_dtype_most_of_the_model_computes_in():
     assert run_dtype(plain, lora) == torch.bfloat16
     assert run_dtype(load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}}), lora) == torch.float16
     assert run_dtype(plain, _tiny_llama()) == torch.float32 and run_dtype(plain, None) == torch.float32
+
+
+def test_the_disk_probe_times_a_read_and_a_write_together(tmp_path):
+    """measure_disk times a read and a write issued at once against the two alone: the duplex share
+    lies between the larger alone's share and 1, and the probe leaves nothing in the directory."""
+    from pyinfinity.plan.rates import DiskProbe, measure_disk
+
+    probe = measure_disk(str(tmp_path), 4 << 20, reps=2)
+    assert isinstance(probe, DiskProbe)
+    assert probe.read > 0 and probe.write > 0 and probe.latency >= 0
+    assert 0.5 <= probe.duplex <= 1.0
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_the_pipelined_optimizers_disk_term_takes_the_disks_duplex_share(pipeline):
+    """With the optimizer's disk pipeline (reads of shard k+1 beside writes of k-1) the disk part
+    of the step costs the measured duplex share of its reads and writes one after the other;
+    without it the sum stays."""
+    from dataclasses import replace
+
+    from pyinfinity.plan import Knobs, evaluate
+
+    sizes = llama_sizes(LLAMA_1B, dtype="bf16")
+    serial = Rates(h2d=50e9, d2h=50e9, disk_read=1.5e9, disk_write=2.5e9, adam=3.4e9, matmul=600e12, memcpy=20e9,
+                   disk_latency=1e-4, device="cuda")
+    duplex = replace(serial, disk_duplex=0.8)
+    k = Knobs(param_device="cpu", optimizer_device="nvme", ratio=1.0, prefetch_bytes=1 << 30, pipeline=pipeline)
+    train = TrainShape(micro_batch=1, seq_len=512, checkpointing=True)
+    a = evaluate(sizes, train, _budgets(80 << 30, 1000 * GB), serial, k)
+    b = evaluate(sizes, train, _budgets(80 << 30, 1000 * GB), duplex, k)
+    if pipeline:
+        assert b.predicted.disk < a.predicted.disk
+        # the first shard's read waits alone; the rest of the pipeline's disk time scales
+        assert b.predicted.disk == pytest.approx(0.8 * a.predicted.disk, rel=0.05)
+    else:
+        assert b.predicted.disk == pytest.approx(a.predicted.disk)
