@@ -339,6 +339,17 @@ PYBIND11_MODULE(_C, m) {
       "Adam/AdamW over n fp32 parameters in one pass (addresses of contiguous host arrays; the gradient in "
       "fp32 or bf16, the new weights also written as bf16 to out_bf16 when it is not 0). Releases the GIL.");
   m.def(
+      "accumulate_grad",
+      [grad_type](std::uintptr_t dst, std::uintptr_t src, int gtype, std::size_t n, bool copy, int threads) {
+        const auto gt = grad_type(gtype, "accumulate_grad");
+        py::gil_scoped_release nogil;
+        pyinfinity::accumulate_grad(reinterpret_cast<float*>(dst), reinterpret_cast<const void*>(src), gt, n, copy,
+                                    threads);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("grad_type"), py::arg("n"), py::arg("copy"), py::arg("threads"),
+      "dst += src (dst = src with copy) over n elements: dst fp32, src fp32 (grad_type 0) or bf16 (1), addresses of "
+      "contiguous host arrays; the sums of torch's dst.add_(src) bit for bit. Releases the GIL.");
+  m.def(
       "adam_step_8bit",
       [hyper, grad_type, state8](std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
                                  std::uintptr_t exp_avg_scale, std::uintptr_t exp_avg_sq_scale, std::uintptr_t grad,

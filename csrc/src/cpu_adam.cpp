@@ -48,4 +48,37 @@ void adam_step(float* master, float* exp_avg, float* exp_avg_sq, const void* gra
   detail::parallel_chunks(n, threads, 64, run);  // chunks of whole cache lines of every array
 }
 
+namespace {
+
+inline float widen_bf16(std::uint16_t h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+}  // namespace
+
+void accumulate_grad(float* dst, const void* src, GradType src_type, std::size_t n, bool copy, int threads) {
+  PYINF_EXPECT(n == 0 || (dst && src), "accumulate_grad: null pointer");
+  auto run = [&](std::size_t b, std::size_t e) {
+    if (src_type == GradType::kBFloat16) {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+      if (copy) {
+        for (std::size_t i = b; i < e; ++i) dst[i] = widen_bf16(s[i]);
+      } else {
+        for (std::size_t i = b; i < e; ++i) dst[i] += widen_bf16(s[i]);
+      }
+    } else {
+      const auto* s = static_cast<const float*>(src);
+      if (copy) {
+        std::memcpy(dst + b, s + b, (e - b) * sizeof(float));
+      } else {
+        for (std::size_t i = b; i < e; ++i) dst[i] += s[i];
+      }
+    }
+  };
+  detail::parallel_chunks(n, threads, 16, run);  // whole cache lines of dst a chunk
+}
+
 }  // namespace pyinfinity

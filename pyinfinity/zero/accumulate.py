@@ -10,9 +10,11 @@ page faults and a second pass, every micro-batch. Here instead:
   with a GPU), taken in turn: the copy off the device of unit k+1 runs while unit k is added;
 * ``AccumulateWorker``: a thread that runs the adds in the order they were handed over, while
   backward goes on; a failure is kept and raised in the caller's thread at its next sync point;
-* ``add_into``: the add (or the first micro-batch's copy) ``ADD_CHUNK`` elements at a time through
-  a small fp32 scratch buffer, so no gradient-sized temporary is ever made; the same fp32 sums, bit
-  for bit, as one ``add_`` (each element is converted exactly and added once, in the same order).
+* ``add_into``: the add (or the first micro-batch's copy) in one pass of a C++ kernel for fp32 and
+  bf16 gradients (the GIL released, so the training thread's hooks run beside it), else
+  ``ADD_CHUNK`` elements at a time through a small fp32 scratch buffer; no gradient-sized temporary
+  is ever made, and the fp32 sums are those of one ``add_``, bit for bit (each element is
+  converted exactly and added once).
 """
 from __future__ import annotations
 
@@ -35,12 +37,16 @@ ADD_CHUNK = 1 << 20
 WAIT_STUCK_S = 600.0  # a wait for a staging slot or for the worker gives up (TimeoutError) after this long
 
 
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # sources _C.accumulate_grad reads (its grad_type codes)
+
+
 def add_into(dst: torch.Tensor, src: torch.Tensor, *, copy: bool, scratch: Optional[torch.Tensor] = None,
              squares: Optional[list] = None) -> None:
     """``dst += src`` (``dst = src`` with ``copy``) for a flat fp32 ``dst`` and a flat ``src`` of any
-    floating dtype and the same length, ``ADD_CHUNK`` elements at a time. A source of another dtype
-    goes through ``scratch`` (fp32, at least ``ADD_CHUNK`` elements; made here when None), never a
-    temporary of its own size. With ``squares`` (a list), the sum of squares of each finished chunk
+    floating dtype and the same length. On the CPU an fp32 or bf16 source goes through the C++
+    kernel (``_C.accumulate_grad``: one pass, torch's intra-op threads, the GIL released); another
+    goes ``ADD_CHUNK`` elements at a time through ``scratch`` (fp32, at least ``ADD_CHUNK``
+    elements; made here when None), never a temporary of its own size. With ``squares`` (a list), the sum of squares of each finished chunk
     of ``dst`` is appended (a BLAS dot, read while the chunk is hot; ``norm_of_squares`` gives the
     whole's L2 norm: closer to the exact value than one fp32 ``vector_norm`` of the whole, 1e-5
     relative off at 1M elements)."""
@@ -51,6 +57,17 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, *, copy: bool, scratch: Optio
         dst.copy_(src) if copy else dst.add_(src)
         if squares is not None:
             squares.append(torch.dot(dst, dst))
+        return
+    if (src.dtype in _KERNEL_DTYPES and dst.dtype == torch.float32 and src.device.type == "cpu"
+            and dst.is_contiguous() and src.is_contiguous()):
+        # the C++ pass: one read of each array, on torch's intra-op threads, without the GIL (the
+        # training thread's hooks keep running beside it)
+        from pyinfinity import _C
+
+        _C.accumulate_grad(dst.data_ptr(), src.data_ptr(), _KERNEL_DTYPES[src.dtype], n, copy,
+                           torch.get_num_threads())
+        if squares is not None:  # the same chunks' dots as the loop below takes
+            squares.extend(torch.dot(dst[a:a + ADD_CHUNK], dst[a:a + ADD_CHUNK]) for a in range(0, n, ADD_CHUNK))
         return
     convert = src.dtype != dst.dtype and not copy
     if convert and (scratch is None or scratch.numel() < min(n, ADD_CHUNK)):

@@ -49,6 +49,37 @@ def test_add_into_is_one_add_bit_for_bit(n, dtype):
     torch.testing.assert_close(norm_of_squares(squares), exact, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kernel_adds_as_torch_does_on_any_threads_and_keeps_nan_and_inf(dtype):
+    """fp32 and bf16 sources go through _C.accumulate_grad (one pass, the GIL released): on 1 or 2
+    threads, a strided source (the chunked path) and torch's own add give the same bits, NaN and
+    infinities included."""
+    from pyinfinity import _C
+
+    n = 3 * (1 << 16) + 5  # several of the kernel's chunks
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(n, generator=g).to(dtype)
+    src[[0, 17, n - 1]] = torch.tensor([float("nan"), float("inf"), float("-inf")]).to(dtype)
+    base = torch.randn(n, generator=g)
+    want = base + src.float()
+    was = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            dst = base.clone()
+            add_into(dst, src, copy=False)
+            assert torch.equal(dst.nan_to_num(7.0), want.nan_to_num(7.0)) and dst.isnan().sum() == 1
+    finally:
+        torch.set_num_threads(was)
+    strided = torch.stack([src, src]).t()[:, 0]  # not contiguous: the chunked path
+    dst = base.clone()
+    add_into(dst, strided, copy=False)
+    assert torch.equal(dst.nan_to_num(7.0), want.nan_to_num(7.0))
+    out = torch.empty(n)
+    _C.accumulate_grad(out.data_ptr(), src.data_ptr(), 1 if dtype == torch.bfloat16 else 0, n, True, 2)
+    assert torch.equal(out.nan_to_num(7.0), src.float().nan_to_num(7.0))
+
+
 def test_add_into_makes_no_gradient_sized_temporary():
     """torch's fp32.add_(bf16) on the CPU converts the whole source first; add_into never allocates
     more than one chunk (nothing with a scratch buffer given)."""

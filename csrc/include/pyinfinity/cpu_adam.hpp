@@ -104,6 +104,13 @@ void adam_step_bf16(std::uint16_t* param, std::uint16_t* exp_avg, std::uint16_t*
                     GradType grad_type, std::size_t n, const AdamHyper& hyper, int threads,
                     CpuIsa isa = CpuIsa::kAuto);
 
+// ----------------------------------------------------------------------------- accumulation
+
+// dst[i] += src[i] (dst[i] = src[i] with copy) over n elements: dst fp32, src of src_type (a bf16
+// value widened exactly). One pass over both arrays, no temporary; each element is converted and
+// added once, so the sums are those of torch's dst.add_(src) bit for bit, for any threads.
+void accumulate_grad(float* dst, const void* src, GradType src_type, std::size_t n, bool copy, int threads);
+
 // ----------------------------------------------------------------------------- conversions
 
 // bf16 <-> fp32 as torch converts (round to nearest even; NaN stays NaN).
