@@ -145,11 +145,13 @@ class ModelSizes:
     def flops_per_step(self, micro_batch: int, seq: int, checkpointing: bool) -> float:
         """Matmul FLOPs of one micro-batch's forward + backward (+ recompute with checkpointing):
         (6 or 8) x weights x tokens, plus causal attention scores (2·seq·h per token and layer
-        forward, the causal half of 4·seq·h)."""
+        forward, the causal half of 4·seq·h). A frozen weight's backward makes no weight gradient:
+        one pass fewer for the frozen share of the parameters (a LoRA run's base)."""
         tokens = micro_batch * seq
         passes = 4.0 if checkpointing else 3.0
+        frozen = 1.0 - self.trainable_numel / self.numel if self.numel else 0.0
         attn = 2.0 * seq * self.hidden * self.layers
-        return passes * (self.flops_per_token + attn) * tokens
+        return ((passes - frozen) * self.flops_per_token + passes * attn) * tokens
 
 
 # --------------------------------------------------------------------------- from a module

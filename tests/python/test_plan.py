@@ -728,3 +728,17 @@ def test_the_pipelined_optimizers_disk_term_takes_the_disks_duplex_share(pipelin
         assert b.predicted.disk == pytest.approx(0.8 * a.predicted.disk, rel=0.05)
     else:
         assert b.predicted.disk == pytest.approx(a.predicted.disk)
+
+
+def test_a_frozen_weights_backward_makes_no_weight_gradient_flops():
+    """The FLOPs of a step: 8 x weights x tokens with checkpointing when everything trains (forward,
+    recompute, the input and the weight gradients); a frozen base skips its weight gradients, so
+    a LoRA run's step is about 7/8 of the full fine-tune's matmul work (attention scores unchanged)."""
+    from dataclasses import replace
+
+    full = llama_sizes(LLAMA_1B, dtype="bf16")
+    frozen = replace(full, shard_trainable=[False] * len(full.shard_numels))
+    attn = 2.0 * 1024 * full.hidden * full.layers * 4 * 1024
+    assert full.flops_per_step(4, 1024, True) == pytest.approx(4 * (full.flops_per_token * 4 * 1024) + 4 * attn)
+    assert frozen.flops_per_step(4, 1024, True) == pytest.approx(3 * (full.flops_per_token * 4 * 1024) + 4 * attn)
+    assert frozen.flops_per_step(4, 1024, False) == pytest.approx(2 * (full.flops_per_token * 4 * 1024) + 3 * attn)
