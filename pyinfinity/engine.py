@@ -123,6 +123,13 @@ def _log_overlap_off(why: str) -> None:
         log.info("auto: pyinfinity.overlap_step = false (%s)", why)
 
 
+def _planned(decisions: list, prefetch_key: str, live_key: str) -> tuple[bool, bool]:
+    """Whether the plan decided the prefetch bytes and the live-parameter cap (a user's own values
+    never grow)."""
+    keys = {d.key for d in decisions}
+    return prefetch_key in keys, live_key in keys
+
+
 def _recomputes_activations(model: nn.Module) -> bool:
     """Whether a transformers model has activation checkpointing on (the planner's activation estimate)."""
     import warnings
@@ -217,7 +224,9 @@ class Engine:
             self.state = TrainingState(model, cfg, self.device, sizes, device_memory=self.device_memory,
                                        lr_scheduler=lr_scheduler, materialize=self.weights,
                                        background=self._overlap_mode == "on", plan_sizes=plan_sizes,
-                                       checkpointing=checkpointing, device_base=device_base)
+                                       checkpointing=checkpointing, device_base=device_base,
+                                       grow_prefetch=_planned(decisions, "zero_optimization.stage3_prefetch_bucket_size",
+                                                              "zero_optimization.stage3_max_live_parameters"))
         except torch.OutOfMemoryError as exc:  # placing the model (persistent shards, resident units, buffers)
             from pyinfinity.plan.charges import PlanError
 

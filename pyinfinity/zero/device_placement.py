@@ -9,7 +9,9 @@ back the planner's estimate of a step's charges (``plan.charges.DeviceCharges``)
 training forward refuses a micro-batch x sequence that cannot fit even with nothing resident;
 after each step a measured peak past ``SHRINK_AT`` of the budget gives up prefetch, device
 optimizer state, device accumulators and resident units until the charges are back under the
-planner's target; an out-of-memory error in forward or backward gives all of it up.
+planner's target; an out-of-memory error in forward or backward gives all of it up. The other
+way, a peak that left room under that target lets a planned prefetch grow into it (the
+planner's activation estimate errs high: the measured peak is what a step held).
 """
 from __future__ import annotations
 
@@ -32,6 +34,11 @@ log = logging.getLogger(__name__)
 # (prefetch, device optimizer state, device accumulators, resident units) until the charges are back under the
 # planner's target (1 - DEVICE_HEADROOM of the budget)
 SHRINK_AT = 0.95
+# a planned prefetch grows into the room a step's measured peak left under the planner's target, up
+# to this many of the largest offloaded unit or decoder block on a GPU (2 on the CPU device: the
+# planner's own caps), in steps of at least PREFETCH_GROW_MIN bytes (a quarter unit when smaller)
+PREFETCH_GROW_UNITS = 4
+PREFETCH_GROW_MIN = 32 << 20
 
 
 class DevicePlacement:
@@ -46,7 +53,7 @@ class DevicePlacement:
                  device_memory: Optional[int], *, resident_bytes: Any, device_optimizer_bytes: Any,
                  accumulation: int, device_accumulator_bytes: Any = 0, drain: Callable[[str], None],
                  plan_sizes: Any = None,
-                 checkpointing: bool = False) -> None:
+                 checkpointing: bool = False, grow_prefetch: tuple[bool, bool] = (False, False)) -> None:
         self.partition = partition
         self.optimizer = optimizer
         self.homes = homes
@@ -68,6 +75,11 @@ class DevicePlacement:
         self.device_grad_bytes = 0  # the fp32 gradient accumulators on the device
         self.gave_up: list[str] = []  # what budget overflows took from the placement, in order
         self.grad_buffers = 0
+        # the planner sized prefetch from its estimate of the step's charges: a measured peak with room
+        # under the budget's target lets it grow (never one the user set), up to PREFETCH_GROW_UNITS
+        # of the largest offloaded unit; (prefetch bytes planned, live-parameter cap planned)
+        self.grow_prefetch, self.grow_live = grow_prefetch
+        self.prefetch_grown = 0
 
     # ------------------------------------------------------------------------- placing
     def keep_resident(self, shards: Optional[list[FlatShard]] = None) -> None:
@@ -193,6 +205,7 @@ class DevicePlacement:
             peak, reserved = budget.step_peak, budget.step_peak
         budget.reset_step_peak()
         if not cap or peak <= SHRINK_AT * cap:
+            self._grow_prefetch(peak)
             coord.prefetch_high = 0
             return
         gave = self.give_up(peak - int((1 - DEVICE_HEADROOM) * cap))
@@ -205,6 +218,37 @@ class DevicePlacement:
                     "device budget: the step's peak was %s of %s (allocator reserved %s): gave up %s%s",
                     format_size(peak), format_size(cap), format_size(reserved), "; ".join(gave),
                     "" if first else f" (in all: {'; '.join(self.gave_up)})")
+
+    def _grow_prefetch(self, peak: int) -> None:
+        """After a step whose measured device peak left room under the planner's target (1 -
+        DEVICE_HEADROOM of the budget) and fetched ahead: a planned prefetch grows by that room,
+        less the part of the current prefetch the step did not use, up to PREFETCH_GROW_UNITS of the largest offloaded unit. The planner's activation estimate is
+        conservative; the peak is what the step held. Not once the placement gave something up
+        (the two would take turns)."""
+        from pyinfinity.plan.charges import DEVICE_HEADROOM
+
+        coord = self._coordinator()
+        if not (self.grow_prefetch and coord.prefetch_enabled and self.device_memory) or self.gave_up:
+            return
+        if coord.prefetch_high == 0:  # nothing was fetched ahead (a first step has no trace yet)
+            return
+        unit = max((sh.nbytes for sh in self.partition.shards if not sh.persistent), default=0)
+        sizes = self.plan_sizes
+        block = max(unit, sizes.block_bytes if sizes is not None else 0)  # the planner's cap is of the larger
+        limit = (PREFETCH_GROW_UNITS if self.device.type == "cuda" else 2) * block
+        unused = max(0, coord.prefetch_bytes - coord.prefetch_high)
+        room = int((1 - DEVICE_HEADROOM) * self.device_memory) - peak - unused
+        add = min(room, limit - coord.prefetch_bytes)
+        if add < min(PREFETCH_GROW_MIN, unit // 4) or add <= 0:
+            return
+        before = coord.prefetch_bytes
+        coord.prefetch_bytes += add
+        if coord.max_live_elements is not None and self.grow_live:  # planned from the prefetch: grows alike
+            itemsize = max((sh.dtype.itemsize for sh in self.partition.shards), default=1)
+            coord.max_live_elements += add // itemsize
+        self.prefetch_grown += add
+        log.info("device budget: the step's peak was %s of %s: prefetch %s -> %s", format_size(peak),
+                 format_size(self.device_memory), format_size(before), format_size(coord.prefetch_bytes))
 
     def budget_exceeded(self, where: str, oom: str) -> DeviceBudgetExceeded:
         """After an out-of-memory error in forward or backward with no unit stepped: the step's

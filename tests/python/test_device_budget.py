@@ -305,6 +305,40 @@ def test_a_peak_under_the_budget_changes_nothing(tiny_lm, lm_batches, engine_con
         assert eng.resident_bytes == before and not eng.state.placement.gave_up
 
 
+def test_a_planned_prefetch_grows_into_the_room_a_measured_peak_left_and_a_set_one_never(tiny_lm, lm_batches,
+                                                                                          engine_config, caplog):
+    """The planner charges a working set and prefetch the step does not hold at once: the measured
+    peak leaves room under the budget's target, and a prefetch the planner sized grows into it
+    (not after the first step, whose fetches are on demand), stays under SHRINK_AT and changes no
+    result. A prefetch the config sets is never changed."""
+    batches = lm_batches(5)
+    cap = 20 << 10
+
+    def run(prefetch):
+        cfg = _cfg(engine_config, resident=0, device_memory=cap)
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch
+        with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+            planned = eng.coordinator.prefetch_bytes
+            peaks, sizes = [], []
+            losses = []
+            for b in batches:
+                losses += train_steps(eng, [b])
+                peaks.append(eng.coordinator.budget.peak)
+                sizes.append(eng.coordinator.prefetch_bytes)
+            assert not eng.state.placement.gave_up
+            return planned, sizes, peaks, losses, eng.state.placement.prefetch_grown
+
+    with caplog.at_level(logging.INFO, logger="pyinfinity.zero.device_placement"):
+        planned, sizes, peaks, got, grown = run("auto")
+    assert sizes[0] == planned  # the first step fetched on demand: its peak says nothing of prefetch
+    assert grown > 0 and sizes[-1] == planned + grown > planned, sizes
+    assert max(peaks) <= SHRINK_AT * cap, (peaks, cap)
+    assert any("prefetch" in r.getMessage() and "device budget" in r.getMessage() for r in caplog.records)
+    set_planned, set_sizes, _, want, set_grown = run(planned)
+    assert set_grown == 0 and set(set_sizes) == {planned} == {set_planned}
+    assert got == want
+
+
 # ----------------------------------------------------------------------------- on a GPU
 
 
