@@ -101,7 +101,10 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
             sizes, train, budgets, rates, replace(k, resident_bytes=res, optimizer_step_device=step_on), fixed,
             persistent, acts)
     if fixed.max_live is None:
-        k.max_live = max(1, (persistent + working + k.prefetch_bytes) // isz)
+        # elements the coordinator may hold at once (it counts resident units too), at the narrowest
+        # dtype the shards have (a LoRA run's bf16 base beside fp32 adapters)
+        elem = min(sizes.shard_itemsizes or [isz])
+        k.max_live = max(1, (persistent + k.resident_bytes + working + k.prefetch_bytes) // elem)
     if fixed.param_buffer_size is None:
         k.param_buffer_size = max(1, sizes.largest_shard_bytes)
     if fixed.param_buffer_count is None:

@@ -244,7 +244,7 @@ class DevicePlacement:
         before = coord.prefetch_bytes
         coord.prefetch_bytes += add
         if coord.max_live_elements is not None and self.grow_live:  # planned from the prefetch: grows alike
-            itemsize = max((sh.dtype.itemsize for sh in self.partition.shards), default=1)
+            itemsize = min((sh.dtype.itemsize for sh in self.partition.shards if not sh.persistent), default=1)
             coord.max_live_elements += add // itemsize
         self.prefetch_grown += add
         log.info("device budget: the step's peak was %s of %s: prefetch %s -> %s", format_size(peak),

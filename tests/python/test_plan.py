@@ -742,3 +742,27 @@ def test_a_frozen_weights_backward_makes_no_weight_gradient_flops():
     assert full.flops_per_step(4, 1024, True) == pytest.approx(4 * (full.flops_per_token * 4 * 1024) + 4 * attn)
     assert frozen.flops_per_step(4, 1024, True) == pytest.approx(3 * (full.flops_per_token * 4 * 1024) + 4 * attn)
     assert frozen.flops_per_step(4, 1024, False) == pytest.approx(2 * (full.flops_per_token * 4 * 1024) + 3 * attn)
+
+
+def test_the_live_parameter_cap_counts_resident_units_at_the_narrowest_dtype():
+    """stage3_max_live_parameters caps the coordinator's prefetch by the elements not released, the
+    resident units included: the planned cap covers resident units, the working set and the
+    prefetch, counted at the base's 2 bytes an element when fp32 adapters sit beside a bf16 base
+    (at 4 it halved the cap and no decoder layer was ever fetched ahead)."""
+    from dataclasses import replace
+
+    from pyinfinity.plan import solve
+    from pyinfinity.plan.charges import working_set_bytes
+
+    base = llama_sizes(LLAMA_1B, dtype="bf16")
+    n = len(base.shard_numels)
+    lora = replace(base, itemsize=4, shard_itemsizes=[2] * n, act_itemsize=2,
+                   shard_trainable=[m == min(base.shard_numels) for m in base.shard_numels])
+    rates = Rates(h2d=55e9, d2h=55e9, disk_read=0.0, disk_write=0.0, adam=3.9e9, matmul=6.4e14, memcpy=38e9,
+                  device="cuda:0")
+    train = TrainShape(micro_batch=4, seq_len=1024, checkpointing=True)
+    p = solve(lora, train, Budgets(device_memory=4 << 30, host_memory=100 << 30, swap=[]), rates)
+    k = p.knobs
+    assert 0 < k.resident_bytes < lora.param_bytes and k.prefetch_bytes > 0, p.table()
+    held = k.resident_bytes + working_set_bytes(lora, train) + k.prefetch_bytes
+    assert k.max_live * 2 >= held  # at 4 bytes an element the cap would be about held / 4
