@@ -123,13 +123,6 @@ def _log_overlap_off(why: str) -> None:
         log.info("auto: pyinfinity.overlap_step = false (%s)", why)
 
 
-def _planned(decisions: list, prefetch_key: str, live_key: str) -> tuple[bool, bool]:
-    """Whether the plan decided the prefetch bytes and the live-parameter cap (a user's own values
-    never grow)."""
-    keys = {d.key for d in decisions}
-    return prefetch_key in keys, live_key in keys
-
-
 def _recomputes_activations(model: nn.Module) -> bool:
     """Whether a transformers model has activation checkpointing on (the planner's activation estimate)."""
     import warnings
@@ -202,6 +195,7 @@ class Engine:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
         self.config = cfg
         self.auto_decisions = decisions
+        planned = {d.key for d in decisions}
         self.module = model
         self._overlap_mode = _resolve_overlap_step(cfg, self.device)
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
@@ -225,8 +219,9 @@ class Engine:
                                        lr_scheduler=lr_scheduler, materialize=self.weights,
                                        background=self._overlap_mode == "on", plan_sizes=plan_sizes,
                                        checkpointing=checkpointing, device_base=device_base,
-                                       grow_prefetch=_planned(decisions, "zero_optimization.stage3_prefetch_bucket_size",
-                                                              "zero_optimization.stage3_max_live_parameters"))
+                                       # what the plan sized may grow with the measured peak, a user's own values never
+                                       grow_prefetch="zero_optimization.stage3_prefetch_bucket_size" in planned,
+                                       grow_live="zero_optimization.stage3_max_live_parameters" in planned)
         except torch.OutOfMemoryError as exc:  # placing the model (persistent shards, resident units, buffers)
             from pyinfinity.plan.charges import PlanError
 

@@ -46,10 +46,11 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, *, copy: bool, scratch: Optio
     floating dtype and the same length. On the CPU an fp32 or bf16 source goes through the C++
     kernel (``_C.accumulate_grad``: one pass, torch's intra-op threads, the GIL released); another
     goes ``ADD_CHUNK`` elements at a time through ``scratch`` (fp32, at least ``ADD_CHUNK``
-    elements; made here when None), never a temporary of its own size. With ``squares`` (a list), the sum of squares of each finished chunk
-    of ``dst`` is appended (a BLAS dot, read while the chunk is hot; ``norm_of_squares`` gives the
-    whole's L2 norm: closer to the exact value than one fp32 ``vector_norm`` of the whole, 1e-5
-    relative off at 1M elements)."""
+    elements; made here when None), never a temporary of its own size. With ``squares`` (a list),
+    the sum of squares of each ``ADD_CHUNK`` chunk of the result is appended (a BLAS dot; the
+    chunked path reads it while the chunk is hot; ``norm_of_squares`` gives the whole's L2 norm:
+    closer to the exact value than one fp32 ``vector_norm`` of the whole, 1e-5 relative off at 1M
+    elements)."""
     n = dst.numel()
     if src.numel() != n:
         raise ValueError(f"add_into: {src.numel()} elements into {n}")

@@ -53,7 +53,7 @@ class DevicePlacement:
                  device_memory: Optional[int], *, resident_bytes: Any, device_optimizer_bytes: Any,
                  accumulation: int, device_accumulator_bytes: Any = 0, drain: Callable[[str], None],
                  plan_sizes: Any = None,
-                 checkpointing: bool = False, grow_prefetch: tuple[bool, bool] = (False, False)) -> None:
+                 checkpointing: bool = False, grow_prefetch: bool = False, grow_live: bool = False) -> None:
         self.partition = partition
         self.optimizer = optimizer
         self.homes = homes
@@ -75,10 +75,9 @@ class DevicePlacement:
         self.device_grad_bytes = 0  # the fp32 gradient accumulators on the device
         self.gave_up: list[str] = []  # what budget overflows took from the placement, in order
         self.grad_buffers = 0
-        # the planner sized prefetch from its estimate of the step's charges: a measured peak with room
-        # under the budget's target lets it grow (never one the user set), up to PREFETCH_GROW_UNITS
-        # of the largest offloaded unit; (prefetch bytes planned, live-parameter cap planned)
-        self.grow_prefetch, self.grow_live = grow_prefetch
+        # the planner sized prefetch (and the live-parameter cap) from its estimate of the step's
+        # charges: a measured peak with room under the budget's target lets them grow (_grow_prefetch)
+        self.grow_prefetch, self.grow_live = grow_prefetch, grow_live
         self.prefetch_grown = 0
 
     # ------------------------------------------------------------------------- placing
@@ -222,9 +221,10 @@ class DevicePlacement:
     def _grow_prefetch(self, peak: int) -> None:
         """After a step whose measured device peak left room under the planner's target (1 -
         DEVICE_HEADROOM of the budget) and fetched ahead: a planned prefetch grows by that room,
-        less the part of the current prefetch the step did not use, up to PREFETCH_GROW_UNITS of the largest offloaded unit. The planner's activation estimate is
-        conservative; the peak is what the step held. Not once the placement gave something up
-        (the two would take turns)."""
+        less the part of the current prefetch the step did not use, up to the planner's own cap
+        (PREFETCH_GROW_UNITS of the largest offloaded unit or block); a planned live-parameter cap
+        grows alike. The planner's activation estimate is conservative; the peak is what the step
+        held. Not once the placement gave something up (the two would take turns)."""
         from pyinfinity.plan.charges import DEVICE_HEADROOM
 
         coord = self._coordinator()

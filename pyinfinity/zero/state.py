@@ -75,7 +75,7 @@ class TrainingState:
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, sizes: ModelSizes, *,
                  device_memory: Optional[int] = None, lr_scheduler: Any = None, materialize: Any = None,
                  background: bool = False, plan_sizes: Any = None, checkpointing: bool = False,
-                 device_base: int = 0, grow_prefetch: tuple[bool, bool] = (False, False)) -> None:
+                 device_base: int = 0, grow_prefetch: bool = False, grow_live: bool = False) -> None:
         self._closed = True
         self._finalizer: Any = None
         self.config = cfg
@@ -174,7 +174,8 @@ class TrainingState:
                                              device_accumulator_bytes=cfg.pyinfinity.device_accumulator_bytes,
                                              accumulation=self.gradient_accumulation_steps,
                                              drain=_weakly(self.drain), plan_sizes=plan_sizes,
-                                             checkpointing=checkpointing, grow_prefetch=grow_prefetch)
+                                             checkpointing=checkpointing, grow_prefetch=grow_prefetch,
+                                             grow_live=grow_live)
             self.placement.keep_resident(self.partition.shards if self._param_tier == Tier.GPU else None)
             self.placement.place_device_states()
             self.placement.place_device_accumulators()
