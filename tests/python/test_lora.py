@@ -668,3 +668,27 @@ def test_on_a_gpu_the_cli_trains_lora_and_its_export_loads(model_dirs, data_file
     assert "cuda:" in p.stdout + p.stderr
     model = peft.PeftModel.from_pretrained(_base(path).cuda(), out)
     assert all(t.is_cuda for t in model.parameters())
+
+
+def test_plan_places_a_70b_lora_base_on_100gib_of_ram_and_a_64gib_disk(tmp_path):
+    """The Llama-2-70B preset with r = 16 adapters on an 8 GiB GPU, 100 GiB of RAM and a 64 GiB
+    disk: its 138 GB bf16 base does not fit the RAM, so the plan splits it between RAM and the disk
+    (at 2 bytes a frozen parameter: no gradient, master or optimizer state for it), within both,
+    and predicts a step."""
+    out = tmp_path / "p70.json"
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    p = _cli("plan", "--model-size", "70b", "--lora", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj",
+             "--gpu-memory", "8GiB", "--cpu-memory", "100GiB", "--nvme", str(swap), "--nvme-free", "64GiB",
+             "--micro-batch", "1", "--seq-len", "1024", "--checkpointing", "--link", "h200-sxm", "--tflops", "680",
+             "--disk", "nvme-gen4", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    params, optim = plan["placement"]["params"], plan["placement"]["optimizer"]
+    base = 69_000_000_000 * 2
+    assert params["ram"] > 0.5 * base and params["disk"] > 0.1 * base, params
+    assert params["ram"] + params["disk"] + params["device"] >= base
+    assert params["ram"] + optim["ram"] <= 100 << 30 and params["disk"] + optim["disk"] <= 64 << 30
+    assert sum(optim.values()) < 1 << 30  # the adapters' state alone
+    assert plan["placement"]["predicted"]["total"] > 0
+    assert "parameters split" in p.stdout + p.stderr
