@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from pyinfinity.bench.train_bound import (adam_rate_for, adam_rate_key, best_disk_rates, bound, measure_bound_rates,
-                                          measure_matmul_rate, optimizer_state, optimizer_state_bytes,
-                                          optimizer_state_format, probe_disk, tier_fractions, uses_disk)
+                                          measure_matmul_rate, optimizer_state, optimizer_state_bytes, probe_disk,
+                                          tier_fractions, uses_disk)
 from pyinfinity.bench.train_matrix import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
                                            DEFAULT_SYSTEMS_LORA, PEERS, SCHEMA, SIZES, BenchTrainError, SystemSpec,
                                            base_system, lora_spec, model_fields, parse_system, parse_systems,
@@ -378,7 +378,7 @@ __all__ = ["Settings", "run_bench", "run_one", "plan_runs", "check_configs",
            "SCHEMA", "SIZES", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "DEFAULT_SYSTEMS_LORA",
            "PEERS", "DEEPSPEED_DEFAULTS", "lora_spec",
            "BenchTrainError", "SystemSpec", "parse_system", "parse_systems", "base_system", "model_fields", "size_facts",
-           "tier_fractions", "bound", "optimizer_state", "optimizer_state_bytes", "optimizer_state_format",
+           "tier_fractions", "bound", "optimizer_state", "optimizer_state_bytes",
            "measure_bound_rates", "probe_disk", "best_disk_rates",
            "uses_disk",
            "measure_matmul_rate", "load_results", "save_results", "latest_runs", "below_bound", "usable",

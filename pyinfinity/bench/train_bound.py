@@ -81,11 +81,6 @@ def optimizer_state_bytes(spec: dict[str, Any]) -> float:
     return optimizer_state(spec)[1]
 
 
-def optimizer_state_format(spec: dict[str, Any]) -> str:
-    """The CPU step kernel of the run's optimizer-state format (``optimizer_state``)."""
-    return optimizer_state(spec)[0]
-
-
 def adam_rate_for(rates: dict[str, Any], state_format: str) -> float:
     """``state_format``'s CPU Adam rate from ``measure_bound_rates``' figures; a compressed
     format's kernel is probed the first time a run uses it and kept in ``rates``."""
@@ -108,7 +103,7 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
     """The analytic lower bound of one optimizer step (see the module's docstring), term by term.
     ``facts["flops_per_step"]`` is the whole optimizer step's (every micro-batch); ``state_bytes``
     the run's optimizer state a parameter (``optimizer_state_bytes``); ``state_format`` its CPU
-    kernel (``optimizer_state_format``), whose rate in ``rates`` the CPU Adam term takes."""
+    kernel (the first of ``optimizer_state``), whose rate in ``rates`` the CPU Adam term takes."""
     system = base_system(system)
     n, pb = facts["params"], facts["param_bytes"]
     frozen = facts.get("frozen_bytes", 0)  # LoRA: the base's bytes (no gradient, never written)

@@ -20,9 +20,9 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     includes writing bf16 weights into a home in RAM; a home on disk or on the device, or another
     dtype, adds a cast pass from the fp32 master); the RAM part first, then the disk part
     pipelined (read k+1 || step k || write k-1) with the parameter write-back, its reads and
-    writes at the disk's measured duplex share (``Rates.disk_duplex``) of the two one after the other. Serial after the
-    last backward, unless the step overlaps it (``pyinfinity.overlap_step``,
-    :attr:`TrainShape.overlap_step`): then the boundary
+    writes at the disk's measured duplex share (``Rates.disk_duplex``) of the two one after the
+    other. Serial after the last backward, unless the step overlaps it
+    (``pyinfinity.overlap_step``, :attr:`TrainShape.overlap_step`): then the boundary
     micro-batch's backward (and recompute) hides up to its own length of it (on the CPU device
     only the disk part: Adam would compete for the cores), and at least the largest shard's share
     stays visible (it is often the embedding, the last to get its gradient). With gradient

@@ -395,7 +395,9 @@ def test_the_disk_term_charges_the_run_s_optimizer_state_format():
 def test_the_cpu_adam_term_takes_the_rate_of_the_run_s_state_format():
     """The 8-bit kernel steps faster than the fp32 one (fewer bytes a parameter): an 8bit run bounded by
     the fp32 rate ran below its bound on the H200 box. Each format's term takes its own probe's rate."""
-    fmt = bt.optimizer_state_format
+    def fmt(spec):
+        return bt.optimizer_state(spec)[0]
+
     assert fmt(_spec("pyinfinity-auto")) == "fp32"
     assert fmt(_spec("pyinfinity-auto", {"optimizer_state": "8bit"})) == "8bit"
     assert fmt(_spec("pyinfinity-auto", BF16_KEYS)) == "bf16"
