@@ -17,7 +17,7 @@ model in ``evaluation``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Optional, Sequence
 
 from pyinfinity.config_values import STATE_FORMATS, StateFormat
@@ -67,7 +67,12 @@ def _optimizer_split(sizes: ModelSizes, ram_bytes: int, state: StateFormat = STA
 
 
 def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, k: Knobs, fixed: Fixed) -> Knobs:
-    """Sizes the buffers of ``k`` from the device budget (those the user did not fix)."""
+    """Sizes the buffers of ``k`` from the device budget (those the user did not fix), beside the
+    values the user fixed (a persistence threshold, a prefetch bucket: each charged as given)."""
+    for f in fields(fixed):
+        v = getattr(fixed, f.name)
+        if v is not None and hasattr(k, f.name):
+            setattr(k, f.name, v)
     isz = sizes.itemsize
     acts = activation_charge(sizes, train)
     if fixed.persistence_threshold is None:
@@ -169,11 +174,27 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
     """Knob sets to evaluate: every parameter/optimizer tier split the config leaves open (parameters
     in RAM by whole shards on a grid of ``steps``, the optimizer state given the RAM that is left)."""
     bases = [_fill(sizes, train, budgets, rates, Knobs(), fixed)]
-    alt = _accumulators_first(sizes, train, budgets, rates, fixed, bases[0])
-    if alt is not None:
-        bases.append(alt)
+    for alt in (_accumulators_first(sizes, train, budgets, rates, fixed, bases[0]),
+                _lean_staging(sizes, train, budgets, rates, fixed, bases[0], have_disk)):
+        if alt is not None:
+            bases.append(alt)
     for base in bases:
         yield from _candidates_of(base, sizes, train, budgets, rates, fixed, have_disk, steps)
+
+
+def _lean_staging(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,
+                  base: Knobs, have_disk: bool) -> Optional[Knobs]:
+    """With a disk tier for the parameters, when the device budget sizes a prefetch of several
+    shards: the candidate that prefetches one shard, with two reads in flight. Each read in flight
+    holds a pinned staging buffer of the largest shard, in RAM, so a deep prefetch pushes that much
+    more of the parameters onto the disk, where a disk-bound step reads them twice (a 70B model
+    with 16 GiB of device memory: five 1.7 GB buffers). Both are evaluated; ties keep the deeper
+    prefetch. None when it does not apply."""
+    if (not have_disk or fixed.param_device not in (None, "nvme") or fixed.prefetch_bytes is not None
+            or fixed.param_buffer_count is not None or base.param_buffer_count <= 2):
+        return None
+    shard = max(1, sizes.largest_shard_bytes)
+    return _fill(sizes, train, budgets, rates, Knobs(), replace(fixed, prefetch_bytes=min(base.prefetch_bytes, shard)))
 
 
 def _accumulators_first(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, fixed: Fixed,

@@ -692,3 +692,24 @@ def test_plan_places_a_70b_lora_base_on_100gib_of_ram_and_a_64gib_disk(tmp_path)
     assert sum(optim.values()) < 1 << 30  # the adapters' state alone
     assert plan["placement"]["predicted"]["total"] > 0
     assert "parameters split" in p.stdout + p.stderr
+
+
+def test_plan_with_more_device_memory_is_never_predicted_slower(tmp_path):
+    """Each NVMe read in flight holds a pinned staging buffer of the largest shard in RAM: sized by a
+    16 GiB GPU's deep prefetch (five 1.7 GB buffers), they pushed 8 GB more of the 70B base onto the
+    disk, read twice a step, and the plan with twice the device memory was predicted slower than
+    with 8 GiB. The planner also weighs a one-shard prefetch with two reads in flight."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    plans = {}
+    for gpu in ("8GiB", "16GiB"):
+        out = tmp_path / f"p{gpu}.json"
+        p = _cli("plan", "--model-size", "70b", "--lora", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj",
+                 "--gpu-memory", gpu, "--cpu-memory", "100GiB", "--nvme", str(swap), "--nvme-free", "64GiB",
+                 "--micro-batch", "1", "--seq-len", "1024", "--checkpointing", "--link", "h200-sxm", "--tflops",
+                 "680", "--disk", "nvme-gen4", "--json", str(out))
+        assert p.returncode == 0, p.stderr[-3000:]
+        plans[gpu] = json.loads(out.read_text())
+    small, big = (plans[g]["placement"] for g in ("8GiB", "16GiB"))
+    assert big["predicted"]["total"] <= small["predicted"]["total"], (small["predicted"], big["predicted"])
+    assert big["params"]["disk"] <= small["params"]["disk"], (small["params"], big["params"])
