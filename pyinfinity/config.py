@@ -130,8 +130,10 @@ class ZeroConfig:
     stage: int = 3
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
-    stage3_prefetch_bucket_size: SizeOrAuto = 50_000_000
-    stage3_max_live_parameters: SizeOrAuto = 1_000_000_000
+    stage3_prefetch_bucket_size: SizeOrAuto = 50_000_000  # DeepSpeed's default; "auto": the planner's
+    # absent = "auto" (the plan's cap, or the device budget's elements): DeepSpeed's 1e9 would stop
+    # every prefetch of a 30B model's 535M-element decoder layers; a value given, 1e9 included, is kept
+    stage3_max_live_parameters: SizeOrAuto = AUTO
     stage3_param_persistence_threshold: SizeOrAuto = 100_000
 
 

@@ -46,6 +46,9 @@ KEYS = {
 }
 # planned only when something else is: left "auto" in an otherwise fixed config, they become 0
 UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes", "device_accumulator_bytes"}
+# sized only when something else is planned; in an otherwise fixed config, from the device budget
+# (``budget_sizing``): most configs leave it out, and absent means "auto"
+SIZED_ALONE = {"max_live"}
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
 
 
@@ -164,7 +167,18 @@ def _placement_is_possible(cfg: Any) -> bool:
     fixes everything but ``resident_bytes`` is not planned: it keeps no unit resident (and so no
     optimizer state on the device)."""
     fixed, owned = _fixed_from(cfg, None)
-    return bool(owned - UNPLANNED_ALONE)
+    return bool(owned - UNPLANNED_ALONE - SIZED_ALONE)
+
+
+def budget_sizing(cfg: Any, sizes: ModelSizes, device_memory: int) -> dict[str, int]:
+    """The live-parameter cap of a config that fixes its placement and leaves the cap "auto" (or
+    out), sized without a plan: the device budget in elements of the shards' narrowest dtype (the
+    budget check governs what is held; DeepSpeed's 1e9 default would forbid two of a 30B model's
+    decoder layers at once). Empty when the config sets the cap."""
+    _, owned = _fixed_from(cfg, None)
+    if "max_live" not in owned:
+        return {}
+    return {"max_live": max(1, device_memory // min(sizes.shard_itemsizes or [sizes.itemsize]))}
 
 
 def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, train: TrainShape,
@@ -344,6 +358,12 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
             c.pyinfinity.host_memory = budgets.host_memory
             decisions.append(Decision("pyinfinity.host_memory", budgets.host_memory, "measured host budget"))
         decisions += _threads(c.pyinfinity)
+        ub = c.pyinfinity.unit_bytes
+        sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
+        for name, value in budget_sizing(c, sizes, int(c.pyinfinity.device_memory)).items():
+            key = KEYS[name]
+            setattr(c.zero_optimization, key.rsplit(".", 1)[1], value)
+            decisions.append(Decision(key, value, "the device budget (the placement is the config's)"))
         return c, decisions, None
     ub = c.pyinfinity.unit_bytes
     sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
@@ -408,10 +428,12 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     cfg = load_config(copy.deepcopy(config)) if isinstance(config, dict) else config
     sizes = model_sizes(model_or_sizes, compute_dtype(cfg))
     fixed, owned = _fixed_from(cfg, None)
-    if owned - UNPLANNED_ALONE:
+    if owned - UNPLANNED_ALONE - SIZED_ALONE:
         raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
     for name in UNPLANNED_ALONE & owned:  # as the engine does when nothing else is planned: none resident
         setattr(fixed, name, 0)
+    for name, value in budget_sizing(cfg, sizes, budgets.device_memory).items():
+        setattr(fixed, name, value)
     k = Knobs(**{name: getattr(fixed, name) for name in KEYS})
     oo = cfg.zero_optimization.offload_optimizer
     k.pipeline = oo.pipeline_read or oo.pipeline_write

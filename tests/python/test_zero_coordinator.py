@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import pyinfinity
+from pyinfinity.config import load_config
 from pyinfinity.zero.budget import DeviceBudgetError
 from pyinfinity.zero.partition import ShardState
 
@@ -358,3 +359,37 @@ def test_buffer_count_and_max_live_bound_prefetch(tiny_lm, lm_batches, engine_co
         assert max(inflight) <= buffer_count
         # prefetch never starts a fetch past the live-parameter cap (a demand fetch may)
         assert max(live) <= 4 * biggest
+
+
+@pytest.mark.parametrize("placement", ["fixed", "auto"])
+def test_an_absent_live_parameter_cap_is_sized_and_a_set_one_kept_with_a_warning(
+        placement, tiny_lm, lm_batches, engine_config, caplog):
+    """Left out, stage3_max_live_parameters is "auto": the plan's cap, or with the placement fixed
+    the device budget in elements (DeepSpeed's default of 1e9 stopped every prefetch of a 30B model's
+    decoder layers). A value the config sets is kept; one too small to fetch the largest unit ahead
+    of the one in use is named in a warning."""
+    cfg = engine_config("nvme")
+    cfg["pyinfinity"]["overlap_step"] = False
+    if placement == "auto":
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
+        cfg["zero_optimization"]["offload_optimizer"]["device"] = "auto"
+    assert load_config(cfg).zero_optimization.stage3_max_live_parameters == "auto"
+    model = tiny_lm(layers=6)
+    with pyinfinity.initialize(model, cfg) as eng:
+        assert "zero_optimization.stage3_max_live_parameters" in {d.key for d in eng.auto_decisions}
+        units = [sh for sh in eng.partition.shards if not sh.persistent]
+        coord = eng.coordinator
+        assert coord.max_live_elements >= 2 * max(sh.numel for sh in units)
+        assert coord.prefetch_bytes >= max(sh.nbytes for sh in units)
+        for x, y in lm_batches(3):
+            eng.backward(eng(x, y))
+            eng.step()
+        assert coord.stats.prefetch_hits > 0
+    assert "never fetched ahead" not in caplog.text
+
+    biggest = max(p.numel() for p in tiny_lm(layers=6).parameters())
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = biggest  # one unit: nothing ahead of it
+    with caplog.at_level("WARNING", logger="pyinfinity"), pyinfinity.initialize(tiny_lm(layers=6), cfg) as eng:
+        assert eng.config.zero_optimization.stage3_max_live_parameters == biggest
+        assert "zero_optimization.stage3_max_live_parameters" not in {d.key for d in eng.auto_decisions}
+    assert f"stage3_max_live_parameters {biggest:,} is below two of the largest unit" in caplog.text
