@@ -1,6 +1,6 @@
 // The one-pass optimizer step: bf16 rounding like torch's, the update against a double-precision
 // reference, thread splits that change nothing, the gradient and the bf16 output in one buffer,
-// every instruction set.
+// every instruction set; the gradient add of accumulation.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -98,6 +98,35 @@ TEST(threads_change_nothing_and_the_gradient_may_be_the_output) {
   std::vector<std::uint16_t> home = g16;  // the gradient lands in the parameter home
   adam_step(P.data(), M.data(), V.data(), home.data(), GradType::kBFloat16, home.data(), n, h, 3);
   CHECK(P == results[0] && home == outs[0]);
+}
+
+TEST(accumulate_grad_adds_and_copies_alike_on_any_thread_split) {
+  // the gradient add of accumulation: fp32 and bf16 sources into an fp32 accumulator, copy (the
+  // first micro-batch) or add, the same sums whatever the threads (each element summed once)
+  const std::size_t n = (1 << 18) + 7;
+  std::vector<float> g32(n), acc0(n);
+  std::vector<std::uint16_t> g16(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    g32[i] = std::sin(static_cast<float>(i) * 0.37f);
+    g16[i] = float_to_bf16(std::cos(static_cast<float>(i) * 0.11f));
+    acc0[i] = static_cast<float>(i % 97) * 0.25f;
+  }
+  for (int threads : {1, 3, 16}) {
+    std::vector<float> a = acc0, b = acc0, c(n, -1.0f), d(n, -1.0f);
+    accumulate_grad(a.data(), g32.data(), GradType::kFloat32, n, false, threads);
+    accumulate_grad(b.data(), g16.data(), GradType::kBFloat16, n, false, threads);
+    accumulate_grad(c.data(), g32.data(), GradType::kFloat32, n, true, threads);
+    accumulate_grad(d.data(), g16.data(), GradType::kBFloat16, n, true, threads);
+    bool ok = true;
+    for (std::size_t i = 0; i < n && ok; ++i) {
+      ok = a[i] == acc0[i] + g32[i] && b[i] == acc0[i] + bf16_to_float(g16[i]) && c[i] == g32[i] &&
+           d[i] == bf16_to_float(g16[i]);
+    }
+    CHECK(ok);
+  }
+  float x = 0;
+  CHECK_THROWS(std::exception, accumulate_grad(nullptr, &x, GradType::kFloat32, 1, false, 1));
+  accumulate_grad(nullptr, nullptr, GradType::kFloat32, 0, false, 4);  // nothing to add: no pointer read
 }
 
 TEST(bad_arguments_throw) {
