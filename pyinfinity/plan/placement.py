@@ -100,16 +100,12 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
         else:
             k.resident_bytes = max(0, room - k.prefetch_bytes)
     if fixed.device_optimizer_bytes is None or fixed.device_accumulator_bytes is None:
-        res = fixed.resident_bytes if fixed.resident_bytes is not None else k.resident_bytes
-        step_on = fixed.optimizer_step_device or k.optimizer_step_device
         k.device_accumulator_bytes, k.device_optimizer_bytes = _split_device_room(
-            sizes, train, budgets, rates, replace(k, resident_bytes=res, optimizer_step_device=step_on), fixed,
-            persistent, acts)
+            sizes, train, budgets, rates, k, fixed, persistent, acts)
     if fixed.max_live is None:
         # elements the coordinator may hold at once (it counts resident units too), at the narrowest
         # dtype the shards have (a LoRA run's bf16 base beside fp32 adapters)
-        elem = min(sizes.shard_itemsizes or [isz])
-        k.max_live = max(1, (persistent + k.resident_bytes + working + k.prefetch_bytes) // elem)
+        k.max_live = max(1, (persistent + k.resident_bytes + working + k.prefetch_bytes) // sizes.narrowest_itemsize)
     if fixed.param_buffer_size is None:
         k.param_buffer_size = max(1, sizes.largest_shard_bytes)
     if fixed.param_buffer_count is None:
@@ -222,12 +218,7 @@ def _accumulators_first(sizes: ModelSizes, train: TrainShape, budgets: Budgets, 
 
 def _candidates_of(base: Knobs, sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates,
                    fixed: Fixed, have_disk: bool, steps: int) -> Iterable[Knobs]:
-    for name in ("max_in_cpu", "ratio", "persistence_threshold", "prefetch_bytes", "max_live", "param_buffer_count",
-                 "param_buffer_size", "optimizer_buffer_count", "prefetch", "optimizer_step_device", "resident_bytes",
-                 "device_optimizer_bytes", "device_accumulator_bytes"):
-        v = getattr(fixed, name)
-        if v is not None:
-            setattr(base, name, v)
+    # ``base`` comes from _fill, which set every value ``fixed`` holds
     if fixed.param_device:
         pdevs = [fixed.param_device]
     else:

@@ -94,6 +94,12 @@ class ModelSizes:
         return max(self.shard_numels, default=0)
 
     @property
+    def narrowest_itemsize(self) -> int:
+        """The smallest element size of the shards (a LoRA run's bf16 base beside fp32 adapters):
+        what the live-parameter cap counts elements at."""
+        return min(self.shard_itemsizes or [self.itemsize])
+
+    @property
     def largest_shard_bytes(self) -> int:
         return max((self.shard_bytes(i) for i in range(len(self.shard_numels))), default=0)
 

@@ -149,7 +149,8 @@ class DevicePlacement:
 
     def watch(self, coordinator: ParameterCoordinator) -> None:
         """Starts watching ``coordinator``'s device budget: the prefetch reserve (the planner's charges
-        for gradient buffers and headroom) and the step's peak."""
+        for gradient buffers and headroom) and the step's peak; warns of a set prefetch bucket or
+        live-parameter cap that no unit can be fetched ahead within."""
         from pyinfinity.plan.charges import DEVICE_HEADROOM, grad_buffer_bytes
 
         self.coordinator = coordinator
@@ -160,6 +161,7 @@ class DevicePlacement:
             headroom = int(self.device_memory * DEVICE_HEADROOM)
             coordinator.budget.reserve = headroom + (self.grad_buffers if self.device.type == "cuda" else 0)
         coordinator.budget.reset_step_peak()
+        self._warn_small_prefetch()
 
     # ------------------------------------------------------------------------- the guards
     def check_shape(self, args: tuple, kwargs: dict) -> None:
@@ -218,6 +220,30 @@ class DevicePlacement:
                     format_size(peak), format_size(cap), format_size(reserved), "; ".join(gave),
                     "" if first else f" (in all: {'; '.join(self.gave_up)})")
 
+    def _largest_unit(self) -> Optional[FlatShard]:
+        """The largest shard the coordinator fetches (none persistent or resident)."""
+        return max((sh for sh in self.partition.shards if not sh.persistent), key=lambda sh: sh.nbytes, default=None)
+
+    def _warn_small_prefetch(self) -> None:
+        """A prefetch bucket or live-parameter cap the config set (not the plan: those grow) below
+        what fetching one unit ahead needs (the largest unit; beside it, the one in use) is kept,
+        as given, with a warning: DeepSpeed's defaults (5e7 bytes, 1e9 elements) stop every
+        prefetch of a 30B model's decoder layers."""
+        coord = self.coordinator
+        big = self._largest_unit()
+        if not coord.prefetch_enabled or big is None or sum(not sh.persistent for sh in self.partition.shards) < 2:
+            return
+        too_small = []
+        if not self.grow_prefetch and coord.prefetch_bytes < big.nbytes:
+            too_small.append(f"stage3_prefetch_bucket_size {coord.prefetch_bytes:,} bytes is below the largest "
+                             f"unit's {big.nbytes:,}")
+        if not self.grow_live and coord.max_live_elements is not None and coord.max_live_elements < 2 * big.numel:
+            too_small.append(f"stage3_max_live_parameters {coord.max_live_elements:,} is below two of the largest "
+                             f"unit ({2 * big.numel:,} elements)")
+        if too_small:
+            log.warning("%s (%s): that unit is never fetched ahead, and its copy waits in every step; set the "
+                        "key to \"auto\" for the planner's value", "; ".join(too_small), big.module_name)
+
     def _grow_prefetch(self, peak: int) -> None:
         """After a step whose measured device peak left room under the planner's target (1 -
         DEVICE_HEADROOM of the budget) and fetched ahead: a planned prefetch grows by that room,
@@ -232,7 +258,8 @@ class DevicePlacement:
             return
         if coord.prefetch_high == 0:  # nothing was fetched ahead (a first step has no trace yet)
             return
-        unit = max((sh.nbytes for sh in self.partition.shards if not sh.persistent), default=0)
+        big = self._largest_unit()
+        unit = big.nbytes if big is not None else 0
         sizes = self.plan_sizes
         block = max(unit, sizes.block_bytes if sizes is not None else 0)  # the planner's cap is of the larger
         limit = (PREFETCH_GROW_UNITS if self.device.type == "cuda" else 2) * block

@@ -192,7 +192,6 @@ class TrainingState:
             self.close()
             raise
         self._held.append(self.coordinator)  # a dropped engine takes its hooks off the model
-        self._warn_small_prefetch(planned=(grow_prefetch, grow_live))
         self.optimizer.copy_to_host = self.coordinator.copy_to_host  # device accumulators' sums to the host
         self.placement.watch(self.coordinator)
         self.homes.partition, self.homes.coordinator = self.partition, self.coordinator
@@ -206,31 +205,6 @@ class TrainingState:
             self.lr_scheduler = None
 
     # ------------------------------------------------------------------------- construction
-
-    def _warn_small_prefetch(self, planned: tuple[bool, bool]) -> None:
-        """A prefetch bucket or live-parameter cap the config set below what fetching one unit
-        ahead needs (the largest unit; beside it, the one in use) is kept, as given, with a
-        warning: DeepSpeed's defaults (5e7 bytes, 1e9 elements) stop every prefetch of a 30B
-        model's decoder layers. "auto" lets the planner size them (the live cap's default)."""
-        coord = self.coordinator
-        if not coord.prefetch_enabled:
-            return
-        shards = [sh for sh in self.partition.shards if not sh.persistent]
-        if len(shards) < 2:
-            return
-        big = max(shards, key=lambda sh: sh.nbytes)
-        too_small = []
-        if not planned[0] and coord.prefetch_bytes < big.nbytes:
-            too_small.append(f"stage3_prefetch_bucket_size {coord.prefetch_bytes:,} bytes is below the largest "
-                             f"unit's {big.nbytes:,}")
-        if not planned[1] and coord.max_live_elements is not None \
-                and coord.max_live_elements < 2 * big.numel:
-            too_small.append(f"stage3_max_live_parameters {coord.max_live_elements:,} is below two of the largest "
-                             f"unit ({2 * big.numel:,} elements)")
-        if too_small:
-            log.warning("%s (%s): that unit is never fetched ahead, and its copy waits in every step; set the "
-                        "key to \"auto\" for the planner's value", "; ".join(too_small), big.module_name)
-
     def _swap_engine(self, name: str) -> Any:
         if name not in self._swap_engines:
             from pyinfinity.swap import SwapEngine
