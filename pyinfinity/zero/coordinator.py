@@ -108,6 +108,10 @@ class ParameterCoordinator:
         self.in_backward = False
         self.grads_handed = 0  # units whose gradient on_grad got in this backward (the engine resets it)
         self.prefetch_high = 0  # most bytes prefetched ahead at once since the engine last reset it
+        # a unit the trace named next was larger than the whole prefetch bucket (so nothing could be
+        # fetched ahead of it) since the engine last reset this: prefetch growth's cue when
+        # prefetch_high stayed 0
+        self.prefetch_starved = False
         self._handles: list[Any] = []
         self._transfers: dict[int, _Transfer] = {}  # shard index -> in-flight fetch
         self._storage: dict[int, FlatShard] = {}  # storage data_ptr -> resident shard
@@ -393,6 +397,7 @@ class ParameterCoordinator:
             if sh.home_dirty:
                 break  # the optimizer has not written its new values yet: its use will wait for them
             if sh.nbytes > room or not self.budget.fits(sh.nbytes):
+                self.prefetch_starved |= sh.nbytes > self.prefetch_bytes
                 break
             if self.max_live_elements is not None and live + sh.numel > self.max_live_elements:
                 break

@@ -207,10 +207,10 @@ class DevicePlacement:
         budget.reset_step_peak()
         if not cap or peak <= SHRINK_AT * cap:
             self._grow_prefetch(peak)
-            coord.prefetch_high = 0
+            coord.prefetch_high, coord.prefetch_starved = 0, False
             return
         gave = self.give_up(peak - int((1 - DEVICE_HEADROOM) * cap))
-        coord.prefetch_high = 0
+        coord.prefetch_high, coord.prefetch_starved = 0, False
         if gave and cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if gave:  # a warning the first time; the steps after it may give up a little more (INFO)
@@ -246,7 +246,9 @@ class DevicePlacement:
 
     def _grow_prefetch(self, peak: int) -> None:
         """After a step whose measured device peak left room under the planner's target (1 -
-        DEVICE_HEADROOM of the budget) and fetched ahead: a planned prefetch grows by that room,
+        DEVICE_HEADROOM of the budget) and fetched ahead, or met a unit larger than the whole
+        bucket (a bucket planned below one decoder layer fetches nothing ahead): a planned prefetch
+        grows by that room,
         less the part of the current prefetch the step did not use, up to the planner's own cap
         (PREFETCH_GROW_UNITS of the largest offloaded unit or block); a planned live-parameter cap
         grows alike. The planner's activation estimate is conservative; the peak is what the step
@@ -256,8 +258,8 @@ class DevicePlacement:
         coord = self._coordinator()
         if not (self.grow_prefetch and coord.prefetch_enabled and self.device_memory) or self.gave_up:
             return
-        if coord.prefetch_high == 0:  # nothing was fetched ahead (a first step has no trace yet)
-            return
+        if coord.prefetch_high == 0 and not coord.prefetch_starved:
+            return  # nothing was fetched ahead (a first step has no trace yet), and nothing was too large to be
         big = self._largest_unit()
         unit = big.nbytes if big is not None else 0
         sizes = self.plan_sizes

@@ -339,6 +339,30 @@ def test_a_planned_prefetch_grows_into_the_room_a_measured_peak_left_and_a_set_o
     assert got == want
 
 
+def test_a_planned_prefetch_below_every_unit_still_grows(tiny_lm, lm_batches, engine_config):
+    """A planned bucket smaller than any unit the coordinator fetches (the 30B LoRA plan's 473 MB
+    against 1.07 GB decoder layers) fetches nothing ahead, so the step's prefetch high-water mark
+    stays 0; the unit the trace named next and that no room in the bucket could take is the cue
+    to grow all the same, to at least that unit, with the same losses."""
+    batches = lm_batches(5)
+    cfg = _cfg(engine_config, resident=0, device_memory=20 << 10)
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
+    with pyinfinity.initialize(tiny_lm(), _cfg(engine_config, resident=0, device_memory=20 << 10)) as ref:
+        want = train_steps(ref, batches)
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+        coord = eng.coordinator
+        fetched = [sh.nbytes for sh in eng.partition.shards if not sh.persistent]
+        assert len(fetched) >= 2
+        coord.prefetch_bytes = min(fetched) - 1  # as a plan that left less than one unit
+        sizes, got = [], []
+        for b in batches:
+            got += train_steps(eng, [b])
+            sizes.append(coord.prefetch_bytes)
+        assert not eng.state.placement.gave_up
+    assert sizes[0] == min(fetched) - 1 and sizes[-1] >= max(fetched), (sizes, fetched)
+    assert got == want
+
+
 # ----------------------------------------------------------------------------- on a GPU
 
 
