@@ -374,22 +374,24 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "adam_step_bf16",
       [hyper, grad_type](std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
-                         int gtype, std::size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                         bool adamw, std::int64_t step, float grad_scale, int threads, const std::string& isa) {
+                         int gtype, std::uintptr_t out_bf16, std::size_t n, float lr, float beta1, float beta2,
+                         float eps, float weight_decay, bool adamw, std::int64_t step, float grad_scale, int threads,
+                         const std::string& isa) {
         const auto h = hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, grad_scale);
         const auto gt = grad_type(gtype, "adam_step_bf16");
         const CpuIsa want = parse_isa(isa);
         py::gil_scoped_release nogil;
         pyinfinity::adam_step_bf16(reinterpret_cast<std::uint16_t*>(param), reinterpret_cast<std::uint16_t*>(exp_avg),
                                    reinterpret_cast<std::uint16_t*>(exp_avg_sq), reinterpret_cast<const void*>(grad),
-                                   gt, n, h, threads, want);
+                                   gt, reinterpret_cast<std::uint16_t*>(out_bf16), n, h, threads, want);
       },
       py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_type"),
-      py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+      py::arg("out_bf16"), py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
       py::arg("adamw"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"), py::arg("isa") = "auto",
       "Adam/AdamW over n parameters whose master weights and moments are bf16 (DeepSpeed's "
       "bf16_master_weights_and_grads + bf16_optimizer_states), stepped in fp32 and rounded to nearest even. "
-      "The gradient (fp32 or bf16) must not overlap them. Releases the GIL.");
+      "The gradient (fp32 or bf16) must not overlap them; out_bf16 (0: none; may be the gradient) receives the "
+      "new weights in the same pass. Releases the GIL.");
   m.def(
       "quantize_moments",
       [state8](std::uintptr_t exp_avg_in, std::uintptr_t exp_avg_sq_in, std::size_t n, std::uintptr_t exp_avg,

@@ -70,16 +70,25 @@ void dequantize_moments(const Adam8bitState& s, std::size_t n, float* exp_avg, f
 }
 
 void adam_step_bf16(std::uint16_t* param, std::uint16_t* exp_avg, std::uint16_t* exp_avg_sq, const void* grad,
-                    GradType grad_type, std::size_t n, const AdamHyper& h, int threads, CpuIsa isa) {
+                    GradType grad_type, std::uint16_t* out_bf16, std::size_t n, const AdamHyper& h, int threads,
+                    CpuIsa isa) {
   const Coeffs c = detail::adam_coeffs(h, "adam_step_bf16");
   PYINF_EXPECT(n == 0 || (param && exp_avg && exp_avg_sq && grad), "adam_step_bf16: null pointer");
   const CpuIsa use = resolve_isa(isa);
   const bool bf16 = grad_type == GradType::kBFloat16;
   auto run = [&](std::size_t b, std::size_t e) {
-    if (bf16) {
-      PYINF_DISPATCH(use, step_range_bf16<GradType::kBFloat16>(param, exp_avg, exp_avg_sq, grad, b, e, c));
+    if (bf16 && out_bf16) {
+      PYINF_DISPATCH(use, step_range_bf16<GradType::kBFloat16, true>(param, exp_avg, exp_avg_sq, grad, out_bf16, b,
+                                                                      e, c));
+    } else if (bf16) {
+      PYINF_DISPATCH(use, step_range_bf16<GradType::kBFloat16, false>(param, exp_avg, exp_avg_sq, grad, nullptr, b,
+                                                                       e, c));
+    } else if (out_bf16) {
+      PYINF_DISPATCH(use, step_range_bf16<GradType::kFloat32, true>(param, exp_avg, exp_avg_sq, grad, out_bf16, b,
+                                                                     e, c));
     } else {
-      PYINF_DISPATCH(use, step_range_bf16<GradType::kFloat32>(param, exp_avg, exp_avg_sq, grad, b, e, c));
+      PYINF_DISPATCH(use, step_range_bf16<GradType::kFloat32, false>(param, exp_avg, exp_avg_sq, grad, nullptr, b,
+                                                                      e, c));
     }
   };
   detail::parallel_chunks(n, threads, 64, run);

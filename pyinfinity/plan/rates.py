@@ -330,11 +330,12 @@ def _measure_format_step(numel: int, reps: int, threads: int, state: str) -> flo
                               step[0], 1.0, threads)
     elif state == "bf16":
         param, moments = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(2 * numel, dtype=torch.bfloat16)
+        out = torch.empty(numel, dtype=torch.bfloat16)
 
-        def run() -> None:
+        def run() -> None:  # the new weights written to their home in the same pass, as the engine does
             step[0] += 1
             _C.adam_step_bf16(param.data_ptr(), moments.data_ptr(), moments.data_ptr() + 2 * numel, grad.data_ptr(), 1,
-                              numel, *hyper, step[0], 1.0, threads)
+                              out.data_ptr(), numel, *hyper, step[0], 1.0, threads)
     else:
         raise ValueError(f"measure_adam: state must be fp32, 8bit or bf16, got {state!r}")
     return numel / _median_time(run, reps, min_seconds=0.05)

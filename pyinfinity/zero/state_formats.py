@@ -523,9 +523,10 @@ def cpu_step_8bit(state: Adam8bitState, grad: torch.Tensor, hyper: AdamHyper, ou
 
 
 def cpu_step_bf16(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                  hyper: AdamHyper, threads: int = 1, isa: str = "auto") -> None:
+                  hyper: AdamHyper, threads: int = 1, isa: str = "auto", out: Optional[torch.Tensor] = None) -> None:
     """One Adam/AdamW step of a bf16 master with bf16 moments in host memory by the one-pass kernel
-    (``_C.adam_step_bf16``); ``grad`` must not overlap them."""
+    (``_C.adam_step_bf16``); ``grad`` must not overlap them. ``out`` (bf16, may be ``grad`` itself)
+    receives the new weights in the same pass."""
     from pyinfinity import _C
 
     n = param.numel()
@@ -536,5 +537,9 @@ def cpu_step_bf16(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
                              f"{t.numel()} {t.dtype} on {t.device}")
     if grad.numel() != n:
         raise ValueError(f"cpu_step_bf16: the gradient has {grad.numel()} elements, param {n}")
-    _C.adam_step_bf16(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), gt, n,
-                      *hyper.kernel_args(), threads, isa)
+    if out is not None and (out.dtype != torch.bfloat16 or out.numel() != n or not out.is_contiguous()
+                            or out.device.type != "cpu"):
+        raise ValueError(f"cpu_step_bf16: out must be {n} contiguous bf16 values on the CPU, got {out.numel()} "
+                         f"{out.dtype} on {out.device}")
+    _C.adam_step_bf16(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), gt,
+                      out.data_ptr() if out is not None else 0, n, *hyper.kernel_args(), threads, isa)

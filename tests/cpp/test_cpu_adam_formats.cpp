@@ -223,7 +223,7 @@ TEST(step_bf16_matches_a_double_precision_reference_and_rounds_like_deepspeed) {
   h.weight_decay = 0.01f;
   h.step = 5;
   std::vector<std::uint16_t> P = p, M = m, V = v;
-  adam_step_bf16(P.data(), M.data(), V.data(), g.data(), GradType::kFloat32, n, h, 3);
+  adam_step_bf16(P.data(), M.data(), V.data(), g.data(), GradType::kFloat32, nullptr, n, h, 3);
   const double bc1 = 1 - std::pow(0.9, 5), bc2 = 1 - std::pow(static_cast<double>(0.999f), 5);
   for (std::size_t i = 0; i < n; ++i) {
     double pi = bf16_to_float(p[i]);
@@ -240,8 +240,25 @@ TEST(step_bf16_matches_a_double_precision_reference_and_rounds_like_deepspeed) {
   for (CpuIsa isa : supported_isas()) {
     for (int threads : {1, 4}) {
       std::vector<std::uint16_t> P2 = p, M2 = m, V2 = v;
-      adam_step_bf16(P2.data(), M2.data(), V2.data(), g.data(), GradType::kFloat32, n, h, threads, isa);
+      adam_step_bf16(P2.data(), M2.data(), V2.data(), g.data(), GradType::kFloat32, nullptr, n, h, threads, isa);
       CHECK(P2 == P && M2 == M && V2 == V);
+      std::vector<std::uint16_t> P3 = p, M3 = m, V3 = v, O(n, 0);  // the new weights written out in the same pass
+      adam_step_bf16(P3.data(), M3.data(), V3.data(), g.data(), GradType::kFloat32, O.data(), n, h, threads, isa);
+      CHECK(P3 == P && M3 == M && V3 == V && O == P);
+    }
+  }
+  // a bf16 gradient in the weights' home, which receives the new weights: the same result as a
+  // gradient elsewhere, on any split between threads
+  std::vector<std::uint16_t> g16(n);
+  for (std::size_t i = 0; i < n; ++i) g16[i] = float_to_bf16(g[i]);
+  std::vector<std::uint16_t> Pr = p, Mr = m, Vr = v;
+  adam_step_bf16(Pr.data(), Mr.data(), Vr.data(), g16.data(), GradType::kBFloat16, nullptr, n, h, 1);
+  for (CpuIsa isa : supported_isas()) {
+    for (int threads : {1, 3, 16}) {
+      std::vector<std::uint16_t> P4 = p, M4 = m, V4 = v, home = g16;
+      adam_step_bf16(P4.data(), M4.data(), V4.data(), home.data(), GradType::kBFloat16, home.data(), n, h, threads,
+                     isa);
+      CHECK(P4 == Pr && M4 == Mr && V4 == Vr && home == Pr);
     }
   }
 }
@@ -274,7 +291,7 @@ TEST(bad_arguments_throw) {
   AdamHyper h;
   h.step = 0;
   CHECK_THROWS(std::invalid_argument, adam_step_8bit(s.view(), &g, GradType::kFloat32, nullptr, 4, h, 1));
-  CHECK_THROWS(std::invalid_argument, adam_step_bf16(&b, &b, &b, &g, GradType::kFloat32, 1, h, 1));
+  CHECK_THROWS(std::invalid_argument, adam_step_bf16(&b, &b, &b, &g, GradType::kFloat32, nullptr, 1, h, 1));
   h.step = 1;
   Adam8bitState missing = s.view();
   missing.exp_avg_sq_scale = nullptr;

@@ -98,10 +98,11 @@ void dequantize_moments(const Adam8bitState& state, std::size_t n, float* exp_av
 // Steps n parameters whose master is the bf16 weights themselves and whose moments are bf16
 // (DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states): each value read as fp32,
 // stepped in fp32, written back rounded to nearest even as DeepSpeed's CPU Adam does. param,
-// exp_avg, exp_avg_sq: n bf16 each; grad must not overlap them. The result does not depend on
-// threads or isa.
+// exp_avg, exp_avg_sq: n bf16 each; grad must not overlap them. out_bf16 (may be null, may be
+// grad itself): n bf16 that receive the new weights in the same pass (the weights' home). The
+// result does not depend on threads or isa.
 void adam_step_bf16(std::uint16_t* param, std::uint16_t* exp_avg, std::uint16_t* exp_avg_sq, const void* grad,
-                    GradType grad_type, std::size_t n, const AdamHyper& hyper, int threads,
+                    GradType grad_type, std::uint16_t* out_bf16, std::size_t n, const AdamHyper& hyper, int threads,
                     CpuIsa isa = CpuIsa::kAuto);
 
 // ----------------------------------------------------------------------------- accumulation

@@ -291,9 +291,8 @@ class AdamBf16(_MasterThenMoments):
     def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
                  step: int, grad_scale: float, threads: int) -> torch.Tensor:
         p, m, v = self._parts(flat, numel)
-        cpu_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, step, grad_scale), threads=threads)
-        if out is not None:  # the weights' home (where the gradient was): the new weights
-            out.copy_(p)
+        # out: the weights' home (where the gradient was), written with the new weights in the kernel's pass
+        cpu_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, step, grad_scale), threads=threads, out=out)
         return p
 
     def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
