@@ -30,6 +30,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "7b": _llama(4096, 11008, 32, 32, 32),
     "10b": _llama(4608, 12288, 40, 36, 36),
     "13b": _llama(5120, 13824, 40, 40, 40),
+    "20b": _llama(6144, 16384, 44, 48, 48),  # between 13B and LLaMA-30B: 20.3B parameters
     "30b": _llama(6656, 17920, 60, 52, 52),  # LLaMA-30B's shape (the original LLaMA release)
     "70b": _llama(8192, 28672, 80, 64, 8),  # Llama-2-70B's shape (grouped-query attention: 8 KV heads)
 }

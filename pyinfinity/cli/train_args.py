@@ -28,6 +28,7 @@ PRESETS = {
     "5b": (4096, 24, 32, 11008),  # bf16 weights ~9.8 GB: more than an 8 GiB device budget
     "7b": (4096, 32, 32, 11008),
     "13b": (5120, 40, 40, 13824),
+    "20b": (6144, 44, 48, 16384),  # 20.3B parameters at a 32000-token vocabulary
     "30b": (6656, 60, 52, 17920),  # LLaMA-30B's shape (32.5B parameters at its 32000-token vocabulary)
     "70b": (8192, 80, 64, 28672, 8),  # Llama-2-70B's shape (69.0B at its vocabulary): 8 KV heads
 }

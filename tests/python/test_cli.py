@@ -397,11 +397,11 @@ def test_readme_says_how_to_reach_the_command_and_its_example_runs_without_a_gue
     assert "bytes moved per tier in a step" in " ".join(readme.split())  # the train summary prints them
 
 
-@pytest.mark.parametrize("size, billions", [("30b", 32.5), ("70b", 69.0)])
+@pytest.mark.parametrize("size, billions", [("20b", 20.3), ("30b", 32.5), ("70b", 69.0)])
 def test_the_30b_and_70b_presets_are_llama_30b_and_llama_2_70b(size, billions):
     """`train --model-size` and `bench train --sizes` (and so `plan --model-size`) have the same
     shapes: LLaMA-30B's and Llama-2-70B's (8 KV heads), 32.5B and 69.0B parameters at their
-    32000-token vocabulary."""
+    32000-token vocabulary, and a 20.3B shape between 13B and 30B (hidden 6144, 44 layers)."""
     import argparse
 
     from pyinfinity.bench.train import SIZES
