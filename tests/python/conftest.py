@@ -177,6 +177,15 @@ def tiny_lm():
     return make
 
 
+def sigint_default() -> None:
+    """A subprocess's ``preexec_fn`` for tests that send it SIGINT: a runner started in the
+    background by a non-interactive shell (``make test &``, nohup) ignores SIGINT, its children
+    inherit that, and Python then installs no KeyboardInterrupt handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def train_steps(eng, batches) -> list[float]:
     """One forward, backward and step() of ``eng`` per (x, y) batch; the losses as floats."""
     losses = []

@@ -11,6 +11,7 @@ import torch
 
 import pyinfinity
 from pyinfinity.zero.lr_schedules import WarmupDecayLR
+from tests.python.conftest import sigint_default
 
 
 def _rss() -> int:
@@ -383,7 +384,8 @@ while True:
     if i == 2:
         print("ready", flush=True)
 """
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     try:
         assert proc.stdout.readline().strip() == "ready"
         assert len(list(swap.glob("*.swp"))) == 2

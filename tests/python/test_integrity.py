@@ -19,7 +19,7 @@ import torch
 import pyinfinity
 from pyinfinity import checkpoint
 from pyinfinity.checkpoint import CHECKSUMS_NAME, CheckpointError
-from tests.python.conftest import train_steps
+from tests.python.conftest import sigint_default, train_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -316,7 +316,7 @@ _STALL_RUN = textwrap.dedent("""
 
 def test_ctrl_c_interrupts_a_stuck_wait_promptly(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _STALL_RUN, str(tmp_path / "f.bin")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+                            stderr=subprocess.PIPE, text=True, env=_env(), preexec_fn=sigint_default)
     try:
         assert proc.stdout.readline().strip() == "waiting"
         time.sleep(0.5)
