@@ -248,10 +248,9 @@ class DevicePlacement:
         """After a step whose measured device peak left room under the planner's target (1 -
         DEVICE_HEADROOM of the budget) and fetched ahead, or met a unit larger than the whole
         bucket (a bucket planned below one decoder layer fetches nothing ahead): a planned prefetch
-        grows by that room,
-        less the part of the current prefetch the step did not use, up to the planner's own cap
-        (PREFETCH_GROW_UNITS of the largest offloaded unit or block); a planned live-parameter cap
-        grows alike. The planner's activation estimate is conservative; the peak is what the step
+        grows by that room, less the part of the current prefetch the step did not use, up to the
+        planner's own cap (PREFETCH_GROW_UNITS of the largest offloaded unit or block); a planned
+        live-parameter cap grows alike. The planner's activation estimate is conservative; the peak is what the step
         held. Not once the placement gave something up (the two would take turns)."""
         from pyinfinity.plan.charges import DEVICE_HEADROOM
 
@@ -259,7 +258,7 @@ class DevicePlacement:
         if not (self.grow_prefetch and coord.prefetch_enabled and self.device_memory) or self.gave_up:
             return
         if coord.prefetch_high == 0 and not coord.prefetch_starved:
-            return  # nothing was fetched ahead (a first step has no trace yet), and nothing was too large to be
+            return  # nothing was fetched ahead (a first step has no trace yet) and no unit outgrew the bucket
         big = self._largest_unit()
         unit = big.nbytes if big is not None else 0
         sizes = self.plan_sizes
