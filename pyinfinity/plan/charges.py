@@ -127,6 +127,21 @@ def activation_charge(sizes: ModelSizes, train: TrainShape) -> int:
 
 
 
+def loss_room(sizes: ModelSizes, train: TrainShape, layer_held: int, head_grad: int) -> int:
+    """With checkpointing, the loss's tensors (the logits and their fp32 copies) and a decoder
+    layer's recompute are never on the device at once, and neither are what each phase holds
+    besides: a layer's working set and its gradient buffers (``layer_held``) in backward, the
+    output head (at most the largest shard) and its gradient (``head_grad``) at the loss. The
+    activation estimate charges the larger of the loss and a layer's recompute beside the whole
+    working set and gradient buffers; the bytes of its loss share the loss can find in what the
+    layer phase holds beyond the head's are charged once, not twice. 0 for a measured activation
+    figure (it is what the step held)."""
+    if train.activation_bytes is not None:
+        return 0
+    over = sizes.loss_over_layer(train.micro_batch, train.seq_len, train.checkpointing)
+    return min(over, max(0, layer_held - sizes.largest_shard_bytes - head_grad))
+
+
 def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, resident: int = 0,
                    persistent: int = 0, prefetch: int = 0, device_state: int = 0, accumulators: int = 0,
                    all_resident: bool = False,
@@ -138,11 +153,13 @@ def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, 
     largest_param = sizes.largest_param_numel or sizes.largest_shard_numel
     grads = grad_buffer_bytes(max(trainable, default=0) * sizes.itemsize,
                               largest_param * sizes.itemsize if trainable else 0)
-    return DeviceCharges(persistent=persistent, resident=resident,
-                         working_set=0 if all_resident else working_set_bytes(sizes, train),
-                         prefetch=0 if all_resident else prefetch,
-                         activations=activation_charge(sizes, train) if activations is None else activations,
-                         grad_buffers=0 if device_is_host else grads, device_state=device_state,
+    grads = 0 if device_is_host else grads
+    working = 0 if all_resident else working_set_bytes(sizes, train)
+    acts = activation_charge(sizes, train) if activations is None else activations
+    acts -= loss_room(sizes, train, working + grads, max(trainable, default=0) * sizes.itemsize)
+    return DeviceCharges(persistent=persistent, resident=resident, working_set=working,
+                         prefetch=0 if all_resident else prefetch, activations=acts,
+                         grad_buffers=grads, device_state=device_state,
                          accumulators=accumulators,
                          headroom=0 if device_is_host else int(device_memory * DEVICE_HEADROOM))
 
@@ -203,6 +220,6 @@ def device_state_cost(itemsize: int, grad_accum: int, state: str = "fp32",
 
 
 __all__ = ["PlanError", "TrainShape", "DeviceCharges", "device_charges", "grad_buffer_bytes", "working_set_bytes",
-           "activation_charge", "largest_shape", "shape_refusal", "device_state_cost", "step_scratch", "fmt",
+           "activation_charge", "loss_room", "largest_shape", "shape_refusal", "device_state_cost", "step_scratch", "fmt",
            "DEVICE_HEADROOM", "OPT_BYTES_PER_PARAM", "GRAD_BYTES_PER_PARAM", "DEVICE_STEP_SCRATCH",
            "FORMAT_STEP_SCRATCH", "GRAD_BUFFERS_LIVE"]

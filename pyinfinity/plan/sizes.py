@@ -127,6 +127,26 @@ class ModelSizes:
         its input, plus the larger of the loss's tensors and one layer's full set during recompute.
         Other models: every matmul output kept once and twice for its gradient.
         """
+        parts = self._activation_parts(micro_batch, seq, itemsize)
+        if parts is None:
+            isz = itemsize or self.act_itemsize or self.itemsize
+            return 3 * micro_batch * seq * max(self.act_width, 1) * isz
+        inputs, per_layer, logits = parts
+        if checkpointing:  # the loss's tensors are gone before the first layer's recompute
+            return inputs + max(per_layer, logits)
+        return self.layers * per_layer + logits
+
+    def loss_over_layer(self, micro_batch: int, seq: int, checkpointing: bool) -> int:
+        """With checkpointing: how much of :meth:`activation_bytes` is the loss's tensors beyond a
+        layer's recompute (the part a step holds only while the loss runs, when no decoder layer's
+        working set is); 0 without checkpointing or a transformer's shape."""
+        parts = self._activation_parts(micro_batch, seq, None) if checkpointing else None
+        return 0 if parts is None else max(0, parts[2] - parts[1])
+
+    def _activation_parts(self, micro_batch: int, seq: int,
+                          itemsize: Optional[int]) -> Optional[tuple[int, int, int]]:
+        """(every layer's checkpointed input, one layer's full set, the loss's tensors) in bytes
+        (see :meth:`activation_bytes`); None for a model without a transformer's shape."""
         isz = itemsize or self.act_itemsize or self.itemsize
         tokens = micro_batch * seq
         if self.hidden and self.layers:
@@ -143,10 +163,8 @@ class ModelSizes:
             # the loss over the vocabulary: logits in the compute dtype (held by the output), their
             # fp32 copy's log-softmax, and in backward its gradient and the gradient of the fp32 copy
             logits = tokens * self.vocab * (isz + 3 * 4)
-            if checkpointing:  # the loss's tensors are gone before the first layer's recompute
-                return self.layers * tokens * h * isz + max(per_layer, logits)
-            return self.layers * per_layer + logits
-        return 3 * tokens * max(self.act_width, 1) * isz
+            return self.layers * tokens * h * isz, per_layer, logits
+        return None
 
     def flops_per_step(self, micro_batch: int, seq: int, checkpointing: bool) -> float:
         """Matmul FLOPs of one micro-batch's forward + backward (+ recompute with checkpointing):

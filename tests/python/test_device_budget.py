@@ -7,13 +7,15 @@ error is simulated by a seam (an allocation that raises torch.OutOfMemoryError).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 
 import pyinfinity
 from pyinfinity.engine import SHRINK_AT, retry_micro_batch
-from pyinfinity.plan.charges import DEVICE_HEADROOM, PlanError, TrainShape, largest_shape, shape_refusal
+from pyinfinity.plan.charges import (DEVICE_HEADROOM, PlanError, TrainShape, device_charges, largest_shape, loss_room,
+                                     shape_refusal)
 from pyinfinity.plan.placement import solve
 from pyinfinity.plan.sizes import llama_sizes
 from pyinfinity.zero.coordinator import ParameterCoordinator
@@ -76,9 +78,38 @@ def test_the_placement_charges_gradient_buffers_and_headroom_and_fits_its_budget
         layer = max(sizes.shard_numels) * 2
         assert c.grad_buffers == 2 * layer + 32000 * 4096 * 2  # two flat unit gradients + the head's weight gradient
         assert c.headroom == int(8 * GIB * DEVICE_HEADROOM)
-        assert c.activations == sizes.activation_bytes(mb, seq, True)
+        # the loss's share of the estimate beyond a layer's recompute is charged once: at the loss
+        # the working set and gradient buffers of a layer are not held
+        assert c.activations == sizes.activation_bytes(mb, seq, True) - loss_room(
+            sizes, train, c.working_set + c.grad_buffers, layer)
         # what is left for the placement is what the budget leaves after the charges
         assert c.resident + c.prefetch + c.device_state <= 8 * GIB - (c.total - c.resident - c.prefetch - c.device_state)
+
+
+def test_the_loss_and_a_layers_recompute_are_charged_as_two_phases_not_one():
+    """A 20B Llama at 4 x 1024 with checkpointing on 8 GiB: the step's peak is the checkpointed
+    inputs plus the larger of a layer's phase (its working set, gradient buffers and recompute)
+    and the loss's (the head, its gradient and the logits' tensors). Charged as both at once it
+    came to 8.93 GB and the planner refused the shape; it fits. A measured activation figure and a
+    run without checkpointing get no such credit."""
+    from pyinfinity.bench.train import SIZES
+
+    sizes = llama_sizes(dict(SIZES["20b"], model_type="llama"), "bf16")
+    train = TrainShape(micro_batch=4, seq_len=1024, checkpointing=True)
+    c = device_charges(sizes, train, 8 * GIB)
+    inputs, per_layer, logits = sizes._activation_parts(4, 1024, None)
+    layer = max(sizes.shard_numels) * 2
+    layer_phase = c.working_set + c.grad_buffers + per_layer
+    loss_phase = sizes.largest_shard_bytes + layer + logits
+    assert logits > per_layer and loss_phase < layer_phase + (logits - per_layer)
+    assert c.working_set + c.grad_buffers + c.activations == inputs + max(layer_phase, loss_phase)
+    both = c.working_set + c.grad_buffers + sizes.activation_bytes(4, 1024, True) + c.headroom
+    assert both > 8 * GIB >= c.total, (both, c.total)
+    assert shape_refusal(sizes, train, 8 * GIB) is None
+    measured = replace(train, activation_bytes=sizes.activation_bytes(4, 1024, True))
+    assert device_charges(sizes, measured, 8 * GIB).activations == measured.activation_bytes
+    plain = replace(train, checkpointing=False)
+    assert device_charges(sizes, plain, 8 * GIB).activations == sizes.activation_bytes(4, 1024, False)
 
 
 def test_the_activation_estimate_of_a_llama_layer_is_what_transformers_saves():
