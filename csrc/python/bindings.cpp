@@ -387,7 +387,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_type"),
       py::arg("out_bf16"), py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-      py::arg("weight_decay"), py::arg("adamw"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"), py::arg("isa") = "auto",
+      py::arg("weight_decay"), py::arg("adamw"), py::arg("step"), py::arg("grad_scale"), py::arg("threads"),
+      py::arg("isa") = "auto",
       "Adam/AdamW over n parameters whose master weights and moments are bf16 (DeepSpeed's "
       "bf16_master_weights_and_grads + bf16_optimizer_states), stepped in fp32 and rounded to nearest even. "
       "The gradient (fp32 or bf16) must not overlap them; out_bf16 (0: none; may be the gradient) receives the "

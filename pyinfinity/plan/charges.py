@@ -151,12 +151,12 @@ def device_charges(sizes: ModelSizes, train: TrainShape, device_memory: int, *, 
     and there is no caching allocator to leave headroom for."""
     trainable = [n for n, t in zip(sizes.shard_numels, sizes.shard_trainable) if t]
     largest_param = sizes.largest_param_numel or sizes.largest_shard_numel
-    grads = grad_buffer_bytes(max(trainable, default=0) * sizes.itemsize,
-                              largest_param * sizes.itemsize if trainable else 0)
-    grads = 0 if device_is_host else grads
+    largest_trainable = max(trainable, default=0) * sizes.itemsize
+    grads = 0 if device_is_host else grad_buffer_bytes(largest_trainable,
+                                                       largest_param * sizes.itemsize if trainable else 0)
     working = 0 if all_resident else working_set_bytes(sizes, train)
     acts = activation_charge(sizes, train) if activations is None else activations
-    acts -= loss_room(sizes, train, working + grads, max(trainable, default=0) * sizes.itemsize)
+    acts -= loss_room(sizes, train, working + grads, largest_trainable)
     return DeviceCharges(persistent=persistent, resident=resident, working_set=working,
                          prefetch=0 if all_resident else prefetch, activations=acts,
                          grad_buffers=grads, device_state=device_state,
@@ -220,6 +220,6 @@ def device_state_cost(itemsize: int, grad_accum: int, state: str = "fp32",
 
 
 __all__ = ["PlanError", "TrainShape", "DeviceCharges", "device_charges", "grad_buffer_bytes", "working_set_bytes",
-           "activation_charge", "loss_room", "largest_shape", "shape_refusal", "device_state_cost", "step_scratch", "fmt",
-           "DEVICE_HEADROOM", "OPT_BYTES_PER_PARAM", "GRAD_BYTES_PER_PARAM", "DEVICE_STEP_SCRATCH",
+           "activation_charge", "loss_room", "largest_shape", "shape_refusal", "device_state_cost", "step_scratch",
+           "fmt", "DEVICE_HEADROOM", "OPT_BYTES_PER_PARAM", "GRAD_BYTES_PER_PARAM", "DEVICE_STEP_SCRATCH",
            "FORMAT_STEP_SCRATCH", "GRAD_BUFFERS_LIVE"]
