@@ -32,6 +32,11 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     micro-batch hides it. Under accumulation on a GPU the step is at least the host's
     memory-bound work in a row: every micro-batch's adds, then the CPU step (they share the
     memory bus, so one does not hide the other).
+  * units whose optimizer state lives on the device (``pyinfinity.device_optimizer_bytes``) step
+    there on the compute stream at the format's measured device rate
+    (``Rates.device_adam_rate``): time nothing hides, added to the step. torch's fused fp32 step
+    is nearly free; a compressed format's torch step is not (about 2.5 Gparam/s for 8bit on an
+    H200), so ``placement.candidates`` weighs keeping that state on the host instead.
 """
 from __future__ import annotations
 
@@ -547,10 +552,13 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
     state_bytes = train.state_format.state_bytes
 
+    device_rate = rates.device_adam_rate(train.optimizer_state)
+
     def adam_time(numel: int) -> float:
         if knobs.optimizer_step_device == "device" and cuda:
-            # streamed: state + grad to the device, state back, one shard at a time (the copy back waits)
-            return (_div(state_bytes * numel, rates.h2d) + _div(4 * numel, pageable)
+            # streamed: state + grad to the device, the format's step there, state back, one shard
+            # at a time (the step waits for its copy in, the copy back for the step)
+            return (_div(state_bytes * numel, rates.h2d) + _div(4 * numel, pageable) + _div(numel, device_rate)
                     + _div(state_bytes * numel, rates.d2h))
         return _div(numel, rates.adam_rate(train.optimizer_state))
 
@@ -581,13 +589,17 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         hideable = opt_phase if cuda else max(0.0, opt_phase - (host + a + b))
         tail = hideable * sizes.largest_shard_numel / max(1, sizes.numel)
         visible = opt_phase - hideable + max(hideable - window, tail)
-    total = g * micro + visible
+    # units whose state lives on the device step there on the compute stream, between the last
+    # backward and the next forward: device time no copy or CPU work hides
+    device_step = _div(device_stepped, device_rate) if cuda else 0.0
+    total = g * micro + device_step + visible
     if cuda and g > 1 and knobs.optimizer_step_device != "device":
         # the accumulation worker's adds and the CPU step both stream host memory: an overlapped step
         # runs beside the next window's adds, not in time of its own
         total = max(total, g * accumulate + opt_phase)
     disk_busy = g * disk_read + disk_a + disk_b
-    busy = {"compute": g * compute, "host<->device": g * h2d_busy, "disk": disk_busy, "optimizer": host + a + b}
+    busy = {"compute": g * compute, "host<->device": g * h2d_busy, "disk": disk_busy,
+            "optimizer": host + a + b + device_step}
     bottleneck = max(busy, key=busy.get)
     return StepTime(compute=busy["compute"], h2d=busy["host<->device"], disk=disk_busy, optimizer=busy["optimizer"],
                     micro_batch=micro, optimizer_phase=visible, total=total, bottleneck=bottleneck)

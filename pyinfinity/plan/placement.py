@@ -174,6 +174,11 @@ def candidates(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Ra
                 _lean_staging(sizes, train, budgets, rates, fixed, bases[0], have_disk)):
         if alt is not None:
             bases.append(alt)
+    if fixed.device_optimizer_bytes is None:
+        # state the device room could hold steps there at the format's device rate, on the compute
+        # stream; kept on the host, the CPU steps it beside the compute: both are weighed (a
+        # compressed format's torch step on the device can be the slower)
+        bases += [replace(b, device_optimizer_bytes=0) for b in bases if b.device_optimizer_bytes > 0]
     for base in bases:
         yield from _candidates_of(base, sizes, train, budgets, rates, fixed, have_disk, steps)
 
@@ -279,6 +284,14 @@ def solve(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
     near = [p for p in ok if p.predicted.total <= best_t * (1 + TIE)]
     best = min(near, key=lambda p: (p.disk_traffic, p.predicted.total))
     best.notes.extend(_notes(best, sizes, budgets, len(evaluated), len(ok)))
+    stepped_there = [p for p in ok if p.device_state_bytes > 0]
+    if not best.device_state_bytes and stepped_there:
+        alt = min(stepped_there, key=lambda p: p.predicted.total)
+        best.notes.append(f"the device has room for the optimizer state of some resident units, but stepping it there "
+                          f"at {rates.device_adam_rate(train.optimizer_state) / 1e9:.2f} Gparam/s "
+                          f"({rates.device_adam_source(train.optimizer_state)}) predicts "
+                          f"{alt.predicted.total:.3f} s/step against {best.predicted.total:.3f}: it stays on the host "
+                          "(pyinfinity.device_optimizer_bytes sets it)")
     log.info("plan: params %s, optimizer %s; %s", best.knobs.param_device, best.knobs.optimizer_device,
              best.predicted.breakdown())
     return best

@@ -7,8 +7,9 @@ which the probe then uses), else from a short probe through ``pyinfinity.swap.Sw
 swap directory (O_DIRECT where the filesystem allows, as the engine does). Everything else is
 timed here: the engine's one-pass CPU Adam kernel on ADAM_PROBE_NUMEL parameters with the engine's
 optimizer thread count (and the kernel of the optimizer-state format planned, when it is not
-fp32), a matmul of the model's shape on the compute device, pinned copies (GPU) or memcpy (CPU
-device), a host memcpy of MEMCPY_PROBE_BYTES, and under gradient accumulation the engine's own
+fp32), on a GPU the planned format's step there as the engine runs it for units whose state lives
+on the device, a matmul of the model's shape on the compute device, pinned copies (GPU) or memcpy
+(CPU device), a host memcpy of MEMCPY_PROBE_BYTES, and under gradient accumulation the engine's own
 gradient add (the Adam, memcpy and add probes reach beyond the last-level cache, as the engine's
 work does). ``measure_decoder_compute`` times one micro-batch of the model itself (1 and 2 of its
 layers) where a figure from FLOPs and the matmul rate would miss the small kernels around them.
@@ -92,6 +93,24 @@ beyond any CPU's last-level cache: on the H200 box (16 cores) 8M parameters (112
 cache) read 5.8 Gparam/s, 64M 3.8 and 256M 4.1, while the engine's step at 1.1B ran at 3.75 (the
 planner's CPU Adam term was 0.70x the measured step with the 8M probe)."""
 
+DEVICE_ADAM_PROBE_NUMEL = 16 << 20
+"""Parameters of the device step probe (:func:`measure_device_adam`): a whole chunk of torch's
+fused fp32 step (``zero.optim.formats.DEVICE_CHUNK``) and four of the compressed formats' torch
+steps, 0.3 GB of device memory for fp32, released after."""
+
+DEVICE_ADAM_ASSUMED = {"fp32": math.inf, "8bit": 2.5e9, "bf16": 11.8e9}
+"""Params/s of each format's device step where it was not measured (planning a GPU that is not on
+this machine): the compressed formats' torch steps as one H200 ran them, every unit of a 1.26B
+Llama stepped there (0.507 s and 0.107 s a step); fp32's fused step as free."""
+
+
+def device_adam_key(state: str) -> str:
+    """The :class:`Rates` field of the ``state`` format's device step rate."""
+    if state not in DEVICE_ADAM_ASSUMED:
+        raise ValueError(f"optimizer state format: expected one of {', '.join(DEVICE_ADAM_ASSUMED)}, got {state!r}")
+    return "device_adam" if state == "fp32" else f"device_adam_{state}"
+
+
 MEMCPY_PROBE_BYTES = 256 << 20
 """Bytes of the host memcpy probe, quick or not: beyond the last-level cache, as the gradient
 accumulators and write-backs it stands for are (a 32 MB copy measures the cache, as a small Adam
@@ -131,6 +150,9 @@ class Rates:
     after the other (the optimizer's disk pipeline overlaps its reads with its writes).
     memcpy: host memory bandwidth (gradient accumulation, cpu-tier write-back).
     adam, adam_8bit, adam_bf16: the CPU optimizer step of each state format (:meth:`adam_rate`).
+    device_adam, device_adam_8bit, device_adam_bf16: the step of each format on the compute device,
+    as the engine runs it for units whose state lives there (:meth:`device_adam_rate`; 0: not
+    measured).
     accumulate: params/s of the host's gradient add under accumulation (the engine's ``add_into`` of
     a gradient in the compute dtype into its fp32 accumulator; 0: not measured, the memcpy model
     stands in).
@@ -154,6 +176,9 @@ class Rates:
     adam_8bit: float = 0.0  # params/s of the 8-bit state's CPU step (0: not measured; the fp32 rate stands in)
     adam_bf16: float = 0.0  # params/s of the bf16 state's CPU step (0: not measured; likewise)
     accumulate: float = 0.0  # params/s of the host's gradient add (0: not measured; memcpy model)
+    device_adam: float = 0.0  # params/s of the fp32 state's step on the compute device (0: not measured)
+    device_adam_8bit: float = 0.0  # likewise of the 8-bit state's
+    device_adam_bf16: float = 0.0  # likewise of the bf16 state's
     shard_overhead: float = 0.0  # host seconds per shard per forward+backward (hooks, bookkeeping)
     shard_step_overhead: float = 0.0  # host seconds per shard in the optimizer step
     device: str = "cpu"
@@ -172,7 +197,8 @@ class Rates:
     def from_json(cls, d: dict) -> "Rates":
         keys = {k: d[k] for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
                                   "disk_latency", "disk_duplex", "block_size", "h2d_pageable", "shard_overhead",
-                                  "shard_step_overhead", "adam_8bit", "adam_bf16", "accumulate", "device", "source")
+                                  "shard_step_overhead", "adam_8bit", "adam_bf16", "accumulate", "device_adam",
+                                  "device_adam_8bit", "device_adam_bf16", "device", "source")
                 if k in d}
         return cls(**keys)
 
@@ -181,6 +207,20 @@ class Rates:
         format's was not measured (a rates file from before it, or a target described by presets)."""
         rate = {"fp32": self.adam, "8bit": self.adam_8bit, "bf16": self.adam_bf16}[state]
         return rate or self.adam
+
+    def device_adam_rate(self, state: str = "fp32") -> float:
+        """Params/s of the ``state`` format's step on the compute device (units whose optimizer
+        state lives there, the streamed step): the measured figure, else
+        :data:`DEVICE_ADAM_ASSUMED`'s (``math.inf`` for fp32: torch's fused kernel streams the
+        state at the device memory's pace, a small share of any step)."""
+        return getattr(self, device_adam_key(state)) or DEVICE_ADAM_ASSUMED[state]
+
+    def device_adam_source(self, state: str = "fp32") -> str:
+        """Where :meth:`device_adam_rate`'s figure came from."""
+        key = device_adam_key(state)
+        if getattr(self, key):
+            return self.source.get(key, "given")
+        return "not measured: fp32's fused step taken as free" if state == "fp32" else "not measured: an H200's figure"
 
     def pieces(self, nbytes: int) -> int:
         """I/O pieces the swap engine cuts a request of ``nbytes`` into."""
@@ -213,8 +253,9 @@ class Rates:
                 ("disk_duplex", f"{self.disk_duplex:.2f} of read + write when both run"),
                 ("adam", f"{self.adam / 1e9:.3f} Gparam/s"), ("matmul", f"{self.matmul / 1e12:.3f} TFLOP/s"),
                 ("memcpy", f"{self.memcpy / g:.2f} GB/s")]
-        rows[8:8] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s") for k in ("adam_8bit", "adam_bf16", "accumulate")
-                     if getattr(self, k)]
+        rows[8:8] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s")
+                     for k in ("adam_8bit", "adam_bf16", "device_adam", "device_adam_8bit", "device_adam_bf16",
+                               "accumulate") if getattr(self, k)]
         if self.shard_overhead or "shard_overhead" in self.source:
             rows.append(("shard_overhead", f"{self.shard_overhead * 1e6:.1f} us per shard"))
         w = max(len(k) for k, _ in rows)
@@ -339,6 +380,41 @@ def _measure_format_step(numel: int, reps: int, threads: int, state: str) -> flo
     else:
         raise ValueError(f"measure_adam: state must be fp32, 8bit or bf16, got {state!r}")
     return numel / _median_time(run, reps, min_seconds=0.05)
+
+
+def measure_device_adam(device: Union[str, torch.device], state: str = "fp32", numel: int = DEVICE_ADAM_PROBE_NUMEL,
+                        reps: int = 5) -> float:
+    """Params/s of the ``state`` format's step on ``device`` as the engine runs it for a unit whose
+    state lives there (``OptimStateFormat.step_device``: torch's fused kernel for fp32, the
+    compressed formats' own step), a bf16 gradient, the new weights written into a bf16 buffer.
+    Waits for the device (the time is the kernels', not their launch). The memory is released
+    after."""
+    from pyinfinity.zero.optim.formats import make_state_format
+
+    dev = torch.device(device)
+    fmt = make_state_format(state, adam_w=True)
+    size, dtype = fmt.home_spec(numel)
+    flat = torch.empty(size, dtype=dtype, device=dev)
+    fmt.init(flat, numel, torch.zeros(numel, device=dev))
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(numel, dtype=torch.bfloat16, device=dev)
+    step = torch.zeros((), dtype=torch.float32, device=dev)
+    hyper = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    count = [0]
+
+    def run() -> None:
+        count[0] += 1
+        step.add_(1)
+        fmt.step_device(flat, numel, grad, out, hyper, step, None, count=count[0], scale=1.0)
+
+    cuda = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    try:
+        return numel / _median_time(run, reps, sync=sync, min_seconds=0.05)
+    finally:
+        del flat, grad, out
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def measure_memcpy(nbytes: int = 64 << 20, reps: int = 5) -> float:
@@ -591,8 +667,9 @@ def load_rates_file(path: str) -> tuple[dict[str, float], dict]:
     if d.get("schema") == SCHEMA:
         out = {k: float(d[k]) for k in ("h2d", "d2h", "disk_read", "disk_write", "adam", "matmul", "memcpy",
                                         "disk_latency", "disk_duplex", "h2d_pageable", "adam_8bit", "adam_bf16",
-                                        "accumulate")
-               if isinstance(d.get(k), (int, float)) and (d[k] or not k.startswith(("adam_", "accumulate")))}
+                                        "accumulate", "device_adam", "device_adam_8bit", "device_adam_bf16")
+               if isinstance(d.get(k), (int, float))
+               and (d[k] or not k.startswith(("adam_", "accumulate", "device_adam")))}
     elif isinstance(d.get("results"), list):
         best: dict[str, float] = {}
         for r in d["results"]:
@@ -681,6 +758,10 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
             kw = {"state": state} if state != "fp32" else {}
             vals[figure] = measure_adam(ADAM_PROBE_NUMEL, reps, threads=threads, **kw)
             source[figure] = f"{host_note}, {threads} thread{'s' if threads != 1 else ''}"
+    device_figure = device_adam_key(optimizer_state)
+    if here and dev.type == "cuda" and device_figure not in vals:  # units whose state lives on the device
+        vals[device_figure] = measure_device_adam(dev, optimizer_state, DEVICE_ADAM_PROBE_NUMEL, reps)
+        source[device_figure] = "probe"
     if "memcpy" not in vals:
         vals["memcpy"] = measure_memcpy(MEMCPY_PROBE_BYTES, reps)
         source["memcpy"] = host_note
@@ -726,7 +807,9 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                   disk_latency=vals.get("disk_latency", 0.0), disk_duplex=vals.get("disk_duplex", 1.0),
                   h2d_pageable=vals.get("h2d_pageable", 0.0),
                   adam_8bit=vals.get("adam_8bit", 0.0), adam_bf16=vals.get("adam_bf16", 0.0),
-                  accumulate=vals.get("accumulate", 0.0), block_size=int(aio.get("block_size") or (1 << 20)),
+                  accumulate=vals.get("accumulate", 0.0),
+                  **{k: vals.get(k, 0.0) for k in ("device_adam", "device_adam_8bit", "device_adam_bf16")},
+                  block_size=int(aio.get("block_size") or (1 << 20)),
                   device=str(dev), source=source)
     log.debug("rates: %s", rates.describe())
     if cache:
@@ -777,5 +860,7 @@ def preset_rates(device: Union[str, torch.device] = "cuda", link: Optional[str] 
 __all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRESETS", "DISK_PRESETS", "LinkPreset",
            "DiskPreset", "disk_probe_size", "all_cpus", "ADAM_PROBE_NUMEL", "MEMCPY_PROBE_BYTES",
            "measure_decoder_compute", "decoder_probe_bytes", "measure_accumulate", "ACCUMULATE_PROBE_NUMEL",
-           "measure_adam", "measure_memcpy", "measure_matmul", "measure_copies",
+           "measure_adam", "measure_device_adam", "DEVICE_ADAM_PROBE_NUMEL", "DEVICE_ADAM_ASSUMED", "device_adam_key",
+           "measure_memcpy",
+           "measure_matmul", "measure_copies",
            "measure_disk", "DiskProbe", "load_rates_file"]

@@ -257,3 +257,17 @@ def test_a_random_init_on_a_gpu_engine_draws_on_the_gpu_a_module_at_a_time(tmp_p
     a, b = first_losses(), first_losses()
     assert a == b
     assert abs(a[0] - math.log(260)) < 0.5  # std-0.02 weights: the first loss is about ln(vocab)
+
+
+@pytest.mark.parametrize("state", ["fp32", "8bit", "bf16"])
+def test_the_plan_times_each_formats_step_on_the_gpu_and_gives_the_memory_back(state):
+    """On a GPU the rates include the planned format's device step, timed as the engine runs it
+    (``Rates.device_adam_rate``), and the probe's tensors are released."""
+    from pyinfinity.plan.rates import device_adam_key, measure_device_adam, measure_rates
+
+    before = torch.cuda.memory_allocated()
+    rates = measure_rates("cuda", optimizer_state=state, quick=True)
+    key = device_adam_key(state)
+    assert getattr(rates, key) > 0 and rates.source[key] == "probe" and rates.device_adam_rate(state) < math.inf
+    assert measure_device_adam("cuda", state, numel=1 << 20, reps=1) > 0
+    assert torch.cuda.memory_allocated() == before

@@ -491,6 +491,95 @@ def test_the_rate_probe_times_the_planned_formats_kernel(monkeypatch):
         assert rates_mod.measure_adam(1 << 16, 1, threads=1, state=state) > 0
 
 
+def test_device_step_rates_per_state_format():
+    """A format's device step rate where measured, else the assumed figure (fp32's fused step
+    free, the compressed formats' torch steps as an H200 ran them), with its source; saved and
+    loaded with the rest."""
+    import math
+    import tempfile
+
+    from pyinfinity.plan.rates import DEVICE_ADAM_ASSUMED, device_adam_key
+
+    r = Rates(h2d=1e9, d2h=1e9, disk_read=1e9, disk_write=1e9, adam=1e9, matmul=1e12, memcpy=1e10,
+              device_adam_8bit=40e9, source={"device_adam_8bit": "probe"})
+    assert r.device_adam_rate("fp32") == math.inf and r.device_adam_rate("8bit") == 40e9
+    assert r.device_adam_rate("bf16") == DEVICE_ADAM_ASSUMED["bf16"] < r.adam_rate("bf16") * 20
+    assert r.device_adam_source("8bit") == "probe" and "H200" in r.device_adam_source("bf16")
+    assert "free" in r.device_adam_source("fp32") and "device_adam_8bit" in r.describe_sources()
+    with pytest.raises(ValueError, match="fp64"):
+        device_adam_key("fp64")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "rates.json")
+        r.save(path)
+        figures = load_rates_file(path)[0]
+        assert figures["device_adam_8bit"] == 40e9 and "device_adam" not in figures
+        assert Rates.from_json(json.load(open(path))).device_adam_rate("8bit") == 40e9
+
+
+@pytest.mark.parametrize("state", ["fp32", "8bit", "bf16"])
+def test_the_device_step_probe_times_the_engines_own_step(state, monkeypatch):
+    """measure_device_adam runs the format's step_device (any device: here the CPU's tensors) and
+    gives params/s; the probe runs on the planned format's step."""
+    from pyinfinity.plan import rates as rates_mod
+    from pyinfinity.zero.optim import formats
+
+    calls = []
+    real = formats.make_state_format
+
+    def spy(name: str, adam_w: bool):
+        fmt = real(name, adam_w)
+        step = fmt.step_device
+
+        def counted(*a, **kw):
+            calls.append(name)
+            return step(*a, **kw)
+
+        fmt.step_device = counted
+        return fmt
+
+    monkeypatch.setattr(formats, "make_state_format", spy)
+    rate = rates_mod.measure_device_adam("cpu", state, numel=1 << 16, reps=1)
+    assert rate > 0 and calls and set(calls) == {state}
+
+
+def test_units_stepped_on_the_device_cost_their_step_there():
+    """The device step of units whose state lives on the device is on the compute stream: the
+    prediction adds their parameters over the format's device rate; torch's fused fp32 step is
+    free."""
+    from pyinfinity.plan import Knobs, evaluate
+
+    sizes = llama_sizes(LLAMA_1B, dtype="bf16")
+    k = Knobs(param_device="cpu", optimizer_device="cpu", ratio=1.0, prefetch_bytes=0,
+              resident_bytes=sizes.param_bytes, device_optimizer_bytes=1 << 40)
+    budgets = _budgets(139 * 2**30, 100 * GB)
+    fast, slow = (Rates(**{**GPU_RATES.__dict__, "device_adam_8bit": r}) for r in (1e15, 1e9))
+    p_fast, p_slow = (evaluate(sizes, TrainShape(optimizer_state="8bit"), budgets, r, k) for r in (fast, slow))
+    assert p_fast.device_state_bytes > 0 and p_fast.feasible, p_fast.violations
+    stepped = sum(n for n, t in zip(sizes.shard_numels, sizes.shard_trainable) if t)
+    assert p_slow.predicted.total - p_fast.predicted.total == pytest.approx(stepped / 1e9 - stepped / 1e15, rel=1e-3)
+    assert p_slow.predicted.optimizer - p_fast.predicted.optimizer == pytest.approx(stepped / 1e9, rel=1e-3)
+    fp32 = evaluate(sizes, TrainShape(), budgets, GPU_RATES, k)
+    assert fp32.predicted.optimizer == pytest.approx(0.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("device_rate, on_device", [(1e9, False), (200e9, True)])
+def test_the_plan_keeps_state_on_the_host_when_its_device_step_is_the_slower(device_rate, on_device):
+    """A whole 1.1B run fits an H200: the device could hold every unit's 8-bit state, but its step
+    there runs at the format's device rate on the compute stream. Slower than the CPU's step
+    beside the compute, the plan keeps the state on the host and says why; fast (a kernel),
+    it steps there."""
+    sizes = llama_sizes(LLAMA_1B, dtype="bf16")
+    rates = Rates(**{**GPU_RATES.__dict__, "adam_8bit": 3.3e9, "device_adam_8bit": device_rate,
+                     "source": {"device_adam_8bit": "probe"}})
+    p = solve(sizes, TrainShape(micro_batch=4, seq_len=1024, checkpointing=True, optimizer_state="8bit"),
+              _budgets(139 * 2**30, 100 * GB), rates)
+    assert (p.knobs.device_optimizer_bytes > 0) is on_device and (p.device_state_bytes > 0) is on_device
+    why = [n for n in p.notes if "stays on the host" in n]
+    assert bool(why) is not on_device
+    if why:
+        assert "1.00 Gparam/s (probe)" in why[0] and "pyinfinity.device_optimizer_bytes" in why[0]
+
+
 def test_the_device_steps_scratch_is_charged_as_the_step_takes_it():
     from pyinfinity.plan.charges import FORMAT_STEP_SCRATCH, device_state_cost, step_scratch
     from pyinfinity.zero import optimizer, state_formats
