@@ -32,15 +32,13 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     micro-batch hides it. Under accumulation on a GPU the step is at least the host's
     memory-bound work in a row: every micro-batch's adds, then the CPU step (they share the
     memory bus, so one does not hide the other).
-  * units whose optimizer state lives on the device (``pyinfinity.device_optimizer_bytes``) step
-    there on the compute stream at the format's measured device rate
-    (``Rates.device_adam_rate``): time nothing hides, added to the step. torch's fused fp32 step
-    is nearly free; a compressed format's torch step is not (about 2.5 Gparam/s for 8bit on an
-    H200), so ``placement.candidates`` weighs keeping that state on the host instead.
+  * units whose state lives on the device step there on the compute stream, unhidden, at the
+    format's device rate (``Rates.device_adam_rate``); ``placement.candidates`` weighs the host.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
@@ -161,7 +159,7 @@ class Placement:
     def config_values(self) -> dict[str, Any]:
         """Dotted config key -> value for every knob the plan decides."""
         k = self.knobs
-        out: dict[str, Any] = {
+        return {
             "zero_optimization.offload_param.device": k.param_device,
             "zero_optimization.offload_param.max_in_cpu": int(k.max_in_cpu),
             "zero_optimization.offload_param.buffer_count": int(k.param_buffer_count),
@@ -181,7 +179,6 @@ class Placement:
             "pyinfinity.device_memory": int(self.device_memory),
             "pyinfinity.host_memory": int(self.host_memory),
         }
-        return out
 
     def table(self) -> str:
         """The plan as a text table: tiers per tensor class, buffers, budgets, predicted time."""
@@ -235,9 +232,7 @@ class Placement:
         steady = list(step_seconds[warmup:]) or list(step_seconds)
         if not steady:
             return f"plan: predicted {self.predicted.total:.3f} s/step; no step measured"
-        steady.sort()
-        med = steady[len(steady) // 2] if len(steady) % 2 else 0.5 * (steady[len(steady) // 2 - 1]
-                                                                         + steady[len(steady) // 2])
+        med = statistics.median(steady)
         pred, shape = self.predicted, ""
         inputs = getattr(self, "inputs", None)
         if tokens_per_micro_batch and inputs is not None:
@@ -359,10 +354,8 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
     placed = 0
     # optimizer state in RAM (segment a, stepped first), on disk (b); *_s: seconds of disk I/O
     seg_a = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0}
-    seg_b = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0,
-             "state": 0, "state_s": 0.0}
-    biggest_disk_state = 0
-    first_disk_state = 0
+    seg_b = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0, "state": 0, "state_s": 0.0}
+    biggest_disk_state = first_disk_state = 0
     # the one-pass CPU kernel writes the new bf16 weights into a home in RAM itself (its measured
     # rate includes it); other homes and dtypes get a cast pass from the fp32 master. A bf16 master
     # is the weights' home itself: stepped where it lies in RAM, read from disk or the device first
@@ -556,8 +549,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
     def adam_time(numel: int) -> float:
         if knobs.optimizer_step_device == "device" and cuda:
-            # streamed: state + grad to the device, the format's step there, state back, one shard
-            # at a time (the step waits for its copy in, the copy back for the step)
+            # streamed: state + grad in, the format's step there, state back, a shard at a time
             return (_div(state_bytes * numel, rates.h2d) + _div(4 * numel, pageable) + _div(numel, device_rate)
                     + _div(state_bytes * numel, rates.d2h))
         return _div(numel, rates.adam_rate(train.optimizer_state))
@@ -589,8 +581,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
         hideable = opt_phase if cuda else max(0.0, opt_phase - (host + a + b))
         tail = hideable * sizes.largest_shard_numel / max(1, sizes.numel)
         visible = opt_phase - hideable + max(hideable - window, tail)
-    # units whose state lives on the device step there on the compute stream, between the last
-    # backward and the next forward: device time no copy or CPU work hides
+    # units whose state lives on the device step on the compute stream: time nothing hides
     device_step = _div(device_stepped, device_rate) if cuda else 0.0
     total = g * micro + device_step + visible
     if cuda and g > 1 and knobs.optimizer_step_device != "device":

@@ -15,7 +15,7 @@ work does). ``measure_decoder_compute`` times one micro-batch of the model itsel
 layers) where a figure from FLOPs and the matmul rate would miss the small kernels around them.
 Figures are medians of a few repetitions.
 
-One module for the rates (about 750 lines): the record, the probes, the rates files and the named
+One module for the rates (about 870 lines): the record, the probes, the rates files and the named
 presets all fill the same fields and name each one's source, so a figure's every origin reads in
 one place.
 """
