@@ -32,9 +32,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from pyinfinity.bench.train_bound import (adam_rate_for, adam_rate_key, best_disk_rates, bound, measure_bound_rates,
-                                          measure_matmul_rate, optimizer_state, optimizer_state_bytes, probe_disk,
-                                          tier_fractions, uses_disk)
+from pyinfinity.bench.train_bound import (adam_rate_for, adam_rate_key, best_disk_rates, bound, device_adam_rate_for,
+                                          measure_bound_rates, measure_matmul_rate, optimizer_state,
+                                          optimizer_state_bytes, probe_disk, tier_fractions, uses_disk)
 from pyinfinity.bench.train_matrix import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
                                            DEFAULT_SYSTEMS_LORA, PEERS, SCHEMA, SIZES, BenchTrainError, SystemSpec,
                                            base_system, lora_spec, model_fields, parse_system, parse_systems,
@@ -43,6 +43,7 @@ from pyinfinity.bench.train_report import (HEADER, below_bound, compare_to_best_
                                            load_results, one_line, plot, ratio_lines, report, rss_over_plan,
                                            save_results, table_rows, usable)
 from pyinfinity.bench.train_worker import RESULT_PREFIX, TIERS
+from pyinfinity.plan.rates import device_adam_key
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +358,8 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
                 rr.update(best_disk_rates(*probes))
             res["optimizer_state_bytes"] = state_bytes
             rr[adam_rate_key(fmt)] = adam_rate_for(rates, fmt)
+            if cuda and int((res.get("placement") or {}).get("optimizer_device_numel", 0)):
+                rr[device_adam_key(fmt)] = device_adam_rate_for(rates, fmt, device)
             res["bound"] = bound(system, facts, rr, cuda, res.get("placement"), state_bytes, fmt)
             res["bound"]["rates"] = {k: rr[k] for k in ("disk_read", "disk_write")}
             if res.get("step_seconds"):

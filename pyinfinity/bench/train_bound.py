@@ -2,7 +2,10 @@
 in the same invocation:
 
     bound = max(compute, PCIe, disk, CPU Adam)
-      compute  = matmul FLOPs of the step / the device's measured matmul rate (model's shape, dtype)
+      compute  = matmul FLOPs of the step / the device's measured matmul rate (model's shape, dtype),
+                 plus, on a GPU, the step of pyinfinity's units stepped there (their parameters /
+                 the format's device step rate, measured as the engine runs it: on the compute
+                 stream, nothing hides it)
       PCIe     = max(2 x parameter bytes / H2D, gradient bytes / D2H)   (GPU only; full duplex;
                  parameters kept on the GPU cross once, as the updated values: parameter bytes / H2D)
       disk     = max(bytes read / disk read rate, bytes written / disk write rate): the disk serves
@@ -33,6 +36,7 @@ from typing import Any, Optional
 
 from pyinfinity.bench.train_matrix import base_system
 from pyinfinity.bench.train_worker import TIERS
+from pyinfinity.plan.rates import device_adam_key
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,17 @@ def adam_rate_for(rates: dict[str, Any], state_format: str) -> float:
     return float(rates[key])
 
 
+def device_adam_rate_for(rates: dict[str, Any], state_format: str, device: str) -> float:
+    """``state_format``'s step rate on ``device`` (``plan.rates.measure_device_adam``), probed the
+    first time a run steps units there and kept in ``rates``."""
+    from pyinfinity.plan.rates import DEVICE_ADAM_PROBE_NUMEL, measure_device_adam
+
+    key = device_adam_key(state_format)
+    if key not in rates:
+        rates[key] = measure_device_adam(device, state_format, DEVICE_ADAM_PROBE_NUMEL, 5)
+    return float(rates[key])
+
+
 def adam_rate_key(state_format: str) -> str:
     """The key of ``measure_bound_rates``' figures that holds ``state_format``'s CPU Adam rate."""
     return "adam" if state_format == "fp32" else f"adam_{state_format}"
@@ -136,6 +151,9 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
     if offloaded:  # the parameters a run steps on the GPU (pyinfinity's device optimizer state) skip the CPU
         on_device = int((placement or {}).get("optimizer_device_numel", 0))
         terms["cpu_adam"] = max(0, n_train - on_device) / rates.get(adam_rate_key(state_format), rates["adam"])
+        device_rate = rates.get(device_adam_key(state_format), 0.0)
+        if cuda and on_device and device_rate > 0:  # their step is on the compute stream
+            terms["compute"] += on_device / device_rate
     finite = {k: v for k, v in terms.items() if v == v}
     name = max(finite, key=lambda k: finite[k])
     out = {"seconds": finite[name], "bound_by": name, "terms": {k: round(v, 5) for k, v in terms.items()},

@@ -605,6 +605,22 @@ def test_the_cpu_adam_bound_leaves_out_what_a_run_steps_on_the_gpu():
                             "optimizer_device_numel": on_gpu})
     assert b["terms"]["cpu_adam"] == pytest.approx((FACTS["params"] - on_gpu) / RATES["adam"], abs=1e-5)
     assert bt.bound("pyinfinity-auto", FACTS, RATES, cuda=True)["terms"]["cpu_adam"] == pytest.approx(0.25)
+    # their step is on the compute stream: at the format's device rate it adds to the compute term
+    stepped = bt.bound("pyinfinity-auto", FACTS, {**RATES, "device_adam_8bit": 2e9}, cuda=True,
+                       placement={"optimizer_device_numel": on_gpu}, state_format="8bit")
+    assert stepped["terms"]["compute"] == pytest.approx(0.3 + on_gpu / 2e9, abs=1e-5)
+    assert b["terms"]["compute"] == pytest.approx(0.3)  # fp32 with no device rate measured: nothing added
+
+
+def test_the_device_step_rate_is_probed_once_per_format(monkeypatch):
+    from pyinfinity.bench import train_bound
+    from pyinfinity.plan import rates as rates_mod
+
+    calls = []
+    monkeypatch.setattr(rates_mod, "measure_device_adam", lambda dev, fmt, n, reps: calls.append((dev, fmt)) or 3e9)
+    rates: dict = {}
+    assert train_bound.device_adam_rate_for(rates, "8bit", "cuda:0") == 3e9 == rates["device_adam_8bit"]
+    assert train_bound.device_adam_rate_for(rates, "8bit", "cuda:0") == 3e9 and calls == [("cuda:0", "8bit")]
 
 
 def test_a_lora_bound_streams_the_frozen_base_and_steps_the_adapters():
