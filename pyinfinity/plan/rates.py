@@ -760,8 +760,13 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
             source[figure] = f"{host_note}, {threads} thread{'s' if threads != 1 else ''}"
     device_figure = device_adam_key(optimizer_state)
     if here and dev.type == "cuda" and device_figure not in vals:  # units whose state lives on the device
-        vals[device_figure] = measure_device_adam(dev, optimizer_state, DEVICE_ADAM_PROBE_NUMEL, reps)
-        source[device_figure] = "probe"
+        try:
+            vals[device_figure] = measure_device_adam(dev, optimizer_state, DEVICE_ADAM_PROBE_NUMEL, reps)
+            source[device_figure] = "probe"
+        except torch.OutOfMemoryError:  # another process holds the device: the assumed figure stands in
+            torch.cuda.empty_cache()
+            log.warning("rates: no device memory to time the %s optimizer step on %s; its assumed rate stands in",
+                        optimizer_state, dev)
     if "memcpy" not in vals:
         vals["memcpy"] = measure_memcpy(MEMCPY_PROBE_BYTES, reps)
         source["memcpy"] = host_note

@@ -542,6 +542,33 @@ def test_the_device_step_probe_times_the_engines_own_step(state, monkeypatch):
     assert rate > 0 and calls and set(calls) == {state}
 
 
+@pytest.mark.parametrize("oom", [False, True])
+def test_the_rates_of_a_gpu_include_the_planned_formats_device_step(oom, monkeypatch, caplog):
+    """On a GPU the rates time the planned format's device step; with no device memory to spare the
+    assumed figure stands in, with a warning (the probes stubbed: this machine has no GPU)."""
+    from pyinfinity.plan import rates as rates_mod
+
+    def device_step(dev, state, numel, reps):
+        if oom:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return 40e9
+
+    monkeypatch.setattr(rates_mod, "_CACHE", {})
+    monkeypatch.setattr(rates_mod, "device_is_here", lambda dev: True)
+    monkeypatch.setattr(rates_mod, "measure_device_adam", device_step)
+    monkeypatch.setattr(rates_mod, "measure_adam", lambda *a, **k: 3e9)
+    monkeypatch.setattr(rates_mod, "measure_memcpy", lambda *a, **k: 20e9)
+    monkeypatch.setattr(rates_mod, "measure_copies", lambda *a, **k: (50e9, 50e9, 20e9))
+    monkeypatch.setattr(rates_mod, "measure_matmul", lambda *a, **k: 600e12)
+    r = rates_mod.measure_rates("cuda:0", optimizer_state="8bit", optimizer_threads=1)
+    if oom:
+        assert r.device_adam_8bit == 0 and "no device memory to time the 8bit optimizer step" in caplog.text
+        assert r.device_adam_rate("8bit") == rates_mod.DEVICE_ADAM_ASSUMED["8bit"]
+    else:
+        assert r.device_adam_rate("8bit") == 40e9 and r.source["device_adam_8bit"] == "probe"
+    assert r.device_adam == 0  # only the planned format's step is timed
+
+
 def test_units_stepped_on_the_device_cost_their_step_there():
     """The device step of units whose state lives on the device is on the compute stream: the
     prediction adds their parameters over the format's device rate; torch's fused fp32 step is
