@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
           f"{cfg.train_micro_batch_size_per_gpu} x {args.seq_len} tokens x {cfg.gradient_accumulation_steps} "
           f"accumulation{', checkpointing' if args.checkpointing else ''}; device {dev}")
     print(f"rates{'' if here else f' (planning for {dev}, which is not on this machine: nothing was run on it)'}:"
-          f"\n{rates.describe_sources()}")
+          f"\n{rates.describe_sources(cfg.optimizer_state_format)}")
     mine = [k for k, v in rates.source.items() if "this machine" in v]
     if mine and not here:
         print(f"  {', '.join(mine)}: this machine's, not the target's. For the target's own rates run there "

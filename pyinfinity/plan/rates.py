@@ -15,7 +15,7 @@ work does). ``measure_decoder_compute`` times one micro-batch of the model itsel
 layers) where a figure from FLOPs and the matmul rate would miss the small kernels around them.
 Figures are medians of a few repetitions.
 
-One module for the rates (about 870 lines): the record, the probes, the rates files and the named
+One module for the rates (about 880 lines): the record, the probes, the rates files and the named
 presets all fill the same fields and name each one's source, so a figure's every origin reads in
 one place.
 """
@@ -243,8 +243,9 @@ class Rates:
                 f"write {self.disk_write / g:.3f} GB/s, latency {self.disk_latency * 1e3:.2f} ms, Adam {self.adam / 1e9:.3f} Gparam/s, "
                 f"matmul {self.matmul / 1e12:.3f} TFLOP/s, memcpy {self.memcpy / g:.2f} GB/s")
 
-    def describe_sources(self) -> str:
-        """One line per figure: its value and where it came from (probe, file, preset, assumed)."""
+    def describe_sources(self, state: Optional[str] = None) -> str:
+        """One line per figure: its value and where it came from (probe, file, preset, assumed);
+        with ``state`` on a GPU, its device step's figure also where it is assumed."""
         g = 1e9
         rows = [("h2d", f"{self.h2d / g:.2f} GB/s"), ("d2h", f"{self.d2h / g:.2f} GB/s"),
                 ("h2d_pageable", f"{(self.h2d_pageable or self.h2d) / g:.2f} GB/s"),
@@ -256,10 +257,16 @@ class Rates:
         rows[8:8] = [(k, f"{getattr(self, k) / 1e9:.3f} Gparam/s")
                      for k in ("adam_8bit", "adam_bf16", "device_adam", "device_adam_8bit", "device_adam_bf16",
                                "accumulate") if getattr(self, k)]
+        source = dict(self.source)
+        if state is not None and self.device.startswith("cuda") and not getattr(self, device_adam_key(state)):
+            rate = self.device_adam_rate(state)
+            shown = "free" if rate == math.inf else f"{rate / 1e9:.3f} Gparam/s"
+            rows.insert([k for k, _ in rows].index("matmul"), (device_adam_key(state), shown))
+            source[device_adam_key(state)] = self.device_adam_source(state)
         if self.shard_overhead or "shard_overhead" in self.source:
             rows.append(("shard_overhead", f"{self.shard_overhead * 1e6:.1f} us per shard"))
         w = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{w}}  {v:<20} {self.source.get(k, 'unknown')}" for k, v in rows)
+        return "\n".join(f"  {k:<{w}}  {v:<20} {source.get(k, 'unknown')}" for k, v in rows)
 
 
 def _keeps_rng(fn: Callable) -> Callable:

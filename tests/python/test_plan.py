@@ -506,6 +506,9 @@ def test_device_step_rates_per_state_format():
     assert r.device_adam_rate("bf16") == DEVICE_ADAM_ASSUMED["bf16"] < r.adam_rate("bf16") * 20
     assert r.device_adam_source("8bit") == "probe" and "H200" in r.device_adam_source("bf16")
     assert "free" in r.device_adam_source("fp32") and "device_adam_8bit" in r.describe_sources()
+    gpu = Rates(**{**r.__dict__, "device": "cuda"})
+    assert "device_adam_bf16" in gpu.describe_sources("bf16") and "an H200's figure" in gpu.describe_sources("bf16")
+    assert "device_adam_bf16" not in r.describe_sources("bf16")  # the CPU device steps nothing there
     with pytest.raises(ValueError, match="fp64"):
         device_adam_key("fp64")
     with tempfile.TemporaryDirectory() as d:
