@@ -1,7 +1,8 @@
 """Builds pyinfinity._C by driving CMake (ninja); all compile logic lives in CMakeLists.txt.
 
-Environment: PYINFINITY_WITH_CUDA=AUTO|ON|OFF, PYINFINITY_WERROR=1, PYINFINITY_BUILD_TYPE
-(default Release), PYINFINITY_SANITIZE, CMAKE_BUILD_PARALLEL_LEVEL.
+Environment: PYINFINITY_WITH_CUDA=AUTO|ON|OFF, PYINFINITY_CUDA_ARCHITECTURES (e.g. "90"),
+PYINFINITY_WERROR=1, PYINFINITY_BUILD_TYPE (default Release), PYINFINITY_SANITIZE,
+CMAKE_BUILD_PARALLEL_LEVEL.
 """
 import os
 import subprocess
@@ -27,6 +28,8 @@ class CMakeBuild(build_ext):
             f"-DPYINFINITY_WERROR={'ON' if os.environ.get('PYINFINITY_WERROR') == '1' else 'OFF'}",
             f"-DPYINFINITY_SANITIZE={os.environ.get('PYINFINITY_SANITIZE', '')}",
         ]
+        if os.environ.get("PYINFINITY_CUDA_ARCHITECTURES"):
+            args.append(f"-DPYINFINITY_CUDA_ARCHITECTURES={os.environ['PYINFINITY_CUDA_ARCHITECTURES']}")
         try:
             import pybind11
 

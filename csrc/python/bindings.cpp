@@ -13,6 +13,7 @@
 #include "pyinfinity/checksum.hpp"
 #include "pyinfinity/cpu_adam.hpp"
 #include "pyinfinity/cpu_isa.hpp"
+#include "pyinfinity/cuda_adam.hpp"
 #include "pyinfinity/cuda_runtime.hpp"
 #include "pyinfinity/cuda_stager.hpp"
 #include "pyinfinity/defaults.hpp"
@@ -393,6 +394,50 @@ PYBIND11_MODULE(_C, m) {
       "bf16_master_weights_and_grads + bf16_optimizer_states), stepped in fp32 and rounded to nearest even. "
       "The gradient (fp32 or bf16) must not overlap them; out_bf16 (0: none; may be the gradient) receives the "
       "new weights in the same pass. Releases the GIL.");
+  m.def("cuda_adam_kernels", &cuda::adam_kernels_compiled,
+        "Whether this build has the CUDA kernels of the compressed optimizer states' device steps.");
+  m.def(
+      "cuda_adam_step_8bit",
+      [hyper, grad_type, state8](std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+                                 std::uintptr_t exp_avg_scale, std::uintptr_t exp_avg_sq_scale, std::uintptr_t grad,
+                                 int gtype, std::uintptr_t out, int out_type, std::size_t n, float lr, float beta1,
+                                 float beta2, float eps, float weight_decay, bool adamw, std::int64_t step,
+                                 float grad_scale, int device, std::uintptr_t stream) {
+        const auto h = hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, grad_scale);
+        const auto gt = grad_type(gtype, "cuda_adam_step_8bit");
+        PYINF_EXPECT(out_type >= 0 && out_type <= 3, "cuda_adam_step_8bit: out_type must be 0 (none), 1 (bf16), "
+                                                     "2 (fp16) or 3 (fp32)");
+        const auto s = state8(master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale);
+        py::gil_scoped_release nogil;
+        cuda::adam_step_8bit(s, reinterpret_cast<const void*>(grad), gt, reinterpret_cast<void*>(out),
+                             static_cast<cuda::OutType>(out_type), n, h, device, stream);
+      },
+      py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("exp_avg_scale"),
+      py::arg("exp_avg_sq_scale"), py::arg("grad"), py::arg("grad_type"), py::arg("out"), py::arg("out_type"),
+      py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+      py::arg("adamw"), py::arg("step"), py::arg("grad_scale"), py::arg("device"), py::arg("stream"),
+      "adam_step_8bit on CUDA device `device`, queued on `stream` (a cudaStream_t's address; returns without "
+      "waiting): the same bits as the CPU kernel. out: the new weights in out_type (0 none, 1 bf16, 2 fp16, "
+      "3 fp32); may be the gradient. Raises CudaError when the launch fails.");
+  m.def(
+      "cuda_adam_step_bf16",
+      [hyper, grad_type](std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
+                         int gtype, std::uintptr_t out_bf16, std::size_t n, float lr, float beta1, float beta2,
+                         float eps, float weight_decay, bool adamw, std::int64_t step, float grad_scale, int device,
+                         std::uintptr_t stream) {
+        const auto h = hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, grad_scale);
+        const auto gt = grad_type(gtype, "cuda_adam_step_bf16");
+        py::gil_scoped_release nogil;
+        cuda::adam_step_bf16(reinterpret_cast<std::uint16_t*>(param), reinterpret_cast<std::uint16_t*>(exp_avg),
+                             reinterpret_cast<std::uint16_t*>(exp_avg_sq), reinterpret_cast<const void*>(grad), gt,
+                             reinterpret_cast<std::uint16_t*>(out_bf16), n, h, device, stream);
+      },
+      py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_type"),
+      py::arg("out_bf16"), py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("adamw"), py::arg("step"), py::arg("grad_scale"), py::arg("device"),
+      py::arg("stream"),
+      "adam_step_bf16 on CUDA device `device`, queued on `stream`: the same bits as the CPU kernel; out_bf16 "
+      "(0: none; may be the gradient) receives the new weights. Raises CudaError when the launch fails.");
   m.def(
       "quantize_moments",
       [state8](std::uintptr_t exp_avg_in, std::uintptr_t exp_avg_sq_in, std::size_t n, std::uintptr_t exp_avg,
@@ -484,6 +529,7 @@ PYBIND11_MODULE(_C, m) {
     d["version"] = PYINFINITY_VERSION;
     d["backends"] = compiled_backends();
     d["cuda"] = cuda::compiled();
+    d["cuda_kernels"] = cuda::adam_kernels_compiled();
 #ifdef PYINFINITY_CUDA_VERSION
     d["cuda_version"] = PYINFINITY_CUDA_VERSION;
 #else

@@ -1,6 +1,7 @@
 """The numerics of the optimizer-state formats (``pyinfinity.config.STATE_FORMATS``): the 8-bit
-codes, a pure-torch reference step of each compressed format, the torch step for units stepped on
-the compute device, the CPU kernels' wrappers, and the memory layout of a shard's state.
+codes, a pure-torch reference step of each compressed format, the step for units stepped on the
+compute device (the build's CUDA kernels there, ``zero.cuda_steps``, else torch), the CPU kernels'
+wrappers, and the memory layout of a shard's state.
 
 Formats (docs/optimizer_state.md has the choice and its measurements):
 
@@ -34,6 +35,8 @@ from typing import Optional
 import torch
 
 from pyinfinity.config import MIN_QUANTIZED_NUMEL, QUANT_BLOCK, STATE_FORMATS, StateFormat
+from pyinfinity.zero.cuda_steps import (DEVICE_STEP_IMPLS, OUT_TYPES_8BIT, cuda_kernels, device_impl, step_8bit_cuda,
+                                        step_bf16_cuda)
 
 EXP_AVG_CODE_MAX = 448.0
 """The largest E4M3 value: a block's largest |exp_avg| is stored as it."""
@@ -55,7 +58,8 @@ __all__ = ["QUANT_BLOCK", "MIN_QUANTIZED_NUMEL", "EXP_AVG_CODE_MAX", "EXP_AVG_SQ
            "AdamHyper", "Adam8bitState", "Layout8bit", "state_format", "bytes_per_param", "state_nbytes", "layout_8bit",
            "views_8bit", "e4m3_values", "ue4m4_values", "encode_e4m3", "decode_e4m3", "encode_ue4m4",
            "decode_ue4m4", "quantize_moments", "dequantize_moments", "reference_step_8bit",
-           "reference_step_bf16", "device_step_8bit", "device_step_bf16", "cpu_step_8bit", "cpu_step_bf16"]
+           "reference_step_bf16", "device_step_8bit", "device_step_bf16", "cpu_step_8bit", "cpu_step_bf16",
+           "DEVICE_STEP_IMPLS", "cuda_kernels"]
 
 
 # ----------------------------------------------------------------------------- formats and sizes
@@ -446,19 +450,23 @@ def _check_chunk(chunk: int) -> None:
 
 
 def device_step_8bit(state: Adam8bitState, grad: torch.Tensor, hyper: AdamHyper, out: Optional[torch.Tensor] = None,
-                     chunk: int = DEVICE_CHUNK) -> None:
+                     chunk: int = DEVICE_CHUNK, impl: str = "auto") -> None:
     """One Adam/AdamW step of an 8-bit state in place on its device (a unit stepped on the GPU;
-    any device works): ``chunk`` elements at a time, elementwise tensor operations only (no Python
-    loop over blocks), the same bits as the CPU kernel. ``grad`` (fp32 or bf16) on the state's
-    device; ``out``: the new weights written in its dtype (e.g. the unit's bf16 device buffer)."""
+    any device works), the same bits as the CPU kernel. ``grad`` (fp32 or bf16) on the state's
+    device; ``out``: the new weights written in its dtype (e.g. the unit's bf16 device buffer; it
+    may be the gradient). On CUDA the build's kernel queues one pass on the current stream
+    (``impl``: DEVICE_STEP_IMPLS); the torch step takes ``chunk`` elements at a time, elementwise
+    tensor operations only (no Python loop over blocks)."""
     state.check()
     _check_chunk(chunk)
-    c = hyper.coefficients()
     n = state.numel
     g = grad.reshape(-1)
     if g.numel() != n or (out is not None and out.numel() != n):
         raise ValueError(f"device_step_8bit: the gradient has {g.numel()} elements"
                          f"{'' if out is None else f', out {out.numel()}'}, the state {n}")
+    if device_impl(impl, "device_step_8bit", state.tensors(), grad, out, OUT_TYPES_8BIT) == "cuda":
+        return step_8bit_cuda(state, grad, hyper, out)
+    c = hyper.coefficients()
     dst = out.reshape(-1) if out is not None else None
     for b in range(0, n, chunk):
         sl, bsl = slice(b, min(n, b + chunk)), slice(b // QUANT_BLOCK, -(-min(n, b + chunk) // QUANT_BLOCK))
@@ -473,22 +481,34 @@ def device_step_8bit(state: Adam8bitState, grad: torch.Tensor, hyper: AdamHyper,
 
 
 def device_step_bf16(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                     hyper: AdamHyper, chunk: int = DEVICE_CHUNK) -> None:
-    """One Adam/AdamW step in place of a bf16 master with bf16 moments on their device, ``chunk``
-    elements at a time; the same bits as the CPU kernel."""
+                     hyper: AdamHyper, chunk: int = DEVICE_CHUNK, out: Optional[torch.Tensor] = None,
+                     impl: str = "auto") -> None:
+    """One Adam/AdamW step in place of a bf16 master with bf16 moments on their device; the same
+    bits as the CPU kernel. ``out`` (may be the gradient) receives the new weights. On CUDA the
+    build's kernel queues one pass on the current stream (``impl``: DEVICE_STEP_IMPLS); the torch
+    step takes ``chunk`` elements at a time."""
     _check_chunk(chunk)
-    c = hyper.coefficients()
     p_flat, m_flat, v_flat, g = (t.reshape(-1) for t in (param, exp_avg, exp_avg_sq, grad))
     n = p_flat.numel()
-    for t, name in ((m_flat, "exp_avg"), (v_flat, "exp_avg_sq"), (g, "grad")):
+    for t, name in ((m_flat, "exp_avg"), (v_flat, "exp_avg_sq"), (g, "grad")) + (() if out is None else
+                                                                                ((out.reshape(-1), "out"),)):
         if t.numel() != n:
             raise ValueError(f"device_step_bf16: {name} has {t.numel()} elements, param {n}")
+    state = (param, exp_avg, exp_avg_sq)
+    if any(t.dtype != torch.bfloat16 for t in state):
+        raise ValueError(f"device_step_bf16: param and moments must be bf16, got "
+                         f"{', '.join(str(t.dtype) for t in state)}")
+    if device_impl(impl, "device_step_bf16", state, grad, out, (torch.bfloat16,)) == "cuda":
+        return step_bf16_cuda(param, exp_avg, exp_avg_sq, grad, hyper, out)
+    c = hyper.coefficients()
     for b in range(0, n, chunk):
         sl = slice(b, min(n, b + chunk))
         p, m, v, _ = _adam_elementwise(g[sl].float(), p_flat[sl].float(), m_flat[sl].float(), v_flat[sl].float(), c)
         p_flat[sl] = p
         m_flat[sl] = m
         v_flat[sl] = v
+    if out is not None:
+        out.copy_(param.reshape(out.shape))  # after the loop: out may be the gradient
 
 
 # ----------------------------------------------------------------------------- the CPU kernels

@@ -302,8 +302,7 @@ class AdamBf16(_MasterThenMoments):
     def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
                     step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
         p, m, v = self._parts(flat, numel)
-        device_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, count, scale))
-        out.copy_(p)
+        device_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, count, scale), out=out)
 
 
 def make_state_format(name: str, adam_w: bool) -> OptimStateFormat:

@@ -1,0 +1,276 @@
+// The 8bit and bf16 optimizer steps on a CUDA device (cuda_adam.hpp). Each is the CPU kernel's
+// element (detail_cpu_adam_formats_loop.inc) with every operation an explicitly rounded intrinsic
+// (__fadd_rn, __fmul_rn, ...: never contracted into an FMA; the file is also compiled with
+// -fmad=false), the square root and the division correctly rounded, and the 8-bit codes by the
+// same bit arithmetic, so a unit gives the same bits on the CPU, in torch and here.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "pyinfinity/cuda_adam.hpp"
+#include "pyinfinity/detail/adam_coeffs.hpp"
+#include "pyinfinity/error.hpp"
+
+namespace pyinfinity::cuda {
+
+namespace {
+
+using detail::Coeffs;
+
+constexpr int kThreads = static_cast<int>(kQuantBlock);  // the 8-bit step: a thread an element of a block
+static_assert(kThreads % 32 == 0 && kThreads <= 1024, "a quantisation block must be whole warps of one CUDA block");
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kMaxGrid = 1u << 20;  // CUDA blocks a launch; each strides over the rest
+
+__device__ __forceinline__ float load_bf16(std::uint16_t h) { return __uint_as_float(static_cast<std::uint32_t>(h) << 16); }
+
+__device__ __forceinline__ std::uint16_t store_bf16(float f) {
+  const std::uint32_t u = __float_as_uint(f);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const std::uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+template <int M, int B>
+__device__ __forceinline__ std::uint32_t encode_magnitude(float x) {
+  constexpr int kShift = 23 - M;
+  const std::uint32_t u = __float_as_uint(x);
+  const std::uint32_t rounded = (u + ((1u << (kShift - 1)) - 1u) + ((u >> kShift) & 1u)) >> kShift;
+  const std::uint32_t normal = rounded - (static_cast<std::uint32_t>(127 - B) << M);
+  const float magic = __uint_as_float(static_cast<std::uint32_t>(127 + 24 - B - M) << 23);
+  const std::uint32_t sub = __float_as_uint(__fadd_rn(x, magic)) - __float_as_uint(magic);
+  const float min_normal = __uint_as_float(static_cast<std::uint32_t>(127 + 1 - B) << 23);
+  return x < min_normal ? sub : normal;
+}
+
+template <int M, int B>
+__device__ __forceinline__ float decode_magnitude(std::uint32_t code) {
+  const std::uint32_t e = code >> M;
+  const std::uint32_t f = code & ((1u << M) - 1u);
+  const float normal = __uint_as_float(((e + 127u - B) << 23) | (f << (23 - M)));
+  const float step = __uint_as_float(static_cast<std::uint32_t>(127 + 1 - B - M) << 23);
+  const float sub = __fmul_rn(static_cast<float>(static_cast<std::int32_t>(f)), step);
+  return e == 0 ? sub : normal;
+}
+
+__device__ __forceinline__ std::uint32_t encode_e4m3(float x) {
+  const std::uint32_t u = __float_as_uint(x);
+  const std::uint32_t a = u & 0x7fffffffu;
+  const std::uint32_t top = 0x43e00000u;  // 448.0f; larger, infinite and NaN saturate
+  return ((u >> 24) & 0x80u) | encode_magnitude<3, 7>(__uint_as_float(a < top ? a : top));
+}
+
+__device__ __forceinline__ float decode_e4m3(std::uint32_t code) {
+  return __uint_as_float(__float_as_uint(decode_magnitude<3, 7>(code & 0x7fu)) | ((code & 0x80u) << 24));
+}
+
+__device__ __forceinline__ std::uint32_t encode_ue4m4(float x) {
+  const std::uint32_t a = __float_as_uint(x) & 0x7fffffffu;
+  const std::uint32_t top = 0x3ff80000u;  // 1.9375f
+  return encode_magnitude<4, 15>(__uint_as_float(a < top ? a : top));
+}
+
+__device__ __forceinline__ float decode_ue4m4(std::uint32_t code) { return decode_magnitude<4, 15>(code); }
+
+// adam_element of the CPU loops: g, p, m, v in and out, the new root of v beside them
+__device__ __forceinline__ void adam_element(float g_in, float& p, float& m, float& v, float& root, const Coeffs& c) {
+  float g = __fmul_rn(g_in, c.inv_scale);
+  g = __fadd_rn(g, __fmul_rn(p, c.l2));
+  p = __fsub_rn(p, __fmul_rn(c.decay, p));
+  m = __fadd_rn(m, __fmul_rn(c.one_minus_beta1, __fsub_rn(g, m)));
+  v = __fadd_rn(__fmul_rn(c.beta2, v), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
+  root = __fsqrt_rn(v);
+  const float denom = __fadd_rn(__fmul_rn(root, c.inv_bias2_sqrt), c.eps);
+  p = __fsub_rn(p, __fmul_rn(c.step_size, __fdiv_rn(m, denom)));
+}
+
+template <GradType G>
+__device__ __forceinline__ float load_grad(const void* grad, std::size_t i) {
+  if constexpr (G == GradType::kBFloat16) {
+    return load_bf16(static_cast<const std::uint16_t*>(grad)[i]);
+  } else {
+    return static_cast<const float*>(grad)[i];
+  }
+}
+
+template <OutType O>
+__device__ __forceinline__ void store_out(void* out, std::size_t i, float p) {
+  if constexpr (O == OutType::kBFloat16) {
+    static_cast<std::uint16_t*>(out)[i] = store_bf16(p);
+  } else if constexpr (O == OutType::kFloat16) {
+    static_cast<__half_raw*>(out)[i] = static_cast<__half_raw>(__float2half_rn(p));
+  } else if constexpr (O == OutType::kFloat32) {
+    static_cast<float*>(out)[i] = p;
+  }
+}
+
+// The largest of a block's values (bits of magnitudes: an integer max, NaN above infinity) seen
+// by every thread.
+__device__ __forceinline__ void block_max(std::uint32_t& am, std::uint32_t& ar, std::uint32_t* sm,
+                                          std::uint32_t* sr) {
+  for (int off = 16; off > 0; off >>= 1) {
+    am = max(am, __shfl_xor_sync(0xffffffffu, am, off));
+    ar = max(ar, __shfl_xor_sync(0xffffffffu, ar, off));
+  }
+  const int warp = threadIdx.x / 32;
+  if ((threadIdx.x & 31) == 0) {
+    sm[warp] = am;
+    sr[warp] = ar;
+  }
+  __syncthreads();
+  am = sm[0];
+  ar = sr[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    am = max(am, sm[w]);
+    ar = max(ar, sr[w]);
+  }
+}
+
+template <GradType G, OutType O>
+__global__ void __launch_bounds__(kThreads) step_8bit(float* __restrict__ master, std::uint8_t* __restrict__ qm,
+                                                      std::uint8_t* __restrict__ qr, float* __restrict__ m_scale,
+                                                      float* __restrict__ r_scale, const void* grad, void* out,
+                                                      std::size_t n, Coeffs c) {
+  __shared__ std::uint32_t wm[kWarps], wr[kWarps];
+  const std::size_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  for (std::size_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+    const std::size_t i = blk * kQuantBlock + threadIdx.x;
+    const bool live = i < n;
+    float p = 0.0f, m = 0.0f, root = 0.0f;
+    if (live) {
+      p = master[i];
+      m = __fmul_rn(decode_e4m3(qm[i]), m_scale[blk]);
+      const float r0 = __fmul_rn(decode_ue4m4(qr[i]), r_scale[blk]);
+      float v = __fmul_rn(r0, r0);
+      adam_element(load_grad<G>(grad, i), p, m, v, root, c);
+    }
+    std::uint32_t am = live ? (__float_as_uint(m) & 0x7fffffffu) : 0u;
+    std::uint32_t ar = live ? (__float_as_uint(root) & 0x7fffffffu) : 0u;
+    block_max(am, ar, wm, wr);  // every thread read its block's old scales before this barrier
+    // block_scales of the CPU loops
+    constexpr std::uint32_t kInf = 0x7f800000u, kMinNormal = 0x00800000u;
+    const float nan = __uint_as_float(0x7fc00000u);
+    const float amf = __uint_as_float(am), arf = __uint_as_float(ar);
+    const float m_inv = (am >= kInf || am < kMinNormal) ? 0.0f : __fdiv_rn(kExpAvgCodeMax, amf);
+    const float r_inv = (ar >= kInf || ar < kMinNormal) ? 0.0f : __fdiv_rn(kExpAvgSqCodeMax, arf);
+    if (threadIdx.x == 0) {
+      m_scale[blk] = am >= kInf ? nan : (am < kMinNormal ? 0.0f : __fdiv_rn(amf, kExpAvgCodeMax));
+      r_scale[blk] = ar >= kInf ? nan : (ar < kMinNormal ? 0.0f : __fdiv_rn(arf, kExpAvgSqCodeMax));
+    }
+    if (live) {
+      master[i] = p;
+      qm[i] = static_cast<std::uint8_t>(encode_e4m3(__fmul_rn(m, m_inv)));
+      const std::uint32_t code = encode_ue4m4(__fmul_rn(root, r_inv));
+      qr[i] = static_cast<std::uint8_t>(code == 0 && root > 0.0f ? 1u : code);  // never 0 for a non-zero moment
+      store_out<O>(out, i, p);
+    }
+    __syncthreads();  // the shared maxima are read before the next block writes them
+  }
+}
+
+template <GradType G, bool Out>
+__global__ void __launch_bounds__(256) step_bf16(std::uint16_t* __restrict__ param, std::uint16_t* __restrict__ em,
+                                                 std::uint16_t* __restrict__ ev, const void* grad, std::uint16_t* out,
+                                                 std::size_t n, Coeffs c) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float g = load_grad<G>(grad, i);  // read before out (which may be the gradient) is written
+    float p = load_bf16(param[i]), m = load_bf16(em[i]), v = load_bf16(ev[i]), root;
+    adam_element(g, p, m, v, root, c);
+    const std::uint16_t pb = store_bf16(p);
+    param[i] = pb;
+    em[i] = store_bf16(m);
+    ev[i] = store_bf16(v);
+    if constexpr (Out) out[i] = pb;
+  }
+}
+
+unsigned grid_for(std::size_t items, unsigned per_block) {
+  const std::size_t blocks = (items + per_block - 1) / per_block;
+  return static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid);
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    const std::string msg = std::string(what) + ": " + cudaGetErrorString(err) + " (cudaError " +
+                            std::to_string(static_cast<int>(err)) + ")";
+    (void)cudaGetLastError();
+    throw CudaError(msg);
+  }
+}
+
+// the device's current device is per runtime and thread: this static runtime's is set to the
+// tensors' device before each launch (torch's setting is its own runtime's)
+void use_device(int device, const char* what) { check(cudaSetDevice(device), what); }
+
+template <GradType G>
+void launch_8bit(const Adam8bitState& s, const void* grad, void* out, OutType ot, std::size_t n, const Coeffs& c,
+                 cudaStream_t st) {
+  const unsigned grid = grid_for(n, kQuantBlock);
+  switch (ot) {
+    case OutType::kNone:
+      step_8bit<G, OutType::kNone><<<grid, kThreads, 0, st>>>(s.master, s.exp_avg, s.exp_avg_sq, s.exp_avg_scale,
+                                                               s.exp_avg_sq_scale, grad, out, n, c);
+      break;
+    case OutType::kBFloat16:
+      step_8bit<G, OutType::kBFloat16><<<grid, kThreads, 0, st>>>(s.master, s.exp_avg, s.exp_avg_sq,
+                                                                   s.exp_avg_scale, s.exp_avg_sq_scale, grad, out, n, c);
+      break;
+    case OutType::kFloat16:
+      step_8bit<G, OutType::kFloat16><<<grid, kThreads, 0, st>>>(s.master, s.exp_avg, s.exp_avg_sq, s.exp_avg_scale,
+                                                                  s.exp_avg_sq_scale, grad, out, n, c);
+      break;
+    case OutType::kFloat32:
+      step_8bit<G, OutType::kFloat32><<<grid, kThreads, 0, st>>>(s.master, s.exp_avg, s.exp_avg_sq, s.exp_avg_scale,
+                                                                  s.exp_avg_sq_scale, grad, out, n, c);
+      break;
+  }
+}
+
+}  // namespace
+
+bool adam_kernels_compiled() noexcept { return true; }
+
+void adam_step_8bit(const Adam8bitState& s, const void* grad, GradType grad_type, void* out, OutType out_type,
+                    std::size_t n, const AdamHyper& h, int device, std::uintptr_t stream) {
+  const Coeffs c = detail::adam_coeffs(h, "cuda adam_step_8bit");
+  if (n == 0) return;
+  PYINF_EXPECT(s.master && s.exp_avg && s.exp_avg_sq && s.exp_avg_scale && s.exp_avg_sq_scale && grad,
+               "cuda adam_step_8bit: null pointer");
+  PYINF_EXPECT(out_type == OutType::kNone || out, "cuda adam_step_8bit: out is null but has a dtype");
+  use_device(device, "cuda adam_step_8bit: cudaSetDevice");
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  if (grad_type == GradType::kBFloat16) {
+    launch_8bit<GradType::kBFloat16>(s, grad, out, out_type, n, c, st);
+  } else {
+    launch_8bit<GradType::kFloat32>(s, grad, out, out_type, n, c, st);
+  }
+  check(cudaGetLastError(), "cuda adam_step_8bit: launch");
+}
+
+void adam_step_bf16(std::uint16_t* param, std::uint16_t* exp_avg, std::uint16_t* exp_avg_sq, const void* grad,
+                    GradType grad_type, std::uint16_t* out_bf16, std::size_t n, const AdamHyper& h, int device,
+                    std::uintptr_t stream) {
+  const Coeffs c = detail::adam_coeffs(h, "cuda adam_step_bf16");
+  if (n == 0) return;
+  PYINF_EXPECT(param && exp_avg && exp_avg_sq && grad, "cuda adam_step_bf16: null pointer");
+  use_device(device, "cuda adam_step_bf16: cudaSetDevice");
+  const auto st = reinterpret_cast<cudaStream_t>(stream);
+  const unsigned grid = grid_for(n, 256);
+  const bool bf16 = grad_type == GradType::kBFloat16;
+  if (bf16 && out_bf16) {
+    step_bf16<GradType::kBFloat16, true><<<grid, 256, 0, st>>>(param, exp_avg, exp_avg_sq, grad, out_bf16, n, c);
+  } else if (bf16) {
+    step_bf16<GradType::kBFloat16, false><<<grid, 256, 0, st>>>(param, exp_avg, exp_avg_sq, grad, nullptr, n, c);
+  } else if (out_bf16) {
+    step_bf16<GradType::kFloat32, true><<<grid, 256, 0, st>>>(param, exp_avg, exp_avg_sq, grad, out_bf16, n, c);
+  } else {
+    step_bf16<GradType::kFloat32, false><<<grid, 256, 0, st>>>(param, exp_avg, exp_avg_sq, grad, nullptr, n, c);
+  }
+  check(cudaGetLastError(), "cuda adam_step_bf16: launch");
+}
+
+}  // namespace pyinfinity::cuda
