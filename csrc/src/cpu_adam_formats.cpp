@@ -16,6 +16,16 @@ namespace {
 
 using detail::Coeffs;
 
+// detail_adam_element.inc's operations on the CPU: plain fp32 operators (this file is compiled
+// with -ffp-contract=off, so none becomes an FMA) and GCC's bit cast
+#define PYINF_EL inline
+#define PYINF_BITS(f) __builtin_bit_cast(std::uint32_t, (f))
+#define PYINF_FLOAT(u) __builtin_bit_cast(float, (u))
+#define PYINF_ADD(a, b) ((a) + (b))
+#define PYINF_SUB(a, b) ((a) - (b))
+#define PYINF_MUL(a, b) ((a) * (b))
+#define PYINF_DIV(a, b) ((a) / (b))
+#define PYINF_SQRT(a) std::sqrt(a)
 #define PYINF_ISA_LOOPS "detail_cpu_adam_formats_loop.inc"
 #include "detail_isa_dispatch.inc"
 

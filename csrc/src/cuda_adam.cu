@@ -1,8 +1,8 @@
-// The 8bit and bf16 optimizer steps on a CUDA device (cuda_adam.hpp). Each is the CPU kernel's
-// element (detail_cpu_adam_formats_loop.inc) with every operation an explicitly rounded intrinsic
-// (__fadd_rn, __fmul_rn, ...: never contracted into an FMA; the file is also compiled with
-// -fmad=false), the square root and the division correctly rounded, and the 8-bit codes by the
-// same bit arithmetic, so a unit gives the same bits on the CPU, in torch and here.
+// The 8bit and bf16 optimizer steps on a CUDA device (cuda_adam.hpp). The element and the 8-bit
+// codes are the CPU loops' own (detail_adam_element.inc), each operation here an explicitly
+// rounded intrinsic (__fadd_rn, __fmul_rn, ...: never contracted into an FMA; the file is also
+// compiled with -fmad=false), the square root and the division correctly rounded, so a unit gives
+// the same bits on the CPU, in torch and here.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -33,58 +33,16 @@ __device__ __forceinline__ std::uint16_t store_bf16(float f) {
   return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
-template <int M, int B>
-__device__ __forceinline__ std::uint32_t encode_magnitude(float x) {
-  constexpr int kShift = 23 - M;
-  const std::uint32_t u = __float_as_uint(x);
-  const std::uint32_t rounded = (u + ((1u << (kShift - 1)) - 1u) + ((u >> kShift) & 1u)) >> kShift;
-  const std::uint32_t normal = rounded - (static_cast<std::uint32_t>(127 - B) << M);
-  const float magic = __uint_as_float(static_cast<std::uint32_t>(127 + 24 - B - M) << 23);
-  const std::uint32_t sub = __float_as_uint(__fadd_rn(x, magic)) - __float_as_uint(magic);
-  const float min_normal = __uint_as_float(static_cast<std::uint32_t>(127 + 1 - B) << 23);
-  return x < min_normal ? sub : normal;
-}
-
-template <int M, int B>
-__device__ __forceinline__ float decode_magnitude(std::uint32_t code) {
-  const std::uint32_t e = code >> M;
-  const std::uint32_t f = code & ((1u << M) - 1u);
-  const float normal = __uint_as_float(((e + 127u - B) << 23) | (f << (23 - M)));
-  const float step = __uint_as_float(static_cast<std::uint32_t>(127 + 1 - B - M) << 23);
-  const float sub = __fmul_rn(static_cast<float>(static_cast<std::int32_t>(f)), step);
-  return e == 0 ? sub : normal;
-}
-
-__device__ __forceinline__ std::uint32_t encode_e4m3(float x) {
-  const std::uint32_t u = __float_as_uint(x);
-  const std::uint32_t a = u & 0x7fffffffu;
-  const std::uint32_t top = 0x43e00000u;  // 448.0f; larger, infinite and NaN saturate
-  return ((u >> 24) & 0x80u) | encode_magnitude<3, 7>(__uint_as_float(a < top ? a : top));
-}
-
-__device__ __forceinline__ float decode_e4m3(std::uint32_t code) {
-  return __uint_as_float(__float_as_uint(decode_magnitude<3, 7>(code & 0x7fu)) | ((code & 0x80u) << 24));
-}
-
-__device__ __forceinline__ std::uint32_t encode_ue4m4(float x) {
-  const std::uint32_t a = __float_as_uint(x) & 0x7fffffffu;
-  const std::uint32_t top = 0x3ff80000u;  // 1.9375f
-  return encode_magnitude<4, 15>(__uint_as_float(a < top ? a : top));
-}
-
-__device__ __forceinline__ float decode_ue4m4(std::uint32_t code) { return decode_magnitude<4, 15>(code); }
-
-// adam_element of the CPU loops: g, p, m, v in and out, the new root of v beside them
-__device__ __forceinline__ void adam_element(float g_in, float& p, float& m, float& v, float& root, const Coeffs& c) {
-  float g = __fmul_rn(g_in, c.inv_scale);
-  g = __fadd_rn(g, __fmul_rn(p, c.l2));
-  p = __fsub_rn(p, __fmul_rn(c.decay, p));
-  m = __fadd_rn(m, __fmul_rn(c.one_minus_beta1, __fsub_rn(g, m)));
-  v = __fadd_rn(__fmul_rn(c.beta2, v), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
-  root = __fsqrt_rn(v);
-  const float denom = __fadd_rn(__fmul_rn(root, c.inv_bias2_sqrt), c.eps);
-  p = __fsub_rn(p, __fmul_rn(c.step_size, __fdiv_rn(m, denom)));
-}
+// detail_adam_element.inc's operations on the device: the rounded intrinsics, never contracted
+#define PYINF_EL __device__ __forceinline__
+#define PYINF_BITS(f) __float_as_uint(f)
+#define PYINF_FLOAT(u) __uint_as_float(u)
+#define PYINF_ADD(a, b) __fadd_rn((a), (b))
+#define PYINF_SUB(a, b) __fsub_rn((a), (b))
+#define PYINF_MUL(a, b) __fmul_rn((a), (b))
+#define PYINF_DIV(a, b) __fdiv_rn((a), (b))
+#define PYINF_SQRT(a) __fsqrt_rn(a)
+#include "detail_adam_element.inc"
 
 template <GradType G>
 __device__ __forceinline__ float load_grad(const void* grad, std::size_t i) {
@@ -139,32 +97,24 @@ __global__ void __launch_bounds__(kThreads) step_8bit(float* __restrict__ master
   for (std::size_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
     const std::size_t i = blk * kQuantBlock + threadIdx.x;
     const bool live = i < n;
-    float p = 0.0f, m = 0.0f, root = 0.0f;
+    float p = 0.0f, m = 0.0f, v = 0.0f, root = 0.0f;
     if (live) {
       p = master[i];
-      m = __fmul_rn(decode_e4m3(qm[i]), m_scale[blk]);
-      const float r0 = __fmul_rn(decode_ue4m4(qr[i]), r_scale[blk]);
-      float v = __fmul_rn(r0, r0);
+      decode_element(qm[i], qr[i], m_scale[blk], r_scale[blk], m, v);
       adam_element(load_grad<G>(grad, i), p, m, v, root, c);
     }
-    std::uint32_t am = live ? (__float_as_uint(m) & 0x7fffffffu) : 0u;
-    std::uint32_t ar = live ? (__float_as_uint(root) & 0x7fffffffu) : 0u;
+    std::uint32_t am = live ? abs_bits(m) : 0u;
+    std::uint32_t ar = live ? abs_bits(root) : 0u;
     block_max(am, ar, wm, wr);  // every thread read its block's old scales before this barrier
-    // block_scales of the CPU loops
-    constexpr std::uint32_t kInf = 0x7f800000u, kMinNormal = 0x00800000u;
-    const float nan = __uint_as_float(0x7fc00000u);
-    const float amf = __uint_as_float(am), arf = __uint_as_float(ar);
-    const float m_inv = (am >= kInf || am < kMinNormal) ? 0.0f : __fdiv_rn(kExpAvgCodeMax, amf);
-    const float r_inv = (ar >= kInf || ar < kMinNormal) ? 0.0f : __fdiv_rn(kExpAvgSqCodeMax, arf);
+    const BlockScales bs = block_scales(am, ar);
     if (threadIdx.x == 0) {
-      m_scale[blk] = am >= kInf ? nan : (am < kMinNormal ? 0.0f : __fdiv_rn(amf, kExpAvgCodeMax));
-      r_scale[blk] = ar >= kInf ? nan : (ar < kMinNormal ? 0.0f : __fdiv_rn(arf, kExpAvgSqCodeMax));
+      m_scale[blk] = bs.m_scale;
+      r_scale[blk] = bs.r_scale;
     }
     if (live) {
       master[i] = p;
-      qm[i] = static_cast<std::uint8_t>(encode_e4m3(__fmul_rn(m, m_inv)));
-      const std::uint32_t code = encode_ue4m4(__fmul_rn(root, r_inv));
-      qr[i] = static_cast<std::uint8_t>(code == 0 && root > 0.0f ? 1u : code);  // never 0 for a non-zero moment
+      qm[i] = static_cast<std::uint8_t>(exp_avg_code(m, bs));
+      qr[i] = static_cast<std::uint8_t>(exp_avg_sq_code(root, bs));
       store_out<O>(out, i, p);
     }
     __syncthreads();  // the shared maxima are read before the next block writes them
