@@ -29,7 +29,7 @@ constexpr unsigned kMaxGrid = 1u << 20;  // CUDA blocks a launch; each strides o
 
 // The CUDA blocks a launch of `items` at `per_block` a block: one each, at most kMaxGrid (the
 // kernels stride over the rest).
-unsigned grid_for(std::size_t items, unsigned per_block) {
+inline unsigned grid_for(std::size_t items, unsigned per_block) {
   const std::size_t blocks = (items + per_block - 1) / per_block;
   return static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid);
 }
