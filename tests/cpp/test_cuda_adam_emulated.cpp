@@ -184,38 +184,44 @@ const char* name(OutType o) {
   return "?";
 }
 
+// step_8bit<G, O> on `grid` blocks of the launcher's size.
+template <GradType G, OutType O>
+void emulate_8bit(unsigned grid, const Adam8bitState& s, const void* grad, void* out, std::size_t n,
+                  const detail::Coeffs& c) {
+  emulate_launch(grid, dim3(cuda::kThreads), cuda::step_8bit<G, O>, s.master, s.exp_avg, s.exp_avg_sq,
+                 s.exp_avg_scale, s.exp_avg_sq_scale, grad, out, n, c);
+}
+
 template <GradType G>
-void launch_8bit(OutType ot, unsigned grid, State8& s, const void* grad, void* out, std::size_t n,
+void launch_8bit(OutType ot, unsigned grid, const Adam8bitState& s, const void* grad, void* out, std::size_t n,
                  const detail::Coeffs& c) {
-  const Adam8bitState v = s.view();
-  const dim3 block(cuda::kThreads);
   switch (ot) {
     case OutType::kNone:
-      emulate_launch(grid, block, cuda::step_8bit<G, OutType::kNone>, v.master, v.exp_avg, v.exp_avg_sq,
-                     v.exp_avg_scale, v.exp_avg_sq_scale, grad, out, n, c);
-      break;
+      return emulate_8bit<G, OutType::kNone>(grid, s, grad, out, n, c);
     case OutType::kBFloat16:
-      emulate_launch(grid, block, cuda::step_8bit<G, OutType::kBFloat16>, v.master, v.exp_avg, v.exp_avg_sq,
-                     v.exp_avg_scale, v.exp_avg_sq_scale, grad, out, n, c);
-      break;
+      return emulate_8bit<G, OutType::kBFloat16>(grid, s, grad, out, n, c);
     case OutType::kFloat16:
-      emulate_launch(grid, block, cuda::step_8bit<G, OutType::kFloat16>, v.master, v.exp_avg, v.exp_avg_sq,
-                     v.exp_avg_scale, v.exp_avg_sq_scale, grad, out, n, c);
-      break;
+      return emulate_8bit<G, OutType::kFloat16>(grid, s, grad, out, n, c);
     case OutType::kFloat32:
-      emulate_launch(grid, block, cuda::step_8bit<G, OutType::kFloat32>, v.master, v.exp_avg, v.exp_avg_sq,
-                     v.exp_avg_scale, v.exp_avg_sq_scale, grad, out, n, c);
-      break;
+      return emulate_8bit<G, OutType::kFloat32>(grid, s, grad, out, n, c);
   }
 }
 
+// The 8-bit kernel as the launcher picks it, on `grid` blocks.
 void launch_8bit(GradType gt, OutType ot, unsigned grid, State8& s, const void* grad, void* out, std::size_t n,
                  const detail::Coeffs& c) {
   if (gt == GradType::kBFloat16) {
-    launch_8bit<GradType::kBFloat16>(ot, grid, s, grad, out, n, c);
+    launch_8bit<GradType::kBFloat16>(ot, grid, s.view(), grad, out, n, c);
   } else {
-    launch_8bit<GradType::kFloat32>(ot, grid, s, grad, out, n, c);
+    launch_8bit<GradType::kFloat32>(ot, grid, s.view(), grad, out, n, c);
   }
+}
+
+// step_bf16<G, Out> on `grid` blocks of `block` threads.
+template <GradType G, bool Out>
+void emulate_bf16(unsigned grid, unsigned block, std::uint16_t* p, std::uint16_t* m, std::uint16_t* v,
+                  const void* grad, std::uint16_t* out, std::size_t n, const detail::Coeffs& c) {
+  emulate_launch(grid, block, cuda::step_bf16<G, Out>, p, m, v, grad, out, n, c);
 }
 
 // The grids a launch of `blocks` CUDA blocks is also tried with: one and two blocks, each striding
@@ -395,20 +401,13 @@ TEST(step_bf16_emulated_leaves_the_cpu_kernels_bits) {
         adam_step_bf16(p.data(), m.data(), v.data(), grad, gt, want_out.data(), n, h, 2);
         std::vector<std::uint16_t> out(n + kGuard, kSentinel16);
         std::uint16_t* o = out_mode == 0 ? nullptr : out_mode == 1 ? out.data() : g16.data();
-        const detail::Coeffs c = detail::adam_coeffs(h, "test");
-        if (gt == GradType::kBFloat16 && o) {
-          emulate_launch(l.grid, l.block, cuda::step_bf16<GradType::kBFloat16, true>, P.data(), M.data(), V.data(),
-                         grad, o, n, c);
-        } else if (gt == GradType::kBFloat16) {
-          emulate_launch(l.grid, l.block, cuda::step_bf16<GradType::kBFloat16, false>, P.data(), M.data(), V.data(),
-                         grad, o, n, c);
+        auto kernel = emulate_bf16<GradType::kFloat32, false>;  // the one the launcher picks
+        if (gt == GradType::kBFloat16) {
+          kernel = o ? emulate_bf16<GradType::kBFloat16, true> : emulate_bf16<GradType::kBFloat16, false>;
         } else if (o) {
-          emulate_launch(l.grid, l.block, cuda::step_bf16<GradType::kFloat32, true>, P.data(), M.data(), V.data(),
-                         grad, o, n, c);
-        } else {
-          emulate_launch(l.grid, l.block, cuda::step_bf16<GradType::kFloat32, false>, P.data(), M.data(), V.data(),
-                         grad, o, n, c);
+          kernel = emulate_bf16<GradType::kFloat32, true>;
         }
+        kernel(l.grid, l.block, P.data(), M.data(), V.data(), grad, o, n, detail::adam_coeffs(h, "test"));
         require_same(first_difference(P, p, false), "param", where);
         require_same(first_difference(M, m, false), "exp_avg", where);
         require_same(first_difference(V, v, false), "exp_avg_sq", where);
