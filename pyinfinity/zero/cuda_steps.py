@@ -36,6 +36,7 @@ def device_impl(impl: str, what: str, tensors: tuple, grad: torch.Tensor, out: O
                 out_dtypes: Any) -> str:
     """"cuda" or "torch" for a step of ``tensors`` (the state), ``grad`` and ``out`` (see
     DEVICE_STEP_IMPLS); "cuda" asked for where the kernels cannot run is a ValueError saying why."""
+    _check_out(what, tensors, grad, out)
     if impl == "auto":
         impl = os.environ.get("PYINFINITY_DEVICE_STEP", "auto") or "auto"
     if impl not in DEVICE_STEP_IMPLS:
@@ -63,6 +64,25 @@ def device_impl(impl: str, what: str, tensors: tuple, grad: torch.Tensor, out: O
     if impl == "cuda":
         raise ValueError(f"{what}: impl 'cuda' cannot run here: {why}")
     return "torch"
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of ``a`` and ``b`` (each contiguous from its data pointer) intersects."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.device == b.device and a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _check_out(what: str, tensors: tuple, grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    """``out`` may be the gradient itself (each element read before its new weight is written over
+    it), never part of the state nor a tensor of another dtype over the gradient's memory (an
+    element's new weight would overwrite gradient values other elements have not read yet)."""
+    if out is None:
+        return
+    if any(_overlaps(out, t) for t in tensors):
+        raise ValueError(f"{what}: out overlaps the optimizer state")
+    if _overlaps(out, grad) and (out.data_ptr() != grad.data_ptr() or out.element_size() != grad.element_size()):
+        raise ValueError(f"{what}: out ({out.dtype}) overlaps the gradient ({grad.dtype}) without being it: out may "
+                         "be the gradient's own elements, or memory apart from it")
 
 
 def _where(t: torch.Tensor) -> tuple[int, int]:

@@ -112,6 +112,27 @@ def test_the_bf16_torch_step_writes_out_even_when_out_holds_the_gradient(gdtype)
         sf.device_step_bf16(start[0].float(), *start[1:], grad, h)
 
 
+def test_out_may_be_the_gradient_itself_but_no_other_view_of_it_nor_the_state():
+    """Each element's gradient is read before its new weight is written over it, so out may be the
+    gradient's own elements; out of another dtype over the gradient's memory (an element's weight
+    would overwrite gradients not read yet) or over the state is refused, whichever step runs."""
+    state, grad = _start(2 * QUANT_BLOCK, 4)
+    h = sf.AdamHyper(lr=1e-3, step=1)
+    buf = grad.to(torch.bfloat16)
+    sf.device_step_8bit(state.clone(), buf, h, out=buf)  # the gradient's own elements: fine
+    wide = torch.zeros(2 * QUANT_BLOCK, dtype=torch.float32)
+    for impl in ("auto", "torch"):
+        with pytest.raises(ValueError, match=r"out \(torch.bfloat16\) overlaps the gradient \(torch.float32\) "
+                                             "without being it"):
+            sf.device_step_8bit(state.clone(), wide, h, out=wide[:QUANT_BLOCK].view(torch.bfloat16), impl=impl)
+        s = state.clone()
+        with pytest.raises(ValueError, match="out overlaps the optimizer state"):
+            sf.device_step_8bit(s, grad, h, out=s.master, impl=impl)
+    p = torch.randn(64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="overlaps the optimizer state"):
+        sf.device_step_bf16(p, p.clone(), p.clone().abs(), torch.randn(64), h, out=p, chunk=QUANT_BLOCK)
+
+
 # ----------------------------------------------------------------------------- the kernels on a GPU
 
 
