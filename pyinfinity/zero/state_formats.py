@@ -275,10 +275,11 @@ def _encode_magnitude(x: torch.Tensor, mbits: int, bias: int) -> torch.Tensor:
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> uint8 E4M3 codes (nearest even; beyond 448, infinities and NaN saturate to +-448)."""
+    """fp32 -> uint8 E4M3 codes (nearest even; beyond 448 and infinities saturate to +-448, NaN to
+    +448 whatever its sign bit, which differs between machines)."""
     x = x.float().contiguous()
     u = x.view(torch.int32)
-    sign = (u >> 24) & 0x80
+    sign = ((u >> 24) & 0x80).masked_fill_(torch.isnan(x), 0)
     mag = torch.clamp(x.abs(), max=EXP_AVG_CODE_MAX).nan_to_num_(nan=EXP_AVG_CODE_MAX)
     return (sign | _encode_magnitude(mag, 3, 7)).to(torch.uint8)
 
@@ -401,7 +402,7 @@ def _reference_encode(m: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor
     xr = (_blocks(root) * r_inv[:, None]).view(-1)[:n]
     mag_table = e4m3_values()[:127]  # 0 .. 448
     mag = torch.clamp(xm.abs(), max=EXP_AVG_CODE_MAX).nan_to_num(nan=EXP_AVG_CODE_MAX)
-    codes_m = _nearest_code(mag, mag_table) | (torch.signbit(xm).to(torch.int64) << 7)
+    codes_m = _nearest_code(mag, mag_table) | ((torch.signbit(xm) & ~torch.isnan(xm)).to(torch.int64) << 7)
     codes_r = _nearest_code(torch.clamp(xr, max=EXP_AVG_SQ_CODE_MAX).nan_to_num(nan=EXP_AVG_SQ_CODE_MAX),
                             ue4m4_values())
     codes_r = torch.where((codes_r == 0) & (root > 0), torch.ones_like(codes_r), codes_r)

@@ -22,8 +22,11 @@
 //   used across a missing barrier.
 // - the rounded intrinsics (__fadd_rn, ...) are the host's IEEE fp32 operations, rounded to nearest
 //   even; with -ffp-contract=off (as the CPU kernels are compiled) none is fused into an FMA, so
-//   they compute what the device's intrinsics compute. __float2half_rn rounds to nearest even in
-//   software (no dependence on the compiler's _Float16).
+//   they compute what the device's intrinsics compute. A NaN result is the device's canonical NaN,
+//   0x7fffffff, not the host's (x86 propagates an input NaN's payload and sign and makes an invalid
+//   operation's NaN 0xffc00000, negative), so a kernel whose bits follow a NaN's sign differs from
+//   the CPU kernel here as it does on a GPU. __float2half_rn rounds to nearest even in software
+//   (no dependence on the compiler's _Float16) and writes the device's NaN, 0x7fff.
 //
 // Where it is not faithful:
 // - the blocks of a launch never run concurrently or out of order: blocks that write what other
@@ -36,9 +39,7 @@
 //   every thread reaches (divergence, undefined on a GPU) leaves the others waiting: the launch
 //   reports it after kHangSeconds and aborts. A shuffle must name the whole warp (mask
 //   0xffffffff, width 32) of a block whose warps are whole;
-// - shared memory keeps the previous block's values where a GPU gives a new block undefined ones;
-// - a NaN result keeps the host's payload (x86 propagates an input NaN's payload, NVIDIA GPUs
-//   write 0x7fffffff), except that __float2half_rn writes the device's canonical NaN, 0x7fff.
+// - shared memory keeps the previous block's values where a GPU gives a new block undefined ones.
 #pragma once
 
 #include <barrier>
@@ -265,11 +266,13 @@ T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
 
 inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+// A NaN result as the device writes it: 0x7fffffff whatever the operands' NaNs.
+inline float device_nan(float r) { return std::isnan(r) ? std::bit_cast<float>(0x7fffffffu) : r; }
+inline float __fadd_rn(float a, float b) { return device_nan(a + b); }
+inline float __fsub_rn(float a, float b) { return device_nan(a - b); }
+inline float __fmul_rn(float a, float b) { return device_nan(a * b); }
+inline float __fdiv_rn(float a, float b) { return device_nan(a / b); }
+inline float __fsqrt_rn(float a) { return device_nan(std::sqrt(a)); }
 
 inline unsigned __float_as_uint(float f) { return std::bit_cast<unsigned>(f); }
 inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
