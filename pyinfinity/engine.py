@@ -223,7 +223,7 @@ class Engine:
                                        grow_prefetch="zero_optimization.stage3_prefetch_bucket_size" in planned,
                                        grow_live="zero_optimization.stage3_max_live_parameters" in planned)
         except torch.OutOfMemoryError as exc:  # placing the model (persistent shards, resident units, buffers)
-            from pyinfinity.plan.charges import PlanError
+            from pyinfinity.layout.charges import PlanError
 
             self._uncap()
             if self.device.type == "cuda":

@@ -169,7 +169,8 @@ def lora_sizes(model: Any, args: argparse.Namespace) -> Any:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from pyinfinity.plan.sizes import load_model_config, parse_dtype, sizes_from_module
+    from pyinfinity.layout.sizes import parse_dtype
+    from pyinfinity.plan.sizes import load_model_config, sizes_from_module
 
     d = load_model_config(model)
     mcfg = transformers.AutoConfig.for_model(d.get("model_type", "llama"),
@@ -332,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
     compute_s = acts = None
     if here and (args.calibrate == "on" or (args.calibrate == "auto" and dev.type == "cuda")):
         from pyinfinity.plan.rates import measure_decoder_compute
-        from pyinfinity.plan.sizes import load_model_config, parse_dtype
+        from pyinfinity.layout.sizes import parse_dtype
+        from pyinfinity.plan.sizes import load_model_config
 
         compute_s, acts = measure_decoder_compute(
             load_model_config(model), dev, cfg.train_micro_batch_size_per_gpu, args.seq_len,

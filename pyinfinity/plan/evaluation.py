@@ -1,8 +1,7 @@
-"""Evaluating one candidate placement (:class:`Knobs`): :func:`evaluate` places the model's shards
-the way the engine will (the same greedy rules: ``max_in_cpu`` elements of parameter shards in
-creation order stay in RAM; the first ``1 - ratio`` of the optimizer state stays in RAM), charges
-every budget (the device through ``charges``) and predicts the step time from the measured rates
-(:func:`predict`), into a :class:`Placement`.
+"""Evaluating one candidate placement (:class:`Knobs`): :func:`evaluate` takes the layout the
+engine realises under it (``layout.plan_layout``: each shard's tiers by the engine's own rules,
+every pool's bytes), lists the budgets it exceeds and predicts the step time from the measured
+rates (:func:`predict`), into a :class:`Placement`.
 
 The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the optimizer):
   * micro-batch: matmul and attention FLOPs / matmul rate, plus ELEMENTWISE_SHARE of it for the
@@ -44,14 +43,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from pyinfinity.layout.charges import GRAD_BYTES_PER_PARAM, DeviceCharges, TrainShape, fmt
+from pyinfinity.layout.pools import Layout, Share, plan_layout
+from pyinfinity.layout.shards import Knobs
+from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.plan.budgets import Budgets
-from pyinfinity.plan.charges import (GRAD_BYTES_PER_PARAM, DeviceCharges, TrainShape, device_charges, device_state_cost,
-                                     fmt, step_scratch)
 from pyinfinity.plan.rates import Rates
-from pyinfinity.plan.sizes import ModelSizes
 
-SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
-SWAP_SLOT_ALIGN = 4096
 FETCH_PASSES = 2  # forward + backward (or recompute) fetch of every non-persistent shard
 # share of a micro-batch's compute after its forward: backward (2 passes of 3), with checkpointing
 # recompute + backward (3 of 4); an overlapped optimizer step can hide behind it (one that waits for
@@ -61,46 +59,6 @@ BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
 # as a share of its matmul time: the matmul-only prediction was 0.76-0.80x the measured step at
 # 1.1B and 7B on an H200 (BENCHMARKS.md), where the step is compute-bound
 ELEMENTWISE_SHARE = 0.25
-# under accumulation: the host staging buffers gradients land in, taken in turn while the worker adds
-# the last ones (zero.accumulate.STAGING_SLOTS, each of the largest trainable unit), and the worker's
-# fp32 chunk (zero.accumulate.ADD_CHUNK)
-GRAD_STAGING_SLOTS = 3
-ADD_SCRATCH = 4 * (1 << 20)
-
-
-@dataclass
-class Knobs:
-    """One configuration the engine can realise (the config keys in brackets)."""
-
-    param_device: str = "cpu"  # none | cpu | nvme          [offload_param.device]
-    max_in_cpu: int = 0  # elements kept in RAM with nvme   [offload_param.max_in_cpu]
-    optimizer_device: str = "cpu"  # cpu | nvme             [offload_optimizer.device]
-    ratio: float = 1.0  # share of optimizer state on nvme  [offload_optimizer.ratio]
-    persistence_threshold: int = 0  # elements               [stage3_param_persistence_threshold]
-    prefetch_bytes: int = 0  #                              [stage3_prefetch_bucket_size]
-    max_live: int = 0  # elements                           [stage3_max_live_parameters]
-    param_buffer_count: int = 2  # NVMe reads in flight      [offload_param.buffer_count]
-    param_buffer_size: int = 0  # bytes (largest shard)     [offload_param.buffer_size]
-    optimizer_buffer_count: int = 4  # staging buffers       [offload_optimizer.buffer_count]
-    prefetch: bool = True  #                                [pyinfinity.prefetch]
-    optimizer_step_device: str = "cpu"  # cpu | device      [pyinfinity.optimizer_step_device]
-    pipeline: bool = True  #                                [offload_optimizer.pipeline_read/write]
-    resident_bytes: int = 0  # units kept on the device      [pyinfinity.resident_bytes]
-    device_optimizer_bytes: int = 0  # their state there     [pyinfinity.device_optimizer_bytes]
-    device_accumulator_bytes: int = 0  # fp32 grad sums there [pyinfinity.device_accumulator_bytes]
-
-
-@dataclass
-class Share:
-    """Bytes of one tensor class on the device, in RAM and on disk."""
-
-    device: int = 0
-    ram: int = 0
-    disk: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.device + self.ram + self.disk
 
 
 @dataclass
@@ -278,103 +236,60 @@ def on_cuda(rates: Rates, budgets: Budgets) -> bool:
 
 def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, knobs: Knobs,
              nvme_paths: Sequence[str] = ()) -> Placement:
-    """Places the shards as the engine will under ``knobs``, charges the budgets and predicts the
-    step time. Budget violations are listed in ``violations`` (not raised)."""
-    isz = sizes.itemsize
+    """The layout the engine realises under ``knobs`` (``layout.plan_layout``: where each shard
+    lives, every pool's bytes), the budgets it violates (listed, not raised) and the predicted
+    step time."""
     cuda = on_cuda(rates, budgets)
-    k = knobs
-    # -- parameters: the engine's greedy rules, shard by shard
-    params = Share()
-    persistent = fetch_ram = fetch_disk = 0
-    fetch_disk_s = 0.0  # seconds of one read of every disk-homed shard
-    left = k.max_in_cpu if k.param_device == "nvme" else 0
-    param_tier: list[str] = []
-    resident_left = k.resident_bytes if k.param_device != "none" else 0
-    resident = set()  # units kept on the device: whole units from the end of the model
-    for i in range(len(sizes.shard_numels) - 1, -1, -1):
-        nb = sizes.shard_bytes(i)
-        if 0 < sizes.shard_numels[i] <= k.persistence_threshold or nb > resident_left:
-            continue
-        resident_left -= nb
-        resident.add(i)
-    resident_bytes = 0
-    for i, n in enumerate(sizes.shard_numels):
-        nb = sizes.shard_bytes(i)
-        if k.param_device == "none":
-            tier = "device"
-        elif k.param_device == "cpu":
-            tier = "ram"
-        else:
-            tier = "ram" if left >= n else "disk"
-            if tier == "ram":
-                left -= n
-        param_tier.append(tier)
-        setattr(params, tier, getattr(params, tier) + nb)
-        if tier == "device":
-            continue
-        if i in resident:
-            resident_bytes += nb
-        elif 0 < n <= k.persistence_threshold:
-            persistent += nb
-        elif tier == "ram":
-            fetch_ram += nb
-        else:
-            fetch_disk += nb
-            fetch_disk_s += rates.read_time(nb)
-    # -- resident units whose optimizer state also lives on the device (stepped there): whole
-    # units from the front of the model within device_optimizer_bytes, as the engine picks them
-    dev_state: set[int] = set()
-    dev_state_numel = 0
-    dev_state_cost = 0.0
+    dirs = list(nvme_paths) or budgets.swap_paths
+    lay = plan_layout(sizes, train, knobs, budgets.device_memory, device_is_host=budgets.device_is_host, cuda=cuda,
+                      swap_dirs=dirs)
+    work = _work(sizes, train, rates, knobs, lay)
+    pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=lay.fetch_ram, fetch_disk=lay.fetch_disk,
+                   fetch_disk_s=work.fetch_disk_s, seg_a=work.seg_a, seg_b=work.seg_b,
+                   first_disk_state=lay.first_disk_state, device_stepped=lay.device_state_numel,
+                   device_accumulated=lay.accumulator_numel)
+    return Placement(knobs=replace(knobs), params=lay.params, grads=lay.grads, optimizer=lay.optimizer,
+                     device_bytes=lay.device_bytes, host_bytes=lay.host_bytes, pinned_bytes=lay.pinned_bytes,
+                     swap_bytes=lay.swap_bytes, swap_per_dir=lay.swap_per_dir,
+                     activation_bytes=lay.charges.activations, predicted=pred, device_memory=budgets.device_memory,
+                     optimizer_step_device=knobs.optimizer_step_device, host_memory=budgets.host_memory,
+                     violations=_violations(lay, train, budgets, dirs), notes=_notes(lay, knobs),
+                     device_state_bytes=lay.device_state_bytes, accumulator_bytes=lay.accumulator_bytes,
+                     charges=lay.charges, state=train.state_format.name)
+
+
+@dataclass
+class _Work:
+    """The flows of one step the time model needs beyond the layout's pools: seconds of one read
+    of every disk-homed shard, and the optimizer's work on state in RAM (segment a, stepped first)
+    and on disk (b)."""
+
+    fetch_disk_s: float
+    seg_a: dict
+    seg_b: dict
+
+
+def _work(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, lay: Layout) -> _Work:
+    """The fetches' and the optimizer's work under the layout ``lay`` (see :class:`_Work`)."""
+    sl = lay.shards
     state_fmt = train.state_format
-    if k.device_optimizer_bytes > 0 and k.optimizer_step_device != "device":
-        dleft = k.device_optimizer_bytes
-        for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
-            on_device = k.param_device == "none" or i in resident or 0 < n <= k.persistence_threshold
-            cost = device_state_cost(sizes.shard_itemsize(i), train.grad_accum, state_fmt.name) * n
-            if on_device and trainable and n and cost <= dleft:
-                dleft -= cost
-                dev_state.add(i)
-                dev_state_numel += n
-                dev_state_cost += cost
-    # -- under accumulation, units whose fp32 gradient accumulator lives on the device: whole units
-    # from the front within device_accumulator_bytes (those stepped there accumulate there anyway)
-    dev_acc_numel = 0
-    if train.grad_accum > 1 and k.device_accumulator_bytes > 0:
-        aleft = k.device_accumulator_bytes
-        for i, (n, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
-            if trainable and n and i not in dev_state and GRAD_BYTES_PER_PARAM * n <= aleft:
-                aleft -= GRAD_BYTES_PER_PARAM * n
-                dev_acc_numel += n
-    accumulator_bytes = GRAD_BYTES_PER_PARAM * dev_acc_numel
-    # -- optimizer states: the first (1 - ratio) of the trainable elements in RAM
-    total_train = sizes.trainable_numel
-    ram_share = total_train * (1.0 - (k.ratio if k.optimizer_device == "nvme" else 0.0))
-    optim = Share()
-    placed = 0
-    # optimizer state in RAM (segment a, stepped first), on disk (b); *_s: seconds of disk I/O
+    fetch_disk_s = sum(rates.read_time(sizes.shard_bytes(i)) for i, t in enumerate(sl.param)
+                       if t == "disk" and i not in sl.resident and i not in sl.persistent)
     seg_a = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0}
     seg_b = {"adam": 0, "param_dev": 0, "cast": 0, "param_disk_s": 0.0, "state": 0, "state_s": 0.0}
-    biggest_disk_state = first_disk_state = 0
     # the one-pass CPU kernel writes the new bf16 weights into a home in RAM itself (its measured
     # rate includes it); other homes and dtypes get a cast pass from the fp32 master. A bf16 master
     # is the weights' home itself: stepped where it lies in RAM, read from disk or the device first
-    kernel_writes_home = sizes.dtype == torch.bfloat16 and k.optimizer_step_device != "device"
-    for i, (n, trainable, ptier) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable, param_tier)):
-        if not trainable:
+    kernel_writes_home = sizes.dtype == torch.bfloat16 and knobs.optimizer_step_device != "device"
+    dev_state = set(sl.device_state)
+    for i, (n, otier, ptier) in enumerate(zip(sizes.shard_numels, sl.optimizer, sl.param)):
+        if not otier:
             continue
-        ram = placed + n <= ram_share
-        placed += n
-        seg = seg_a if ram else seg_b
-        nb = int(state_fmt.shard_bytes(n))  # the shard's optimizer state, moved whole (compressed on disk)
-        if ram:
-            optim.ram += nb
-        else:
-            optim.disk += nb
+        seg = seg_a if otier == "ram" else seg_b
+        if otier == "disk":
+            nb = int(state_fmt.shard_bytes(n))
             seg_b["state"] += nb
             seg_b["state_s"] += rates.read_time(nb) + rates.write_time(nb)
-            biggest_disk_state = max(biggest_disk_state, nb)
-            first_disk_state = first_disk_state or nb
         if i in dev_state:  # stepped on the device: no CPU Adam, no cast into the home
             continue
         seg["adam"] += n
@@ -385,105 +300,57 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
         elif ptier == "disk":
             nb = sizes.shard_bytes(i)
             seg["param_disk_s"] += rates.write_time(nb) + (rates.read_time(nb) if state_fmt.weights_are_master else 0.0)
-    # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
-    # it from the fp32 master), a buffer of their own for homes on disk or on the device, or when the
-    # weights are the master; fp32 under accumulation (with the staging buffers they land in, pinned
-    # on a GPU; a device accumulator's sum lands in a pinned fp32 buffer of its own instead)
-    grad_staging = 0
-    if train.grad_accum > 1:
-        if total_train - dev_state_numel - dev_acc_numel > 0:
-            largest_trainable = max((sizes.shard_bytes(i) for i, t in enumerate(sizes.shard_trainable) if t), default=0)
-            grad_staging = GRAD_STAGING_SLOTS * largest_trainable + ADD_SCRATCH
-        grads = Share(device=accumulator_bytes,
-                      ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
-    else:
-        grads = Share(ram=sum(sizes.shard_bytes(i) for i, (t, pt) in enumerate(zip(sizes.shard_trainable, param_tier))
-                              if t and (pt != "ram" or state_fmt.weights_are_master) and i not in dev_state))
-    device_state_bytes = int(dev_state_cost)
-    # -- device: the charges of one step (DeviceCharges: shards, activations, gradients, state, headroom)
-    everything = k.param_device == "none" or resident_bytes + persistent >= params.total
-    charges = device_charges(sizes, train, budgets.device_memory, device_is_host=budgets.device_is_host,
-                             resident=params.device if k.param_device == "none" else resident_bytes,
-                             persistent=0 if k.param_device == "none" else persistent,
-                             prefetch=k.prefetch_bytes if k.prefetch else 0,
-                             device_state=device_state_bytes + step_scratch(state_fmt.name) if dev_state else 0,
-                             accumulators=accumulator_bytes, all_resident=everything)
-    acts = charges.activations
-    shard_peak = charges.resident + charges.persistent + charges.working_set + charges.prefetch
-    device_bytes = charges.total
-    if k.optimizer_step_device == "device":  # two sets of the state + grad buffers, after release_all
-        device_bytes = max(device_bytes, persistent + 2 * int(state_fmt.shard_bytes(sizes.largest_shard_numel)
-                                                              + 4 * sizes.largest_shard_numel))
-    # -- host: homes in RAM, gradients, staging, write-back temporaries (+ the device pool on the CPU)
-    staging = 0
-    if optim.disk:
-        staging += (k.optimizer_buffer_count if k.pipeline else 1) * biggest_disk_state
-    if cuda and fetch_disk:
-        staging += k.param_buffer_count * sizes.largest_shard_bytes  # pinned read staging
-    writeback = (sizes.largest_shard_numel * isz * k.optimizer_buffer_count) if isz != 4 else 0
-    # pinned: what crosses PCIe (parameter homes, read staging); the optimizer state only when the
-    # optimizer steps on the device (a CPU step reads it in place)
-    pinned = params.ram + staging + (optim.ram if k.optimizer_step_device == "device" else 0)
-    host_bytes = pinned + (optim.ram if k.optimizer_step_device != "device" else 0) + grads.ram + writeback + (device_bytes if budgets.device_is_host else 0)
-    # -- swap: striped equally over the directories, each file grows in SWAP_GROW steps
-    n_shards = len(sizes.shard_numels)
-    swap_bytes = params.disk + optim.disk
-    swap_per_dir: dict[str, int] = {}
-    dirs = list(nvme_paths) or budgets.swap_paths
-    if swap_bytes and dirs:
-        spaces = (1 if params.disk else 0) + (1 if optim.disk else 0)
-        per = math.ceil(swap_bytes / len(dirs)) + spaces * SWAP_GROW + 2 * n_shards * SWAP_SLOT_ALIGN
-        swap_per_dir = {d: per for d in dirs}
-    violations: list[str] = []
-    if device_bytes > budgets.device_memory:
-        violations.append(
-            f"device memory: needs {fmt(device_bytes)} (parameters resident/in flight {fmt(shard_peak)}, "
-            f"activations {fmt(acts)} for micro-batch {train.micro_batch} x {train.seq_len} tokens"
-            f"{' with checkpointing' if train.checkpointing else ''}; {charges.describe()}), "
+    return _Work(fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b)
+
+
+def _violations(lay: Layout, train: TrainShape, budgets: Budgets, dirs: Sequence[str]) -> list[str]:
+    """The budgets the layout ``lay`` exceeds, one line each."""
+    out: list[str] = []
+    c = lay.charges
+    if lay.device_bytes > budgets.device_memory:
+        shard_peak = c.resident + c.persistent + c.working_set + c.prefetch
+        out.append(
+            f"device memory: needs {fmt(lay.device_bytes)} (parameters resident/in flight {fmt(shard_peak)}, "
+            f"activations {fmt(c.activations)} for micro-batch {train.micro_batch} x {train.seq_len} tokens"
+            f"{' with checkpointing' if train.checkpointing else ''}; {c.describe()}), "
             f"budget {fmt(budgets.device_memory)}")
-    if host_bytes > budgets.host_memory:
-        violations.append(
-            f"host RAM: needs {fmt(host_bytes)} (parameters {fmt(params.ram)}, optimizer states {fmt(optim.ram)}, "
-            f"{train.host_grads} {fmt(grads.ram)}, staging {fmt(staging + writeback)}"
-            f"{', device pool ' + fmt(device_bytes) if budgets.device_is_host else ''}), budget {fmt(budgets.host_memory)}")
-    if swap_bytes and not dirs:
-        violations.append(f"swap: needs {fmt(swap_bytes)} on disk but no nvme_path is given")
-    elif swap_bytes:
+    if lay.host_bytes > budgets.host_memory:
+        out.append(
+            f"host RAM: needs {fmt(lay.host_bytes)} (parameters {fmt(lay.params.ram)}, optimizer states "
+            f"{fmt(lay.optimizer.ram)}, {train.host_grads} {fmt(lay.grads.ram)}, staging "
+            f"{fmt(lay.staging + lay.writeback)}"
+            f"{', device pool ' + fmt(lay.device_bytes) if budgets.device_is_host else ''}), "
+            f"budget {fmt(budgets.host_memory)}")
+    if lay.swap_bytes and not dirs:
+        out.append(f"swap: needs {fmt(lay.swap_bytes)} on disk but no nvme_path is given")
+    elif lay.swap_bytes:
         by_fs: dict[int, tuple[list[str], int, int]] = {}
         for i, d in enumerate(budgets.swap):
-            if d.path in swap_per_dir:
+            if d.path in lay.swap_per_dir:
                 paths, need, free = by_fs.get(d.fs_id or -(i + 1), ([], 0, d.free))
-                by_fs[d.fs_id or -(i + 1)] = (paths + [d.path], need + swap_per_dir[d.path], free)
+                by_fs[d.fs_id or -(i + 1)] = (paths + [d.path], need + lay.swap_per_dir[d.path], free)
         for paths, need, free in by_fs.values():
             if need > free:
-                violations.append(f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; "
-                                  f"add {fmt(need - free)}, or a second path")
-    if resident_bytes:
-        notes_resident = (f"{fmt(resident_bytes)} of parameters stay on the device: the whole units that fit "
-                          f"pyinfinity.resident_bytes: {int(k.resident_bytes)} ({fmt(k.resident_bytes)})")
-    pred = predict(sizes, train, rates, knobs, cuda=cuda, fetch_ram=fetch_ram, fetch_disk=fetch_disk,
-                   fetch_disk_s=fetch_disk_s, seg_a=seg_a, seg_b=seg_b, first_disk_state=first_disk_state,
-                   device_stepped=dev_state_numel, device_accumulated=dev_acc_numel)
-    notes = [notes_resident] if resident_bytes else []
-    if dev_state:
-        notes.append(f"the optimizer state of {len(dev_state)} resident units ({dev_state_numel / 1e6:,.0f}M "
-                     f"parameters, {fmt(device_state_bytes)} with their gradients) lives on the device too and steps there "
-                     "(pyinfinity.device_optimizer_bytes)")
-    if dev_acc_numel:
-        notes.append(f"the fp32 gradient accumulators of {dev_acc_numel / 1e6:,.0f}M parameters "
-                     f"({fmt(accumulator_bytes)}) live on the device: their micro-batch gradients are added there and "
-                     "leave it once a step (pyinfinity.device_accumulator_bytes)")
-    return Placement(knobs=replace(knobs), params=params, grads=grads, optimizer=optim, device_bytes=device_bytes,
-                     host_bytes=host_bytes,
-                     # of host_bytes: the gradient staging and the buffers device accumulators land in are pinned too
-                     pinned_bytes=pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + accumulator_bytes
-                                            if cuda else 0),
-                     swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
-                     activation_bytes=acts, predicted=pred, device_memory=budgets.device_memory,
-                     optimizer_step_device=k.optimizer_step_device,
-                     host_memory=budgets.host_memory, violations=violations, notes=notes,
-                     device_state_bytes=device_state_bytes, accumulator_bytes=accumulator_bytes, charges=charges,
-                     state=state_fmt.name)
+                out.append(f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; "
+                           f"add {fmt(need - free)}, or a second path")
+    return out
+
+
+def _notes(lay: Layout, k: Knobs) -> list[str]:
+    """What the layout keeps on the device, for the plan's table."""
+    notes = []
+    if lay.resident_bytes:
+        notes.append(f"{fmt(lay.resident_bytes)} of parameters stay on the device: the whole units that fit "
+                     f"pyinfinity.resident_bytes: {int(k.resident_bytes)} ({fmt(k.resident_bytes)})")
+    if lay.shards.device_state:
+        notes.append(f"the optimizer state of {len(lay.shards.device_state)} resident units "
+                     f"({lay.device_state_numel / 1e6:,.0f}M parameters, {fmt(lay.device_state_bytes)} with their "
+                     "gradients) lives on the device too and steps there (pyinfinity.device_optimizer_bytes)")
+    if lay.accumulator_numel:
+        notes.append(f"the fp32 gradient accumulators of {lay.accumulator_numel / 1e6:,.0f}M parameters "
+                     f"({fmt(lay.accumulator_bytes)}) live on the device: their micro-batch gradients are added "
+                     "there and leave it once a step (pyinfinity.device_accumulator_bytes)")
+    return notes
 
 
 def _div(a: float, b: float) -> float:
@@ -596,5 +463,5 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
                     micro_batch=micro, optimizer_phase=visible, total=total, bottleneck=bottleneck)
 
 
-__all__ = ["Knobs", "Share", "StepTime", "Placement", "evaluate", "predict", "on_cuda", "flops_compute",
-           "train_at_seq_len", "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE", "SWAP_GROW", "SWAP_SLOT_ALIGN"]
+__all__ = ["StepTime", "Placement", "evaluate", "predict", "on_cuda", "flops_compute", "train_at_seq_len",
+           "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]

@@ -21,12 +21,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Iterable, Optional, Sequence
 
 from pyinfinity.config_values import STATE_FORMATS, StateFormat
+from pyinfinity.layout.charges import (GRAD_BYTES_PER_PARAM, PlanError, TrainShape, activation_charge, device_charges,
+                                       device_state_cost, fmt, largest_shape, step_scratch, working_set_bytes)
+from pyinfinity.layout.shards import Knobs
+from pyinfinity.layout.sizes import SMALL_SHARD_NUMEL, ModelSizes
 from pyinfinity.plan.budgets import Budgets
-from pyinfinity.plan.charges import (GRAD_BYTES_PER_PARAM, PlanError, TrainShape, activation_charge, device_charges,
-                                     device_state_cost, fmt, largest_shape, step_scratch, working_set_bytes)
-from pyinfinity.plan.evaluation import Knobs, Placement, evaluate, on_cuda
+from pyinfinity.plan.evaluation import Placement, evaluate, on_cuda
 from pyinfinity.plan.rates import Rates
-from pyinfinity.plan.sizes import SMALL_SHARD_NUMEL, ModelSizes
 
 log = logging.getLogger(__name__)
 

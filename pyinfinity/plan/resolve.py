@@ -14,12 +14,14 @@ from typing import Any, Optional, Union
 
 import torch
 
+from pyinfinity.layout.charges import PlanError, TrainShape, largest_shape
+from pyinfinity.layout.shards import Knobs
+from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.plan.budgets import Budgets, measure_budgets
-from pyinfinity.plan.charges import PlanError, TrainShape, largest_shape
-from pyinfinity.plan.evaluation import Knobs, Placement, evaluate, flops_compute, train_at_seq_len
+from pyinfinity.plan.evaluation import Placement, evaluate, flops_compute, train_at_seq_len
 from pyinfinity.plan.placement import Fixed, solve
 from pyinfinity.plan.rates import Rates, measure_rates
-from pyinfinity.plan.sizes import ModelSizes, model_sizes
+from pyinfinity.plan.sizes import model_sizes
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
 
 @dataclass
 class Decision:
-    """One value the planner chose (same fields as ``pyinfinity.config.AutoDecision``)."""
+    """One value the planner chose: the dotted config key, the value and why."""
 
     key: str
     value: Any

@@ -57,7 +57,7 @@ class DeviceBudget:
     cuda_device: Optional[torch.device] = None
     # bytes a prefetch must leave free for what the step allocates after it: on a GPU the flat
     # gradients being collected, the largest parameter gradient and the allocator's headroom; on the
-    # CPU device the planner's headroom (``plan.charges.device_charges``: the engine sets it from
+    # CPU device the planner's headroom (``layout.charges.device_charges``: the engine sets it from
     # the same charges as the planner). A fetch the compute waits for may still use all of capacity.
     reserve: int = 0
     # on a GPU: the bytes torch's allocator held for the rest of the process when the engine was

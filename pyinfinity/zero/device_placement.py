@@ -5,7 +5,7 @@ Resident units (whole units from the end of the model, ``pyinfinity.resident_byt
 optimizer state of some of them (from the front, ``pyinfinity.device_optimizer_bytes``) and,
 under gradient accumulation, the fp32 gradient accumulators of units stepped on the CPU (from the
 front, ``pyinfinity.device_accumulator_bytes``) are placed once, at construction. Three guards
-back the planner's estimate of a step's charges (``plan.charges.DeviceCharges``): the first
+back the planner's estimate of a step's charges (``layout.charges.DeviceCharges``): the first
 training forward refuses a micro-batch x sequence that cannot fit even with nothing resident;
 after each step a measured peak past ``SHRINK_AT`` of the budget gives up prefetch, device
 optimizer state, device accumulators and resident units until the charges are back under the
@@ -103,7 +103,7 @@ class DevicePlacement:
         """Resident units whose optimizer state also lives on the device, within
         ``pyinfinity.device_optimizer_bytes``: whole units from the front of the model (their
         gradients come last in backward, when a CPU step would have the least time left)."""
-        from pyinfinity.plan.charges import device_state_cost
+        from pyinfinity.layout.charges import device_state_cost
 
         budget = self._state_budget
         left = 0 if budget == AUTO else int(budget)
@@ -151,7 +151,7 @@ class DevicePlacement:
         """Starts watching ``coordinator``'s device budget: the prefetch reserve (the planner's charges
         for gradient buffers and headroom) and the step's peak; warns of a set prefetch bucket or
         live-parameter cap that no unit can be fetched ahead within."""
-        from pyinfinity.plan.charges import DEVICE_HEADROOM, grad_buffer_bytes
+        from pyinfinity.layout.charges import DEVICE_HEADROOM, grad_buffer_bytes
 
         self.coordinator = coordinator
         trainable = [sh for sh in self.partition.shards if sh.trainable]
@@ -177,7 +177,7 @@ class DevicePlacement:
         sizes = self.plan_sizes
         if sizes is None or not sizes.hidden:
             return  # the activation estimate is for transformers' decoders; the allocator has the last word
-        from pyinfinity.plan.charges import PlanError, TrainShape, shape_refusal
+        from pyinfinity.layout.charges import PlanError, TrainShape, shape_refusal
 
         train = TrainShape(micro_batch=int(t.shape[0]), seq_len=int(t.shape[1]),
                            grad_accum=self.accumulation, checkpointing=self.checkpointing)
@@ -194,7 +194,7 @@ class DevicePlacement:
         the budget, the placement gives up what the peak exceeds the planner's target by (a unit
         given up is fetched again when used, so the next step may give up more), with a warning
         the first time."""
-        from pyinfinity.plan.charges import DEVICE_HEADROOM
+        from pyinfinity.layout.charges import DEVICE_HEADROOM
 
         cap = self.device_memory
         coord = self._coordinator()
@@ -252,7 +252,7 @@ class DevicePlacement:
         planner's own cap (PREFETCH_GROW_UNITS of the largest offloaded unit or block); a planned
         live-parameter cap grows alike. The planner's activation estimate is conservative; the peak is what the step
         held. Not once the placement gave something up (the two would take turns)."""
-        from pyinfinity.plan.charges import DEVICE_HEADROOM
+        from pyinfinity.layout.charges import DEVICE_HEADROOM
 
         coord = self._coordinator()
         if not (self.grow_prefetch and coord.prefetch_enabled and self.device_memory) or self.gave_up:

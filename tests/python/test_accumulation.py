@@ -382,7 +382,7 @@ def test_the_accumulate_time_is_reported(tiny_lm, lm_batches, engine_config):
 def test_the_planner_charges_the_staging_buffers_the_engine_makes(tiny_lm, lm_batches, engine_config):
     """The host RAM plan counts STAGING_SLOTS buffers of the largest trainable unit and the worker's
     chunk: the figures are the engine's own."""
-    from pyinfinity.plan import evaluation
+    from pyinfinity.layout import pools as evaluation
     from pyinfinity.zero import accumulate
 
     assert evaluation.GRAD_STAGING_SLOTS == accumulate.STAGING_SLOTS
@@ -515,7 +515,7 @@ def test_the_planner_puts_accumulators_on_the_device_first(engine_config):
     from pyinfinity.bench.train import SIZES
     from pyinfinity.config import load_config
     from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape, solve
-    from pyinfinity.plan.charges import device_state_cost
+    from pyinfinity.layout.charges import device_state_cost
     from pyinfinity.plan.placement import Fixed
     from pyinfinity.plan.sizes import llama_sizes
 

@@ -14,7 +14,7 @@ import torch
 
 import pyinfinity
 from pyinfinity.engine import SHRINK_AT, retry_micro_batch
-from pyinfinity.plan.charges import (DEVICE_HEADROOM, PlanError, TrainShape, device_charges, largest_shape, loss_room,
+from pyinfinity.layout.charges import (DEVICE_HEADROOM, PlanError, TrainShape, device_charges, largest_shape, loss_room,
                                      shape_refusal)
 from pyinfinity.plan.placement import solve
 from pyinfinity.plan.sizes import llama_sizes

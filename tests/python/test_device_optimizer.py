@@ -11,7 +11,7 @@ import torch
 
 import pyinfinity
 from pyinfinity.config import ConfigError, load_config
-from pyinfinity.plan.charges import device_state_cost
+from pyinfinity.layout.charges import device_state_cost
 from tests.python.conftest import engine_state, train_steps
 
 

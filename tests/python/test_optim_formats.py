@@ -160,7 +160,7 @@ def test_a_state_of_the_wrong_size_is_refused_on_load():
 
 
 def test_the_planner_charges_what_the_format_costs():
-    from pyinfinity.plan.charges import DEVICE_STEP_SCRATCH, OPT_BYTES_PER_PARAM
+    from pyinfinity.layout.charges import DEVICE_STEP_SCRATCH, OPT_BYTES_PER_PARAM
 
     assert OPT_BYTES_PER_PARAM == AdamFp32.bytes_per_param
     assert DEVICE_STEP_SCRATCH == 4 * DEVICE_CHUNK

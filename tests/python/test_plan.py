@@ -611,7 +611,7 @@ def test_the_plan_keeps_state_on_the_host_when_its_device_step_is_the_slower(dev
 
 
 def test_the_device_steps_scratch_is_charged_as_the_step_takes_it():
-    from pyinfinity.plan.charges import FORMAT_STEP_SCRATCH, device_state_cost, step_scratch
+    from pyinfinity.layout.charges import FORMAT_STEP_SCRATCH, device_state_cost, step_scratch
     from pyinfinity.zero import optimizer, state_formats
 
     assert step_scratch("fp32") == 4 * optimizer.DEVICE_CHUNK
@@ -774,7 +774,8 @@ def test_the_gradient_add_is_timed_under_accumulation_and_its_rate_prices_the_ho
     when the run accumulates; the planner prices the host's adds at it instead of the memcpy model
     (on the H200 box the adds ran at about half the memcpy model's pace: the engine kept units
     resident and added most gradients on the host, predicted 0.71 s/step and ran 1.05)."""
-    from pyinfinity.plan.evaluation import Knobs, evaluate
+    from pyinfinity.layout.shards import Knobs
+    from pyinfinity.plan.evaluation import evaluate
     from pyinfinity.plan.rates import measure_accumulate
 
     rate = measure_accumulate(1 << 20, reps=2, threads=1)
@@ -871,7 +872,7 @@ def test_the_live_parameter_cap_counts_resident_units_at_the_narrowest_dtype():
     from dataclasses import replace
 
     from pyinfinity.plan import solve
-    from pyinfinity.plan.charges import working_set_bytes
+    from pyinfinity.layout.charges import working_set_bytes
 
     base = llama_sizes(LLAMA_1B, dtype="bf16")
     n = len(base.shard_numels)

@@ -11,7 +11,8 @@ import torch
 import pyinfinity
 from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape
 from pyinfinity.plan import rates as rates_mod
-from pyinfinity.plan.evaluation import Knobs, evaluate
+from pyinfinity.layout.shards import Knobs
+from pyinfinity.plan.evaluation import evaluate
 from pyinfinity.plan.sizes import llama_sizes
 
 LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from pyinfinity.config_values import STATE_FORMATS, StateFormat
-from pyinfinity.plan.sizes import ModelSizes
+from pyinfinity.layout.sizes import ModelSizes
 
 OPT_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq (zero.optim.formats.AdamFp32.bytes_per_param;
 # the fp32 state: STATE_FORMATS has the others)

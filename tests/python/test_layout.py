@@ -1,0 +1,71 @@
+"""The placement rule (``pyinfinity.layout.shards``) and the pools' formulas (``layout.pools``) on
+small made-up shard lists: the rule the planner evaluates and the engine applies, stated once."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pyinfinity.config_values import MIN_QUANTIZED_NUMEL, STATE_FORMATS
+from pyinfinity.layout.pools import PINNED_SLACK, engine_pools, home_bytes, home_slack
+from pyinfinity.layout.shards import (Knobs, ParamTiers, device_units, optimizer_tiers, param_tiers, resident_units,
+                                      shard_layout)
+from pyinfinity.layout.sizes import ModelSizes
+
+
+def test_parameter_shards_fill_max_in_cpu_in_creation_order_whole_shards_only():
+    assert param_tiers([10, 30, 5, 20], "nvme", 40) == ["ram", "ram", "disk", "disk"]
+    tiers = ParamTiers("nvme", 40)
+    # 35 does not fit the 30 left, 5 still does, 30 not the 25 left then
+    assert [tiers.next(n) for n in (10, 35, 5, 30)] == ["ram", "disk", "ram", "disk"]
+    assert param_tiers([1, 2], "cpu", 0) == ["ram", "ram"]
+    assert param_tiers([1, 2], "none", 0) == ["device", "device"]
+
+
+def test_resident_units_are_whole_units_from_the_end_skipping_persistent_and_too_large_ones():
+    # bytes 40 30 20 10; the last is persistent (resident anyway); 55 bytes of budget
+    assert resident_units([40, 30, 20, 10], [False, False, False, True], 55) == {2, 1}
+    assert resident_units([40, 30, 20, 10], [False, False, False, False], 45) == {3, 2}
+    assert resident_units([40, 30], [False, False], 0) == set()
+
+
+def test_device_state_goes_to_resident_units_from_the_front_and_accumulators_skip_them():
+    numels, nbytes = [10, 10, 10, 10], [20, 20, 20, 20]
+    trainable, persistent = [True, True, False, True], [False] * 4
+    k = Knobs(param_device="cpu", resident_bytes=60, device_optimizer_bytes=25, device_accumulator_bytes=1000)
+    resident, state, acc = device_units(numels, nbytes, trainable, persistent, k, 2, lambda i: 20.0)
+    assert resident == {1, 2, 3}
+    assert state == [1]  # the first resident trainable unit; the next (3) does not fit 25 - 20
+    assert acc == [0, 3]  # trainable, not stepped on the device; the frozen one has none
+    _, state, acc = device_units(numels, nbytes, trainable, persistent,
+                                 Knobs(resident_bytes=60, device_optimizer_bytes=25, optimizer_step_device="device",
+                                       device_accumulator_bytes=1000), 1, lambda i: 20.0)
+    assert state == [] and acc == []  # the streamed device step steps everything there; no accumulation
+
+
+def test_the_optimizer_state_keeps_the_first_share_of_trainable_elements_in_ram():
+    assert optimizer_tiers([10, 10, 5, 10], [True, True, False, True], "nvme", 0.5) == ["ram", "disk", "", "disk"]
+    assert optimizer_tiers([10, 10], [True, True], "cpu", 0.5) == ["ram", "ram"]
+    lay = shard_layout([50, 10, 200], [100, 20, 400], [True, True, True], Knobs(persistence_threshold=10), 1,
+                       lambda i: 0.0)
+    assert lay.persistent == {1} and lay.on_device(1) and not lay.on_device(0)
+
+
+def test_a_home_holds_the_formats_bytes_and_small_8bit_shards_are_kept_fp32():
+    eight, bf16 = STATE_FORMATS["8bit"], STATE_FORMATS["bf16"]
+    assert home_bytes(eight, MIN_QUANTIZED_NUMEL - 1) == 12 * (MIN_QUANTIZED_NUMEL - 1)
+    assert home_bytes(bf16, 100) == 600  # the bf16 master's gradient slot beside the moments
+    assert home_slack(STATE_FORMATS["fp32"], 7) == 0
+    assert home_slack(eight, 3) == 3 * 12 * (MIN_QUANTIZED_NUMEL - 1)
+
+
+def test_the_engines_pools_split_the_parameters_as_the_shards_are_placed():
+    sizes = ModelSizes(shard_numels=[1000, 3000, 500], shard_trainable=[True, True, True], itemsize=2,
+                       block_bytes=6000, flops_per_token=0.0, largest_module_bytes=6000)
+    z = SimpleNamespace(offload_param=SimpleNamespace(device="nvme", max_in_cpu=1600),
+                        offload_optimizer=SimpleNamespace(device="cpu", ratio=1.0),
+                        stage3_param_persistence_threshold=0)
+    cfg = SimpleNamespace(zero_optimization=z, optimizer_state_format="fp32", gradient_accumulation_steps=1)
+    pools = engine_pools(cfg, sizes, 3)
+    assert (pools.param_ram, pools.param_disk) == (1500 * 2, 3000 * 2)  # 1000 and 500 fit 1600 elements; 3000 not
+    assert pools.param_pinned == pools.param_ram + PINNED_SLACK
+    assert pools.optim_ram == 4500 * 12 and pools.optim_disk == 0
+    assert pools.grads == 3000 * 2  # the disk-homed shard's gradient needs a buffer of its own
