@@ -2,9 +2,9 @@
 ZeRO stage 3 offload) parsed into dataclasses and validated, with errors that name the key.
 
 ``load_config(dict | path)`` parses and validates; ``"auto"`` stays a marker (``AUTO``) until the
-planner (``pyinfinity.plan.resolve_auto``) decides it. The values below the config (``AUTO``,
-``ConfigError``, sizes, the optimizer state's formats) are in ``config_values``, what ``"auto"``
-means without the planner in ``config_auto``; both are importable from here.
+planner (``pyinfinity.plan.resolve_auto``) decides it, with the two rules the planner and the
+engine share here (``default_optimizer_threads``, ``overlap_step_blocker``). The values below the
+config (``AUTO``, ``ConfigError``, sizes, the optimizer state's formats) are in ``config_values``.
 
 One module for the schema and its parser (about 650 lines): each section's dataclass, its
 parser and its checks read side by side, and a key is added in one place.
@@ -21,12 +21,37 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Union
 
-from pyinfinity.config_auto import (AutoDecision, Budgets, ModelSizes, default_optimizer_threads, measure_budgets,
-                                    overlap_step_blocker, resolve_auto)
 from pyinfinity.config_values import (AUTO, MIN_QUANTIZED_NUMEL, OPTIMIZER_STATES, QUANT_BLOCK, STATE_FORMATS,
                                       ConfigError, StateFormat, format_size, parse_size)
 
 log = logging.getLogger(__name__)
+
+
+def default_optimizer_threads(device: str) -> int:
+    """``pyinfinity.optimizer_threads`` "auto": 1 on the CPU device (backward has the cores), else
+    every CPU this process may run on."""
+    if str(device).startswith("cpu"):
+        return 1
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def optimizer_threads(value: Any, device: str) -> int:
+    """The threads the optimizer's CPU step runs on: ``pyinfinity.optimizer_threads`` as set, or
+    "auto" decided for ``device`` (the engine's and the rate probe's figure)."""
+    return int(value) if value != AUTO else default_optimizer_threads(device)
+
+
+def overlap_step_blocker(c: "Config") -> Optional[str]:
+    """Why the optimizer cannot step in the background under ``c`` (None: it can). Clipping and
+    fp16 loss scaling are no reason: the step then waits for the global norm after backward and
+    overlaps the next forward instead."""
+    if c.pyinfinity.optimizer_step_device == "device":
+        return ("optimizer_step_device \"device\" steps on the compute device, which a background thread "
+                "would share with backward")
+    return None
 
 SizeOrAuto = Union[int, str]
 
@@ -716,7 +741,6 @@ def check_swap_dir(path: str, key: str = "nvme_path") -> None:
         raise ConfigError(f"{key}: swap directory {path!r} is not writable: {exc.strerror}") from exc
 
 
-__all__ = ["AUTO", "Config", "ConfigError", "load_config", "resolve_auto", "ModelSizes", "Budgets",
-           "AutoDecision", "parse_size", "format_size", "measure_budgets", "check_swap_dir", "replace",
-           "overlap_step_blocker", "default_optimizer_threads", "OPTIMIZER_STATES", "STATE_FORMATS",
+__all__ = ["AUTO", "Config", "ConfigError", "load_config", "parse_size", "format_size", "check_swap_dir", "replace",
+           "overlap_step_blocker", "default_optimizer_threads", "optimizer_threads", "OPTIMIZER_STATES", "STATE_FORMATS",
            "StateFormat", "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

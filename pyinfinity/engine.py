@@ -28,13 +28,14 @@ from torch import nn
 
 from pyinfinity import checkpoint, guards
 from pyinfinity.config import AUTO, Config, ConfigError, format_size, load_config, overlap_step_blocker
+from pyinfinity.layout.charges import PlanError
 from pyinfinity.telemetry import MemoryReport, StepRecord, host_rss, measured_parts
 from pyinfinity.units import auto_unit_bytes
 from pyinfinity.zero.budget import DeviceBudgetExceeded
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.device_placement import SHRINK_AT
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
-from pyinfinity.zero.partition import Partition, init_empty, parameter_sizes
+from pyinfinity.zero.partition import Partition, init_empty
 from pyinfinity.zero.state import TrainingState
 
 log = logging.getLogger(__name__)
@@ -170,13 +171,17 @@ class Engine:
         self.device = _resolve_device(cfg.pyinfinity.device)
         if self.device.type == "cuda":  # streams, pinned memory and the user's .cuda() follow it
             torch.cuda.set_device(self.device)
-        z = cfg.zero_optimization
         fp16, bf16 = cfg.fp16.enabled, cfg.bf16.enabled
-        sizes = parameter_sizes(model, fp16, bf16, z.stage3_param_persistence_threshold)
+        from pyinfinity.plan.sizes import model_sizes
+
+        dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+        sizes = model_sizes(model, dtype)
         if cfg.pyinfinity.unit_bytes == AUTO:  # before the planner: it counts the units the partition makes
             dm = cfg.pyinfinity.device_memory
             cfg.pyinfinity.unit_bytes = auto_unit_bytes(sizes.param_bytes, sizes.largest_module_bytes,
                                                         dm if isinstance(dm, int) else None)
+        # the one ModelSizes of the model as the partition cuts it (the layout's input)
+        sizes = model_sizes(model, dtype, unit_bytes=int(cfg.pyinfinity.unit_bytes))
         # every "auto" decided by the planner (placement, sizes, budgets), logged below
         from pyinfinity.plan import plan_engine_config
 
@@ -187,10 +192,7 @@ class Engine:
         # left to plan) the model's own, counted before the partition empties its parameters
         plan_sizes = self.plan.inputs[0] if self.plan is not None else None
         if plan_sizes is None and self.device.type == "cuda":
-            from pyinfinity.plan.sizes import model_sizes
-
-            plan_sizes = model_sizes(model, torch.float16 if fp16 else torch.bfloat16 if bf16 else None,
-                                     unit_bytes=cfg.pyinfinity.unit_bytes)  # the units the partition cuts
+            plan_sizes = sizes
         for d in decisions:
             log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
         self.config = cfg
@@ -223,8 +225,6 @@ class Engine:
                                        grow_prefetch="zero_optimization.stage3_prefetch_bucket_size" in planned,
                                        grow_live="zero_optimization.stage3_max_live_parameters" in planned)
         except torch.OutOfMemoryError as exc:  # placing the model (persistent shards, resident units, buffers)
-            from pyinfinity.layout.charges import PlanError
-
             self._uncap()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -232,10 +232,9 @@ def _threads(e: Any) -> list[Decision]:
 def engine_optimizer_threads(e: Any, device: Union[str, torch.device]) -> int:
     """The threads the engine's CPU Adam step runs on under the ``pyinfinity`` section ``e`` on
     ``device`` (what ``Engine`` gives the optimizer): the rate probe times the kernel on as many."""
-    from pyinfinity.config import default_optimizer_threads
+    from pyinfinity.config import optimizer_threads
 
-    ot = e.optimizer_threads
-    return int(ot) if ot != AUTO else default_optimizer_threads(str(torch.device(device)))
+    return optimizer_threads(e.optimizer_threads, str(torch.device(device)))
 
 
 def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budgets] = None,

@@ -36,7 +36,7 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from pyinfinity.config import MIN_QUANTIZED_NUMEL, STATE_FORMATS, ConfigError
+from pyinfinity.config import ConfigError
 from pyinfinity.swap.directories import make_swap_dir, mount_of, remove_created_dirs
 from pyinfinity.swap.manifest import (LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileEntry, Owner,
                                       SwapFileError, fsync_path, pid_running, read_manifest, write_atomic,
@@ -487,65 +487,38 @@ def clean_checkpoint_leftovers(save_dir: str) -> list[str]:
 # ----------------------------------------------------------------------------------- engine helper
 
 
-def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
+def claim_swap_dirs(cfg: Any, pools: Any) -> SwapOwnership:
     """The engine's start checks and claim, from its resolved ``pyinfinity.config.Config`` and the
-    model's ``ModelSizes``: the device and RAM budgets (``CapacityError`` saying how much is
-    missing and where), then the swap directories of every state class placed on NVMe (locked,
-    cleaned of a crashed run's files, checked for free space). An ownership with no directories
-    when nothing goes to NVMe."""
+    layout's byte totals (``layout.pools.EnginePools``): the device and RAM budgets
+    (``CapacityError`` saying how much is missing and where), then the swap directories of every
+    state class placed on NVMe (locked, cleaned of a crashed run's files, checked for the
+    layout's bytes of free space). An ownership with no directories when nothing goes to NVMe."""
     z = cfg.zero_optimization
     op, oo = z.offload_param, z.offload_optimizer
-    itemsize = max(1, sizes.param_bytes // max(1, sizes.numel))
-    # the NVMe part of each state class (upper bounds: the RAM/NVMe split is per shard)
-    param_ram = {"none": 0, "cpu": sizes.param_bytes, "nvme": min(sizes.param_bytes, int(op.max_in_cpu) * itemsize)}[
-        op.device]
-    param_nvme = sizes.param_bytes - param_ram if op.device == "nvme" else 0
-    ratio = oo.ratio if oo.device == "nvme" else 0.0
-    # optimizer state and gradients for the trainable parameters only: a frozen one costs its home
-    train = getattr(sizes, "trainable_numel", sizes.numel)
-    # the format's bytes (docs/optimizer_state.md): the 8-bit state keeps shards below
-    # MIN_QUANTIZED_NUMEL in fp32 (at most one such shard a module: 6 bytes more a parameter of
-    # it); the bf16 state keeps its bf16 master beside the moments (the 2 bytes a gradient buffer
-    # would cost were the master the weights' home)
-    fmt = STATE_FORMATS[getattr(cfg, "optimizer_state_format", "fp32")]
-    per_param = fmt.state_bytes + (2 if fmt.weights_are_master else 0)
-    optim = int(train * per_param) + (6 * MIN_QUANTIZED_NUMEL * n_tensors if fmt.name == "8bit" else 0)
-    optim = min(optim, train * 12) if fmt.name == "8bit" else optim
-    optim_nvme = min(optim, int(optim * ratio) + 6 * sizes.largest_shard_bytes) if ratio else 0
-    optim_ram = optim - int(optim * ratio)
-    # gradients on the host: they land in the parameter homes in RAM (the step rewrites those); homes
-    # on NVMe or on the device need a buffer of their own (at most the trainable parameters' bytes);
-    # accumulation keeps an fp32 sum
-    if int(cfg.gradient_accumulation_steps) > 1:
-        grads = train * 4
-    else:
-        grads = min(param_nvme + (sizes.param_bytes if op.device == "none" else 0), train * itemsize)
     missing = []
     host = cfg.pyinfinity.host_memory
-    ram_need = param_ram + optim_ram + grads
+    ram_need = pools.host
     if isinstance(host, int) and ram_need > host:
-        missing.append(f"host RAM: {_fmt(ram_need)} (parameters {_fmt(param_ram)}, optimizer states "
-                       f"{_fmt(optim_ram)}, gradients {_fmt(grads)}) but pyinfinity.host_memory is "
+        missing.append(f"host RAM: {_fmt(ram_need)} (parameters {_fmt(pools.param_ram)}, optimizer states "
+                       f"{_fmt(pools.optim_ram)}, gradients {_fmt(pools.grads)}) but pyinfinity.host_memory is "
                        f"{_fmt(host)}: {_fmt(ram_need - host)} missing; put more on NVMe "
                        "(offload_param/offload_optimizer device \"nvme\", offload_optimizer.ratio) or raise "
                        "pyinfinity.host_memory")
     dev = cfg.pyinfinity.device_memory
-    dev_need = sizes.param_bytes if op.device == "none" else max(sizes.largest_module_bytes, 1) + (
-        sizes.persistent_bytes if int(z.stage3_param_persistence_threshold) else 0)
-    if isinstance(dev, int) and dev_need > dev:
+    if isinstance(dev, int) and pools.device_need > dev:
         what = ("all parameters (offload_param.device \"none\")" if op.device == "none" else
-                f"the largest module's parameters {_fmt(sizes.largest_module_bytes)} + persistent shards "
-                f"{_fmt(sizes.persistent_bytes if int(z.stage3_param_persistence_threshold) else 0)}")
-        missing.append(f"device: at least {_fmt(dev_need)} ({what}) but pyinfinity.device_memory is {_fmt(dev)}: "
-                       f"{_fmt(dev_need - dev)} missing; raise pyinfinity.device_memory"
+                f"the largest module's parameters {_fmt(pools.device_need - pools.persistent)} + persistent shards "
+                f"{_fmt(pools.persistent)}")
+        missing.append(f"device: at least {_fmt(pools.device_need)} ({what}) but pyinfinity.device_memory is "
+                       f"{_fmt(dev)}: {_fmt(pools.device_need - dev)} missing; raise pyinfinity.device_memory"
                        + ("" if op.device != "none" else " or offload the parameters"))
     if missing:
         raise CapacityError("the model's training state does not fit: " + "; ".join(missing))
     plans = []
     if op.device == "nvme":
-        plans.append(SpacePlan("params", list(op.nvme_path), param_nvme, n_tensors))
+        plans.append(SpacePlan("params", list(op.nvme_path), pools.param_disk, pools.n_tensors))
     if oo.device == "nvme":
-        plans.append(SpacePlan("optimizer", list(oo.nvme_path), optim_nvme, n_tensors))
+        plans.append(SpacePlan("optimizer", list(oo.nvme_path), pools.optim_disk, pools.n_tensors))
     dirs = [d for p in plans for d in p.dirs]
     return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
 

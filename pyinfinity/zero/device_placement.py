@@ -1,10 +1,9 @@
 """What of the training state stays on the compute device between steps, and the guards that keep
 it within ``pyinfinity.device_memory``.
 
-Resident units (whole units from the end of the model, ``pyinfinity.resident_bytes``), the
-optimizer state of some of them (from the front, ``pyinfinity.device_optimizer_bytes``) and,
-under gradient accumulation, the fp32 gradient accumulators of units stepped on the CPU (from the
-front, ``pyinfinity.device_accumulator_bytes``) are placed once, at construction. Three guards
+Resident units, the optimizer state of some of them and, under gradient accumulation, the fp32
+gradient accumulators of units stepped on the CPU are placed once, at construction, where the
+layout says (``layout.shards.device_units``, the rule the planner evaluates). Three guards
 back the planner's estimate of a step's charges (``layout.charges.DeviceCharges``): the first
 training forward refuses a micro-batch x sequence that cannot fit even with nothing resident;
 after each step a measured peak past ``SHRINK_AT`` of the budget gives up prefetch, device
@@ -20,7 +19,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from pyinfinity.config import AUTO, format_size
+from pyinfinity.config import format_size
+from pyinfinity.layout.charges import DEVICE_HEADROOM, PlanError, TrainShape, grad_buffer_bytes, shape_refusal
 from pyinfinity.swap.tensor_swapper import Tier
 from pyinfinity.zero.budget import DeviceBudgetExceeded
 from pyinfinity.zero.coordinator import ParameterCoordinator
@@ -50,8 +50,7 @@ class DevicePlacement:
     hold the current values before a unit or its state leaves the device."""
 
     def __init__(self, partition: Partition, optimizer: OffloadOptimizer, homes: ParamHomes, device: torch.device,
-                 device_memory: Optional[int], *, resident_bytes: Any, device_optimizer_bytes: Any,
-                 accumulation: int, device_accumulator_bytes: Any = 0, drain: Callable[[str], None],
+                 device_memory: Optional[int], *, accumulation: int, drain: Callable[[str], None],
                  plan_sizes: Any = None,
                  checkpointing: bool = False, grow_prefetch: bool = False, grow_live: bool = False) -> None:
         self.partition = partition
@@ -61,9 +60,6 @@ class DevicePlacement:
         self.device_memory = device_memory
         self.accumulation = accumulation
         self.coordinator: Optional[ParameterCoordinator] = None  # set by watch()
-        self._resident_budget = resident_bytes
-        self._state_budget = device_optimizer_bytes
-        self._accumulator_budget = device_accumulator_bytes
         self._drain = drain
         # for the shape check at the first forward: the planner's sizes, or the model's own
         self.plan_sizes = plan_sizes
@@ -81,78 +77,48 @@ class DevicePlacement:
         self.prefetch_grown = 0
 
     # ------------------------------------------------------------------------- placing
-    def keep_resident(self, shards: Optional[list[FlatShard]] = None) -> None:
-        """Marks the units that stay on the compute device between steps: ``shards`` (all of them
-        when parameters are not offloaded), else whole units from the end of the model (backward
-        needs them first) within ``pyinfinity.resident_bytes``."""
-        if shards is None:
-            left = int(self._resident_budget) if self._resident_budget != AUTO else 0
-            shards = []
-            for sh in reversed(self.partition.shards):
-                if sh.persistent or sh.nbytes > left:
-                    continue
-                left -= sh.nbytes
-                shards.append(sh)
+    def keep_resident(self, units: Iterable[int]) -> None:
+        """Marks the units the layout keeps on the compute device between steps
+        (``layout.shards.device_units``: every unit when the parameters' home is the device)."""
+        shards = [self.partition.shards[i] for i in units]
         for sh in shards:
             sh.persistent = True
         # what a budget overflow may give up (not the units whose home is the device)
         self.resident_units = sorted((sh for sh in shards if sh.home.tier != Tier.GPU), key=lambda sh: sh.index)
         self.resident_bytes = sum(sh.nbytes for sh in self.partition.shards if sh.persistent)
 
-    def place_device_states(self) -> None:
-        """Resident units whose optimizer state also lives on the device, within
-        ``pyinfinity.device_optimizer_bytes``: whole units from the front of the model (their
-        gradients come last in backward, when a CPU step would have the least time left)."""
-        from pyinfinity.layout.charges import device_state_cost
-
-        budget = self._state_budget
-        left = 0 if budget == AUTO else int(budget)
+    def place_device_states(self, units: Iterable[int]) -> None:
+        """Moves the optimizer state of the resident units the layout names to the device: they
+        step there."""
         self.device_state_bytes = 0
-        if left <= 0 or self.optimizer.step_device is not None:
-            return
-        units = numel = 0
-        for sh in self.partition.shards:
-            cost = device_state_cost(sh.dtype.itemsize, self.accumulation,
-                                     state_bytes=self.optimizer.format.nbytes(sh.numel) / max(1, sh.numel)) * sh.numel
-            if not (sh.persistent and sh.trainable and sh.numel) or cost > left:
-                continue
-            left -= cost
+        numel = 0
+        units = list(units)
+        for i in units:
+            sh = self.partition.shards[i]
             self.device_state_bytes += self.optimizer.to_device(sh, self.device)
-            units += 1
             numel += sh.numel
         if units:
-            log.info("optimizer state of %d resident units (%s parameters, %s) on %s: they step there", units,
+            log.info("optimizer state of %d resident units (%s parameters, %s) on %s: they step there", len(units),
                      f"{numel:,}", format_size(self.device_state_bytes), self.device)
 
-    def place_device_accumulators(self) -> None:
-        """Under gradient accumulation, units whose fp32 gradient accumulator lives on the device
-        within ``pyinfinity.device_accumulator_bytes`` (4 bytes a parameter): whole units from the
-        front of the model (their gradients come last in backward, when host adds would have the
-        least time left), besides those stepped on the device (which accumulate there anyway)."""
-        budget = self._accumulator_budget
-        left = 0 if budget == AUTO else int(budget)
+    def place_device_accumulators(self, units: Iterable[int]) -> None:
+        """Under gradient accumulation, moves the fp32 gradient accumulators of the units the layout
+        names to the device: their micro-batch gradients are added there."""
         self.device_grad_bytes = 0
-        if left <= 0 or self.accumulation <= 1:
-            return
-        units = numel = 0
-        for sh in self.partition.shards:
-            if not (sh.trainable and sh.numel) or sh.device_step or 4 * sh.numel > left:
-                continue
-            n = self.optimizer.accumulate_on_device(sh, self.device)
-            left -= n
-            self.device_grad_bytes += n
-            units += 1
+        numel = 0
+        units = list(units)
+        for i in units:
+            sh = self.partition.shards[i]
+            self.device_grad_bytes += self.optimizer.accumulate_on_device(sh, self.device)
             numel += sh.numel
         if units:
             log.info("gradient accumulators of %d units (%s parameters, %s) on %s: their micro-batch gradients are "
-                     "added there", units, f"{numel:,}", format_size(self.device_grad_bytes), self.device)
+                     "added there", len(units), f"{numel:,}", format_size(self.device_grad_bytes), self.device)
 
     def watch(self, coordinator: ParameterCoordinator) -> None:
         """Starts watching ``coordinator``'s device budget: the prefetch reserve (the planner's charges
         for gradient buffers and headroom) and the step's peak; warns of a set prefetch bucket or
         live-parameter cap that no unit can be fetched ahead within."""
-        from pyinfinity.layout.charges import DEVICE_HEADROOM, grad_buffer_bytes
-
         self.coordinator = coordinator
         trainable = [sh for sh in self.partition.shards if sh.trainable]
         params = [sl.numel * sh.dtype.itemsize for sh in trainable for sl in sh.slices if sl.requires_grad]
@@ -177,8 +143,6 @@ class DevicePlacement:
         sizes = self.plan_sizes
         if sizes is None or not sizes.hidden:
             return  # the activation estimate is for transformers' decoders; the allocator has the last word
-        from pyinfinity.layout.charges import PlanError, TrainShape, shape_refusal
-
         train = TrainShape(micro_batch=int(t.shape[0]), seq_len=int(t.shape[1]),
                            grad_accum=self.accumulation, checkpointing=self.checkpointing)
         if self.device.type != "cuda":
@@ -194,8 +158,6 @@ class DevicePlacement:
         the budget, the placement gives up what the peak exceeds the planner's target by (a unit
         given up is fetched again when used, so the next step may give up more), with a warning
         the first time."""
-        from pyinfinity.layout.charges import DEVICE_HEADROOM
-
         cap = self.device_memory
         coord = self._coordinator()
         budget = coord.budget
@@ -252,8 +214,6 @@ class DevicePlacement:
         planner's own cap (PREFETCH_GROW_UNITS of the largest offloaded unit or block); a planned
         live-parameter cap grows alike. The planner's activation estimate is conservative; the peak is what the step
         held. Not once the placement gave something up (the two would take turns)."""
-        from pyinfinity.layout.charges import DEVICE_HEADROOM
-
         coord = self._coordinator()
         if not (self.grow_prefetch and coord.prefetch_enabled and self.device_memory) or self.gave_up:
             return

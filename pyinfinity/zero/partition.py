@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from pyinfinity.config import ModelSizes
 
 log = logging.getLogger(__name__)
 
@@ -219,40 +218,6 @@ def _initialize(module: nn.Module, root: Optional[nn.Module], metas: list) -> No
                         type(module).__name__)
             for _, p in metas:
                 p.data.zero_()
-
-
-def parameter_sizes(model: nn.Module, fp16: bool, bf16: bool, threshold: Any) -> ModelSizes:
-    """The model's parameter counts and bytes in the compute dtype, per module, before it is
-    partitioned: what the config's "auto" values and the swap-space checks need
-    (``config.ModelSizes``). ``threshold``: ``stage3_param_persistence_threshold``."""
-    numel = pbytes = largest = largest_mod = persistent = small = trainable = 0
-    seen: set[int] = set()
-    thr = threshold if isinstance(threshold, int) else 0
-    for module in model.modules():
-        by_dtype: dict[torch.dtype, int] = {}
-        mod_bytes = 0
-        for p in module.parameters(recurse=False):
-            dt = compute_dtype_for(p.dtype, fp16, bf16)
-            nb = p.numel() * torch.empty((), dtype=dt).element_size()
-            mod_bytes += nb
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            numel += p.numel()
-            trainable += p.numel() if p.requires_grad else 0
-            pbytes += nb
-            by_dtype[dt] = by_dtype.get(dt, 0) + p.numel()
-        for dt, n in by_dtype.items():
-            nb = n * torch.empty((), dtype=dt).element_size()
-            largest = max(largest, nb)
-            if n <= thr:
-                persistent += nb
-            if n <= 100_000:
-                small += nb
-        largest_mod = max(largest_mod, mod_bytes)
-    return ModelSizes(numel=numel, param_bytes=pbytes, largest_shard_bytes=largest,
-                      largest_module_bytes=largest_mod, persistent_bytes=persistent,
-                      small_shard_bytes=small, trainable=trainable)
 
 
 def partition_model(

@@ -32,7 +32,11 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from pyinfinity.config import AUTO, MIN_QUANTIZED_NUMEL, Config, ModelSizes, default_optimizer_threads
+from pyinfinity.config import AUTO, Config, optimizer_threads
+from pyinfinity.layout.charges import device_state_cost
+from pyinfinity.layout.pools import engine_pools
+from pyinfinity.layout.shards import Knobs, ParamTiers, device_units
+from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.coordinator import ParameterCoordinator
@@ -44,6 +48,8 @@ from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import FlatShard, materialize_module, partition_model
 
 log = logging.getLogger(__name__)
+
+_TIERS = {"device": Tier.GPU, "ram": Tier.CPU, "disk": Tier.NVME}  # layout.shards.ParamTiers -> the swapper's
 
 
 def _weakly(method: Any) -> Any:
@@ -92,29 +98,23 @@ class TrainingState:
         # the swap layer: one engine per state class so I/O time can be told apart
         self._swap_engines: dict[str, Any] = {}
         op, oo = z.offload_param, z.offload_optimizer
-        param_ram = sizes.param_bytes if op.device == "cpu" else min(sizes.param_bytes, int(op.max_in_cpu) * max(1, sizes.param_bytes // max(1, sizes.numel)))
         # how each shard's optimizer state is kept (docs/optimizer_state.md)
         fmt_name, adam_w = cfg.optimizer_state_format, cfg.optimizer.adam_w_mode
         # (AdamFp32 named here: tests swap in another fp32 layout through this module's name)
         self.state_format = AdamFp32(adam_w) if fmt_name == "fp32" else make_state_format(fmt_name, adam_w)
-        # the trainable parameters' state alone: a frozen one has none; a format whose home is not
-        # proportional to its shard (small 8-bit shards kept fp32, sections aligned) gets the largest
-        # small shard's home as slack a module
-        n_modules = sum(1 for m in model.modules() if m._parameters)
-        slack = 0 if fmt_name == "fp32" else n_modules * self.state_format.nbytes(MIN_QUANTIZED_NUMEL - 1)
-        optim_ram = (sizes.trainable_numel * self.state_format.bytes_per_param + slack) * (
-            1.0 - (oo.ratio if oo.device == "nvme" else 0.0))
+        # the pools the layout gives this config: the swappers' pinned pools, the RAM, device and swap checks
+        self.pools = engine_pools(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
-        self.ownership = claim_swap_dirs(cfg, sizes, n_modules)
+        self.ownership = claim_swap_dirs(cfg, self.pools)
         try:
             self.param_swapper = TensorSwapper("params", device, op.nvme_path,
                                                self._swap_engine("params") if op.device == "nvme" else None,
-                                               pin=op.pin_memory, pinned_capacity=param_ram + (1 << 20),
+                                               pin=op.pin_memory, pinned_capacity=self.pools.param_pinned,
                                                checksums=cfg.pyinfinity.checksums, ownership=self.ownership)
             self.optim_swapper = TensorSwapper("optimizer", device, oo.nvme_path,
                                                self._swap_engine("optimizer") if oo.device == "nvme" else None,
                                                pin=oo.pin_memory and cfg.pyinfinity.optimizer_step_device == "device",
-                                               pinned_capacity=int(optim_ram) + (1 << 20),
+                                               pinned_capacity=self.pools.optim_pinned,
                                                checksums=cfg.pyinfinity.checksums, ownership=self.ownership)
         except BaseException:  # e.g. pinned memory refused: give the swap directories back
             for e in self._swap_engines.values():
@@ -134,13 +134,12 @@ class TrainingState:
         self.optimizer.background = background
         self.optimizer.param_out = self.homes.param_out
         self.optimizer.release_grad = self.homes.release_grad
-        ot = cfg.pyinfinity.optimizer_threads
         # on the CPU device backward has the cores (see engine.AUTO_OVERLAP_ON_CPU)
-        self.optimizer.threads = int(ot) if ot != AUTO else default_optimizer_threads(str(device))
+        self.optimizer.threads = optimizer_threads(cfg.pyinfinity.optimizer_threads, str(device))
         self.optimizer.total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
                                                              if p.requires_grad}.values())
-        self._cpu_params_left = int(op.max_in_cpu) if op.device == "nvme" else 0
-        self._param_tier = {"none": Tier.GPU, "cpu": Tier.CPU, "nvme": Tier.NVME}[op.device]
+        # each shard's home, in creation order (layout.shards.ParamTiers)
+        self._param_tiers = ParamTiers(op.device, int(op.max_in_cpu) if op.device == "nvme" else 0)
 
         # buffers go to the device and stay (counted against the budget)
         buf_bytes = 0
@@ -169,16 +168,14 @@ class TrainingState:
                      time.perf_counter() - t0)
             self.ownership.flush()  # the manifest lists every slot
             self.placement = DevicePlacement(self.partition, self.optimizer, self.homes, device, device_memory,
-                                             resident_bytes=cfg.pyinfinity.resident_bytes,
-                                             device_optimizer_bytes=cfg.pyinfinity.device_optimizer_bytes,
-                                             device_accumulator_bytes=cfg.pyinfinity.device_accumulator_bytes,
                                              accumulation=self.gradient_accumulation_steps,
                                              drain=_weakly(self.drain), plan_sizes=plan_sizes,
                                              checkpointing=checkpointing, grow_prefetch=grow_prefetch,
                                              grow_live=grow_live)
-            self.placement.keep_resident(self.partition.shards if self._param_tier == Tier.GPU else None)
-            self.placement.place_device_states()
-            self.placement.place_device_accumulators()
+            resident, device_state, accumulators = self._device_units()
+            self.placement.keep_resident(resident)
+            self.placement.place_device_states(device_state)
+            self.placement.place_device_accumulators(accumulators)
             self.coordinator = ParameterCoordinator(
                 model, self.partition, self.param_swapper, device,
                 device_memory=device_memory, device_base=device_base,
@@ -215,12 +212,28 @@ class TrainingState:
         return self._swap_engines[name]
 
     def _place_shard(self, shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> None:
-        tier = self._param_tier
-        if tier == Tier.NVME and self._cpu_params_left >= shard.numel:
-            self._cpu_params_left -= shard.numel
-            tier = Tier.CPU
+        tier = _TIERS[self._param_tiers.next(shard.numel)]
         shard.home = self.param_swapper.put(f"param.{shard.index}", flat, tier)
         self.optimizer.add_shard(shard, flat32)
+
+    def _device_units(self) -> tuple[list[int], list[int], list[int]]:
+        """The layout's device side for the shards partitioned (``layout.shards.device_units``):
+        the units kept on the device, those whose optimizer state steps there, those whose
+        accumulator is there; a state's cost is the bytes of its home in this format."""
+        shards, e, acc = self.partition.shards, self.config.pyinfinity, self.gradient_accumulation_steps
+        budget = {k: 0 if v == AUTO else int(v) for k, v in (("resident_bytes", e.resident_bytes),
+                                                               ("device_optimizer_bytes", e.device_optimizer_bytes),
+                                                               ("device_accumulator_bytes",
+                                                                e.device_accumulator_bytes))}
+        knobs = Knobs(param_device=self.config.zero_optimization.offload_param.device,
+                      optimizer_step_device=e.optimizer_step_device, **budget)
+        resident, state, accumulators = device_units(
+            [sh.numel for sh in shards], [sh.nbytes for sh in shards], [sh.trainable for sh in shards],
+            [sh.persistent for sh in shards], knobs, acc,
+            lambda i: device_state_cost(shards[i].dtype.itemsize, acc, state_bytes=self.state_format.nbytes(
+                shards[i].numel) / max(1, shards[i].numel)) * shards[i].numel)
+        kept = range(len(shards)) if knobs.param_device == "none" else sorted(resident)
+        return list(kept), state, accumulators
 
     # ------------------------------------------------------------------------- the checks
     @property

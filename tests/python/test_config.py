@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from pyinfinity.config import (AUTO, Budgets, ConfigError, ModelSizes, load_config, parse_size,
-                               resolve_auto)
+from pyinfinity.config import AUTO, ConfigError, load_config, parse_size
 
 
 def base(**over):
@@ -155,47 +154,6 @@ def test_parse_size(text, n):
     assert parse_size(text) == n
 
 
-def _sizes(numel=100_000_000):
-    return ModelSizes(numel=numel, param_bytes=2 * numel, largest_shard_bytes=2 * numel // 100,
-                      largest_module_bytes=2 * numel // 50, small_shard_bytes=2 * numel // 100)
-
-
-def test_auto_values_change_with_budgets(tmp_path):
-    cfg = load_config({"zero_optimization": {
-        "stage": 3, "stage3_prefetch_bucket_size": "auto", "stage3_max_live_parameters": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "offload_param": {"device": "auto", "nvme_path": str(tmp_path), "buffer_count": "auto",
-                          "buffer_size": "auto", "max_in_cpu": "auto"},
-        "offload_optimizer": {"device": "auto", "nvme_path": str(tmp_path)}}})
-    big = Budgets(device_memory=80 << 30, host_memory=512 << 30, nvme_free=4 << 40)
-    small = Budgets(device_memory=16 << 20, host_memory=512 << 20, nvme_free=4 << 40)
-    rb, db = resolve_auto(cfg, _sizes(), big)
-    rs, ds = resolve_auto(cfg, _sizes(), small)
-    zb, zs = rb.zero_optimization, rs.zero_optimization
-    # more RAM: state in RAM; little RAM: on NVMe
-    assert (zb.offload_optimizer.device, zb.offload_param.device) == ("cpu", "cpu")
-    assert (zs.offload_optimizer.device, zs.offload_param.device) == ("nvme", "nvme")
-    # a smaller device budget: less prefetch, fewer live parameters, no persistent shards
-    assert zs.stage3_prefetch_bucket_size < zb.stage3_prefetch_bucket_size
-    assert zs.stage3_max_live_parameters < zb.stage3_max_live_parameters
-    assert zb.stage3_param_persistence_threshold > zs.stage3_param_persistence_threshold == 0
-    assert zs.offload_param.max_in_cpu < zb.offload_param.max_in_cpu
-    for r in (rb, rs):  # nothing left as "auto" (aio.backend "auto" is a backend probe, not a size)
-        d = r.to_dict()
-        d.pop("aio")
-        assert json.dumps(AUTO) not in json.dumps(d)
-    assert {d.key for d in db} >= {"zero_optimization.offload_optimizer.device",
-                                   "zero_optimization.stage3_prefetch_bucket_size"}
-
-
-def test_auto_reports_missing_disk_with_numbers(tmp_path):
-    cfg = load_config({"zero_optimization": {"stage": 3,
-                                             "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
-                                             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
-    with pytest.raises(ConfigError, match="needs .* of swap"):
-        resolve_auto(cfg, _sizes(), Budgets(device_memory=1 << 30, host_memory=1 << 30, nvme_free=1 << 30))
-
-
 # ----------------------------------------------------------------------------- LR schedules
 
 
@@ -295,17 +253,3 @@ def test_the_engine_stores_the_state_the_config_asks_for(cfg, name):
     with pyinfinity.initialize(torch.nn.Linear(64, 64), cfg) as eng:
         assert eng.optimizer.format.name == name
         assert eng.memory_report().optimizer_state == name
-
-
-def test_auto_heuristic_charges_the_state_format(tmp_path):
-    sizes = ModelSizes(numel=1_000_000_000, param_bytes=2_000_000_000, largest_shard_bytes=10 ** 8,
-                       largest_module_bytes=10 ** 8)
-    budgets = Budgets(device_memory=8 << 30, host_memory=12 * 10 ** 9, nvme_free=10 ** 12)
-    cfg = base(pyinfinity={"device": "cpu"},
-               zero_optimization={"stage": 3, "offload_optimizer": {"device": "auto", "nvme_path": str(tmp_path)}})
-    exact, _ = resolve_auto(load_config(cfg), sizes, budgets)
-    cfg["pyinfinity"]["optimizer_state"] = "8bit"
-    small, _ = resolve_auto(load_config(cfg), sizes, budgets)
-    # the fp32 state and an fp32 gradient (16 bytes a parameter) do not fit 12 GB of RAM; 10.03 bytes do
-    assert exact.zero_optimization.offload_optimizer.device == "nvme"
-    assert small.zero_optimization.offload_optimizer.device == "cpu"
