@@ -6,8 +6,8 @@ planner (``pyinfinity.plan.resolve_auto``) decides it, with the two rules the pl
 engine share here (``default_optimizer_threads``, ``overlap_step_blocker``). The values below the
 config (``AUTO``, ``ConfigError``, sizes, the optimizer state's formats) are in ``config_values``.
 
-One module for the schema and its parser (about 650 lines): each section's dataclass, its
-parser and its checks read side by side, and a key is added in one place.
+Each section's dataclass, its parser and its checks read side by side, and a key is added in one
+place.
 """
 from __future__ import annotations
 

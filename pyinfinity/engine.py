@@ -11,9 +11,8 @@ around every module's use and moves gradients off it as they are produced
 (``telemetry``), and hands saving, loading and exporting to ``checkpoint`` and ``export``, which
 work on the training state (``engine.state``).
 
-One module for the facade (about 640 lines): the config's reading, the planning, the training
-calls and their records are the user's one surface, and each of them hands its work to the
-training state below it.
+The config's reading, the planning, the training calls and their records are the user's one
+surface, and each of them hands its work to the training state below it.
 """
 from __future__ import annotations
 

@@ -15,9 +15,8 @@ work does). ``measure_decoder_compute`` times one micro-batch of the model itsel
 layers) where a figure from FLOPs and the matmul rate would miss the small kernels around them.
 Figures are medians of a few repetitions.
 
-One module for the rates (about 880 lines): the record, the probes, the rates files and the named
-presets all fill the same fields and name each one's source, so a figure's every origin reads in
-one place.
+The record, the probes, the rates files and the named presets all fill the same fields and name
+each one's source, so a figure's every origin reads in one place.
 """
 from __future__ import annotations
 

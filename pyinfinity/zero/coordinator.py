@@ -17,8 +17,8 @@ How parameters reach the compute at the right time:
     the same mode replays it, prefetching ahead up to a byte budget; a mismatch (dynamic control
     flow) stops prefetching for that iteration (on-demand fetch) and the new order is recorded.
 
-One class in one module (about 640 lines): the hooks, the transfers and the trace all drive the
-same per-shard state machine (released, in flight, resident, in use) and its counters.
+One class: the hooks, the transfers and the trace all drive the same per-shard state machine
+(released, in flight, resident, in use) and its counters.
 """
 from __future__ import annotations
 

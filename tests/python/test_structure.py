@@ -1,26 +1,24 @@
-"""The package's structure holds: no import cycles and no module using another module's private
-(underscore) names, as docs/architecture.md states. Both read the source with ``ast``, so they see
-every import, including those inside functions; an import under ``if TYPE_CHECKING:`` runs only
-for type checkers and does not count. ``pyinfinity._C`` (the compiled core) is a leaf, and its name
-is public.
+"""The package's structure holds, as docs/architecture.md states: the layers import only what the
+table below lets them (:data:`LAYERS`), no import cycles, and no module using another module's
+private (underscore) names. All three read the source with ``ast``, so they see every import,
+including those inside functions; an import under ``if TYPE_CHECKING:`` runs only for type
+checkers and does not count. ``pyinfinity._C`` (the compiled core) is a leaf, and its name is
+public.
 
 An import is an edge to the module it names (``from pkg import mod``: to ``pkg.mod``; ``from pkg
 import name``: to ``pkg``'s ``__init__``), relative imports resolved; the parent packages Python
 also runs are not edges (``pyinfinity/__init__.py`` loads the engine only when an attribute asks
-for it). A private name is one with a single leading underscore: imported from another pyinfinity
+for it: the package face's imports inside its functions are the one kind allowed to run up the
+table). A private name is one with a single leading underscore: imported from another pyinfinity
 module (a private module included), or read or set as ``x._name`` / ``getattr(x, "_name")`` where
 ``x`` is not ``self``/``cls`` and ``_name`` is bound by another pyinfinity module and not by this
 one (names torch's modules and tensors have are torch's). The examples are checked for private
-names too; the tests are not.
-
-No module is longer than MAX_LINES unless its docstring (or the comment lines it starts with)
-says why it is one module, the way ``zero/coordinator.py`` and ``config.py`` do: a sentence "One
-... module ... (about N lines): <why>", N within a fifth of its length."""
+names too; the tests are not."""
 from __future__ import annotations
 
 import ast
 import os
-import re
+import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,10 +27,34 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "pyinfinity"
 EXEMPT = {"_C"}  # the compiled core: a public name that starts with an underscore
-MAX_LINES = 600  # a longer module states why it is one (ONE_MODULE)
-# "One class in one module (about 640 lines): the hooks, ..." / "One module for the schema and its
-# parser (about 650 lines): each ...": the figure, then after the colon the reason
-ONE_MODULE = re.compile(r"\bOne\b[^.:()]*\bmodule\b[^.:()]*\(about ([\d,]+) lines\):\s*\w")
+FACE = PACKAGE  # the package's __init__: its imports inside functions are lazy and may run up the table
+
+# The layers, bottom up: (name, the modules and packages in it, the layers below it it may import).
+# A module may import modules of its own layer and of the layers it names; docs/architecture.md
+# draws the same table.
+LAYERS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+    ("core", ("_C",), ()),
+    ("leaves", ("config_values", "units", "device", "guards"), ("core",)),
+    ("config", ("config",), ("leaves",)),
+    ("swap", ("swap", "aio"), ("core", "leaves", "config")),
+    ("layout", ("layout",), ("leaves",)),
+    ("zero", ("zero",), ("core", "leaves", "config", "swap", "layout")),
+    ("plan", ("plan",), ("core", "leaves", "config", "layout")),
+    ("state io", ("checkpoint", "export", "pretrained", "adapters", "resume"),
+     ("core", "leaves", "config", "swap", "layout", "zero")),
+    ("integrations", ("integrations",), ("core", "leaves", "config", "swap", "layout", "plan")),
+    ("engine", ("engine", "telemetry"), ("core", "leaves", "config", "swap", "layout", "zero", "plan", "state io")),
+    # the package face (pyinfinity/__init__.py) imports nothing of pyinfinity when it loads: its imports
+    # inside functions (the engine, the names it hands out) are lazy, and the one kind allowed anywhere
+    ("face", ("",), ()),
+    ("tools", ("bench", "cli", "data", "__main__"),
+     ("core", "leaves", "config", "swap", "layout", "zero", "plan", "state io", "engine", "face")),
+]
+# Imports that run up the table all the same, each with its reason (none is allowed silently).
+UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
+    (f"{PACKAGE}.plan.rates", f"{PACKAGE}.zero"): "the rate probes time the engine's own optimizer steps and add",
+    (f"{PACKAGE}.plan.rates", f"{PACKAGE}.swap"): "the disk probe times the swap engine",
+}
 
 
 def torch_private_names() -> set[str]:
@@ -56,8 +78,7 @@ class Module:
     imports: dict[str, int] = field(default_factory=dict)        # imported pyinfinity module -> first line
     private_uses: list[str] = field(default_factory=list)         # "line N: what"
     defines: set[str] = field(default_factory=set)                # private names this module binds
-    lines: int = 0                                                # its length in lines
-    header: str = ""                                              # its leading comment lines and docstring
+    eager: set[str] = field(default_factory=set)                 # imported outside functions (at import time)
 
 
 def find_modules(root: str) -> dict[str, Module]:
@@ -77,34 +98,8 @@ def find_modules(root: str) -> dict[str, Module]:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
             tree = ast.parse(text, filename=path)
-            modules[name] = Module(name, path, tree, is_package, lines=len(text.splitlines()),
-                                   header=module_header(text, tree))
+            modules[name] = Module(name, path, tree, is_package)
     return modules
-
-
-def module_header(text: str, tree: ast.Module) -> str:
-    """The comment lines a module starts with and its docstring, whitespace folded to single spaces."""
-    comments = []
-    for line in text.splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            break
-        comments.append(line.lstrip().lstrip("#"))
-    return " ".join(" ".join(comments + [ast.get_docstring(tree) or ""]).split())
-
-
-def oversized(modules: dict[str, Module]) -> list[str]:
-    """Modules over MAX_LINES that do not state why they are one module (or state a stale length)."""
-    bad = []
-    for m in sorted(modules.values(), key=lambda m: m.name):
-        if m.lines <= MAX_LINES:
-            continue
-        said = ONE_MODULE.search(m.header)
-        if said is None:
-            bad.append(f"{m.name}: {m.lines} lines, and its docstring does not say why it is one module "
-                       f"(\"One ... module ... (about N lines): why\")")
-        elif abs(int(said.group(1).replace(",", "")) - m.lines) > m.lines / 5:
-            bad.append(f"{m.name}: {m.lines} lines, its docstring says about {said.group(1)}")
-    return bad
 
 
 def is_type_checking(test: ast.expr) -> bool:
@@ -123,6 +118,50 @@ def runtime_nodes(tree: ast.AST):
             stack.append(node.test)
             continue
         stack.extend(ast.iter_child_nodes(node))
+
+
+def function_level_nodes(tree: ast.Module) -> set[int]:
+    """ids of the nodes inside a function (they run when it is called, not when the module loads)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside.update(id(n) for n in ast.walk(node) if n is not node)
+    return inside
+
+
+def layer_of(name: str) -> Optional[str]:
+    """The layer of module ``name`` (:data:`LAYERS`), or None when the table does not place it."""
+    rel = name[len(PACKAGE) + 1:] if name.startswith(PACKAGE + ".") else ("" if name == PACKAGE else None)
+    if rel is None:
+        return None
+    for layer, where, _ in LAYERS:
+        for w in where:
+            if rel == w or (w and rel.startswith(w + ".")):
+                return layer
+    return None
+
+
+def layer_violations(modules: dict[str, Module]) -> list[str]:
+    """Imports the layer table does not allow, one line each: a module the table does not place,
+    or an import of a layer its own does not name (the face's imports inside functions and
+    :data:`UPWARD_EXCEPTIONS` aside)."""
+    may = {layer: set(below) | {layer} for layer, _, below in LAYERS}
+    bad = []
+    for m in sorted(modules.values(), key=lambda m: m.name):
+        mine = layer_of(m.name)
+        if mine is None:
+            bad.append(f"{m.name}: in no layer of the table")
+            continue
+        for target, line in sorted(m.imports.items()):
+            theirs = layer_of(target)
+            if theirs is None or theirs in may[mine]:
+                continue
+            if m.name == FACE and target not in m.eager:
+                continue  # the package face's lazy imports
+            if any(m.name == a and (target == b or target.startswith(b + ".")) for a, b in UPWARD_EXCEPTIONS):
+                continue
+            bad.append(f"{m.name} ({mine}) line {line} imports {target} ({theirs})")
+    return bad
 
 
 def defined_private_names(tree: ast.Module) -> set[str]:
@@ -190,6 +229,7 @@ def analyse(modules: dict[str, Module], scripts: Optional[dict[str, Module]] = N
         m.defines = defined_private_names(m.tree)
 
     for m in list(modules.values()) + list((scripts or {}).values()):
+        in_functions = function_level_nodes(m.tree)
         for node in runtime_nodes(m.tree):
             line = getattr(node, "lineno", 0)
             if isinstance(node, ast.Import):
@@ -199,6 +239,8 @@ def analyse(modules: dict[str, Module], scripts: Optional[dict[str, Module]] = N
                     target = deepest_known(alias.name, modules)
                     if target:
                         m.imports.setdefault(target, line)
+                        if id(node) not in in_functions:
+                            m.eager.add(target)
                     bad = [p for p in alias.name.split(".") if is_private(p)]
                     if bad:
                         m.private_uses.append(f"line {line}: import {alias.name}")
@@ -216,6 +258,8 @@ def analyse(modules: dict[str, Module], scripts: Optional[dict[str, Module]] = N
                         m.imports.setdefault(target, line)
                     if is_private(alias.name):
                         m.private_uses.append(f"line {line}: from {base} import {alias.name}")
+                    if target and id(node) not in in_functions:
+                        m.eager.add(target)
             elif isinstance(node, ast.Attribute):
                 name = node.attr
                 owner = node.value
@@ -329,9 +373,16 @@ def test_no_module_uses_another_modules_private_names(modules):
         f"{name}: {use}" for name, uses in sorted(bad.items()) for use in uses)
 
 
-def test_no_module_is_longer_than_the_limit_without_saying_why(modules):
-    bad = oversized(modules)
-    assert not bad, f"modules over {MAX_LINES} lines:\n" + "\n".join(bad)
+def test_the_layers_import_only_what_the_table_allows(modules):
+    bad = layer_violations(modules)
+    assert not bad, "imports the layer table does not allow:\n" + "\n".join(bad)
+
+
+def test_the_layer_table_runs_bottom_up():
+    seen: set[str] = set()
+    for layer, _, below in LAYERS:
+        assert set(below) <= seen, f"{layer} may import a layer above it: {sorted(set(below) - seen)}"
+        seen.add(layer)
 
 
 def test_the_examples_use_no_private_names_of_the_package(examples):
@@ -417,17 +468,35 @@ def test_a_script_using_a_private_name_of_the_package_is_found(tmp_path):
     assert sorted(u.split(":", 1)[0] for u in uses) == ["line 4", "line 5"], uses
 
 
-def test_a_long_module_must_say_why_it_is_one(tmp_path):
-    body = "x = 1\n" * MAX_LINES
-    mods = make_package(tmp_path, {
-        "short.py": '"""Short."""\n' + "x = 1\n" * (MAX_LINES - 1),
-        "silent.py": '"""A long module."""\n' + body,
-        "vague.py": '"""This is one big module, about 600 lines, on purpose."""\n' + body,
-        "stale.py": '"""The store.\n\nOne class in one module (about 300 lines): it is one state machine."""\n' + body,
-        "said.py": '"""The store.\n\nOne class in one\nmodule (about 600 lines): it is one state machine."""\n' + body,
-        "commented.py": "# The store.\n# One module for the schema and its parser (about 1,000 lines): read side "
-                        "by side.\n" + "x = 1\n" * 1000,
+def test_a_planted_upward_import_is_found(tmp_path):
+    mods = make_package(tmp_path / "one", {
+        "config_values.py": "def f():\n    from pyinfinity.zero import state\n",  # inside a function: counts
+        "units.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pyinfinity.engine import E\n",
+        "layout/shards.py": "import pyinfinity.plan.evaluation\n",
+        "plan/evaluation.py": "from pyinfinity.layout import shards\n",  # downward: allowed
+        "zero/state.py": "",
+        "engine.py": "",
+        "__init__.py": "def __getattr__(name):\n    from pyinfinity import engine\n",  # the face, lazily: allowed
     })
-    bad = oversized(mods)
-    assert [b.split(":")[0] for b in bad] == ["pyinfinity.silent", "pyinfinity.stale", "pyinfinity.vague"], bad
-    assert "says about 300" in bad[1]
+    bad = layer_violations(mods)
+    assert [b.split(" line")[0] for b in bad] == [f"{PACKAGE}.config_values (leaves)",
+                                                  f"{PACKAGE}.layout.shards (layout)"], bad
+    assert bad[0].endswith("imports pyinfinity.zero.state (zero)"), bad
+    assert bad[1].endswith("imports pyinfinity.plan.evaluation (plan)"), bad
+    # the face importing the engine at import time
+    mods = make_package(tmp_path / "two", {"__init__.py": "from pyinfinity import engine\n", "engine.py": ""})
+    assert [b.split(" line")[0] for b in layer_violations(mods)] == [f"{PACKAGE} (face)"]
+    mods = make_package(tmp_path / "three", {"stray.py": ""})
+    assert f"{PACKAGE}.stray: in no layer of the table" in layer_violations(mods)
+
+
+def test_an_upward_import_planted_in_a_copy_of_the_package_is_found(tmp_path):
+    shutil.copytree(os.path.join(ROOT, PACKAGE), tmp_path / PACKAGE,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+    target = tmp_path / PACKAGE / "layout" / "shards.py"
+    target.write_text(target.read_text() + "\n\ndef _planted():\n    from pyinfinity.zero import state\n")
+    mods = find_modules(str(tmp_path))
+    analyse(mods)
+    bad = layer_violations(mods)
+    assert len(bad) == 1 and bad[0].startswith(f"{PACKAGE}.layout.shards (layout)"), bad
+    assert bad[0].endswith("imports pyinfinity.zero.state (zero)"), bad
