@@ -53,6 +53,17 @@ def overlap_step_blocker(c: "Config") -> Optional[str]:
                 "would share with backward")
     return None
 
+
+def auto_overlap_off(cuda: bool, optimizer_on_disk: bool, on_cpu: bool = False) -> Optional[str]:
+    """Why ``pyinfinity.overlap_step`` "auto" leaves the background step off where nothing blocks it
+    (``overlap_step_blocker``), or None (on): it is on with a GPU, and on the CPU device only when
+    part of the optimizer state is on disk (the step then mostly waits for the disk; with the state
+    in RAM backward would compete with it for the same cores) or ``on_cpu`` asks for it."""
+    if cuda or optimizer_on_disk or on_cpu:
+        return None
+    return ("the compute device is the CPU and the optimizer state is in RAM: backward would compete with "
+            "the background step for the same cores")
+
 SizeOrAuto = Union[int, str]
 
 # DeepSpeed keys that mean something to DeepSpeed but nothing here: accepted, warned about once.
@@ -742,5 +753,5 @@ def check_swap_dir(path: str, key: str = "nvme_path") -> None:
 
 
 __all__ = ["AUTO", "Config", "ConfigError", "load_config", "parse_size", "format_size", "check_swap_dir", "replace",
-           "overlap_step_blocker", "default_optimizer_threads", "optimizer_threads", "OPTIMIZER_STATES", "STATE_FORMATS",
+           "overlap_step_blocker", "auto_overlap_off", "default_optimizer_threads", "optimizer_threads", "OPTIMIZER_STATES", "STATE_FORMATS",
            "StateFormat", "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

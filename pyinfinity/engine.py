@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from pyinfinity import checkpoint, guards
-from pyinfinity.config import AUTO, Config, ConfigError, format_size, load_config, overlap_step_blocker
+from pyinfinity.config import (AUTO, Config, ConfigError, auto_overlap_off, format_size, load_config,
+                               overlap_step_blocker)
 from pyinfinity.layout.charges import PlanError
 from pyinfinity.telemetry import MemoryReport, StepRecord, host_rss, measured_parts
 from pyinfinity.units import auto_unit_bytes
@@ -96,21 +97,16 @@ def _resolve_device(spec: str) -> torch.device:
 
 def _resolve_overlap_step(cfg: Config, device: torch.device) -> str:
     """``pyinfinity.overlap_step`` -> "on" | "off". true/false as given (load_config refused true
-    where it cannot be exact); "auto" = off where the optimizer steps on the compute device, or
-    where the compute device is the CPU and the optimizer state all in RAM (backward would
-    compete for the same cores; with state on disk the background step mostly waits for the disk:
-    125M params, optimizer on nvme, 2 cores: the wait after backward 1.4-2.3 s -> 0.5-1.0 s);
-    else on. Clipping and fp16 loss scaling do not turn it off: the step then runs after backward,
+    where it cannot be exact); "auto" = off where ``config.overlap_step_blocker`` names a reason
+    (the optimizer steps on the compute device) or ``config.auto_overlap_off`` does (the CPU device
+    with the optimizer state all in RAM; the planner's prediction asks the same rule), else on. Clipping and fp16 loss scaling do not turn it off: the step then runs after backward,
     unit by unit in forward order, while the next forward goes on (``zero.optimizer``)."""
     v = cfg.pyinfinity.overlap_step
     if v != AUTO:
         return "on" if v else "off"
-    why = overlap_step_blocker(cfg)
     oo = cfg.zero_optimization.offload_optimizer
-    on_disk = oo.device == "nvme" and oo.ratio > 0
-    if why is None and device.type == "cpu" and not AUTO_OVERLAP_ON_CPU and not on_disk:
-        why = ("the compute device is the CPU and the optimizer state is in RAM: backward would compete with "
-               "the background step for the same cores")
+    why = overlap_step_blocker(cfg) or auto_overlap_off(device.type == "cuda", oo.device == "nvme" and oo.ratio > 0,
+                                                        AUTO_OVERLAP_ON_CPU)
     if why is None:
         return "on"
     _log_overlap_off(why)

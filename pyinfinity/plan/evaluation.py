@@ -43,6 +43,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from pyinfinity.config import auto_overlap_off
 from pyinfinity.layout.charges import GRAD_BYTES_PER_PARAM, DeviceCharges, TrainShape, fmt
 from pyinfinity.layout.pools import Layout, Share, plan_layout
 from pyinfinity.layout.shards import Knobs
@@ -440,8 +441,8 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     else:
         opt_phase = host + a + disk_a + b + disk_b
     visible = opt_phase
-    overlapped = train.overlap_step == "on" or (train.overlap_step == "auto" and (
-        cuda or (knobs.optimizer_device == "nvme" and knobs.ratio > 0)))
+    overlapped = train.overlap_step == "on" or (train.overlap_step == "auto" and auto_overlap_off(
+        cuda, knobs.optimizer_device == "nvme" and knobs.ratio > 0) is None)
     if overlapped and knobs.optimizer_step_device != "device":
         back = BACKWARD_SHARE[train.checkpointing]
         window = micro * ((1.0 - back) if train.norm_first else back)

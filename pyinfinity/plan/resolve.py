@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from pyinfinity.config import default_optimizer_threads, load_config, optimizer_threads, overlap_step_blocker
 from pyinfinity.layout.charges import PlanError, TrainShape, largest_shape
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.layout.sizes import ModelSizes
@@ -92,8 +93,6 @@ def _set(d: dict, dotted: str, value: Any) -> None:
 
 
 def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> TrainShape:
-    from pyinfinity.config import overlap_step_blocker  # config imports the planner: resolve lazily
-
     ov = cfg.pyinfinity.overlap_step
     if overlap_step_blocker(cfg) is not None or ov is False:
         overlap = "off"
@@ -220,8 +219,6 @@ def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, tra
 
 def _threads(e: Any) -> list[Decision]:
     """``pyinfinity.optimizer_threads`` "auto" decided for the config's device."""
-    from pyinfinity.config import default_optimizer_threads
-
     if e.optimizer_threads != AUTO or e.device == AUTO:
         return []
     e.optimizer_threads = default_optimizer_threads(e.device)
@@ -232,8 +229,6 @@ def _threads(e: Any) -> list[Decision]:
 def engine_optimizer_threads(e: Any, device: Union[str, torch.device]) -> int:
     """The threads the engine's CPU Adam step runs on under the ``pyinfinity`` section ``e`` on
     ``device`` (what ``Engine`` gives the optimizer): the rate probe times the kernel on as many."""
-    from pyinfinity.config import optimizer_threads
-
     return optimizer_threads(e.optimizer_threads, str(torch.device(device)))
 
 
@@ -254,8 +249,6 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
     estimates. Raises ConfigError for a bad config and
     PlanError (a ValueError) when no placement fits, with the numbers.
     """
-    from pyinfinity.config import load_config
-
     cfg = load_config(copy.deepcopy(config_dict))
     dev = planned_device(cfg, device)
     sizes = model_sizes(model_or_sizes, compute_dtype(cfg))
@@ -424,8 +417,6 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
                  seq_len: Optional[int] = None, checkpointing: bool = False) -> Placement:
     """The placement and predicted step time of a fully specified config (a hand configuration);
     budget violations are listed, not raised."""
-    from pyinfinity.config import load_config
-
     cfg = load_config(copy.deepcopy(config)) if isinstance(config, dict) else config
     sizes = model_sizes(model_or_sizes, compute_dtype(cfg))
     fixed, owned = _fixed_from(cfg, None)
