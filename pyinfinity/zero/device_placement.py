@@ -94,7 +94,7 @@ class DevicePlacement:
                 left -= sh.nbytes
                 shards.append(sh)
         for sh in shards:
-            sh.persistent = True
+            sh.run.keep_resident()
         # what a budget overflow may give up (not the units whose home is the device)
         self.resident_units = sorted((sh for sh in shards if sh.home.tier != Tier.GPU), key=lambda sh: sh.index)
         self.resident_bytes = sum(sh.nbytes for sh in self.partition.shards if sh.persistent)
