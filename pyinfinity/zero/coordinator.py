@@ -129,7 +129,6 @@ class ParameterCoordinator:
         self._external: dict[nn.Module, list[FlatShard]] = {}
         self._cuda = self.device.type == "cuda"
         self.swap_stream = torch.cuda.Stream(self.device) if self._cuda else None  # host -> device
-        self._pending_grads: list[tuple[Any, torch.Tensor]] = []  # (D2H done event, device gradient kept alive)
         self._held_no_grad: list[FlatShard] = []  # held by backward with no gradient to wait for (_unpack)
         self._stall_events: list[tuple[Any, Any]] = []
         self._transfer_events: list[tuple[Any, Any]] = []

@@ -76,18 +76,26 @@ def test_the_flags_the_parts_read_change_only_through_named_transitions():
 
 
 def _run_state_writes(path: str) -> list[str]:
-    """``x.run.attr = ...`` (or ``+=``) in a module: a field of ShardRun set from outside it."""
+    """Assignments to a ShardRun field in a module: ``x.run.attr = ...`` (or ``+=``), or ``r.attr = ...``
+    where ``r = x.run`` in the same function."""
     tree = ast.parse(open(path).read(), path)
     found = []
-    for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AugAssign, ast.AnnAssign)) else []
-        for t in targets:
-            for sub in ast.walk(t):
-                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute)
-                        and sub.value.attr == "run" and sub.attr in ShardRun.__slots__):
-                    found.append(f"{os.path.relpath(path, PKG)}:{sub.lineno} .run.{sub.attr}")
-    return found
+
+    def is_run(node: ast.AST, aliases: set) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "run") or (
+            isinstance(node, ast.Name) and node.id in aliases)
+
+    for scope in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        aliases = {t.id for n in ast.walk(scope) if isinstance(n, ast.Assign) and is_run(n.value, set())
+                   for t in n.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(scope):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute) and sub.attr in ShardRun.__slots__ and is_run(sub.value, aliases):
+                        found.append(f"{os.path.relpath(path, PKG)}:{sub.lineno} .run.{sub.attr}")
+    return sorted(set(found))
 
 
 def test_no_module_but_the_partition_sets_a_shards_run_time_state():
@@ -101,5 +109,6 @@ def test_no_module_but_the_partition_sets_a_shards_run_time_state():
 
 def test_the_check_finds_a_planted_write(tmp_path):
     planted = tmp_path / "planted.py"
-    planted.write_text("def f(sh):\n    sh.run.users += 1\n    sh.run.home_stale = False\n")
+    planted.write_text("def f(sh):\n    sh.run.users += 1\n    r = sh.run\n    r.home_stale = False\n"
+                       "    sh.users = 0\n")  # (not a ShardRun: a FlatShard has no such field)
     assert [w.split()[-1] for w in _run_state_writes(str(planted))] == [".run.users", ".run.home_stale"]
