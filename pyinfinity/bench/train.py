@@ -36,7 +36,7 @@ from pyinfinity.bench.train_bound import (adam_rate_for, adam_rate_key, best_dis
                                           measure_bound_rates, measure_matmul_rate, optimizer_state,
                                           optimizer_state_bytes, probe_disk, tier_fractions, uses_disk)
 from pyinfinity.bench.train_matrix import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
-                                           DEFAULT_SYSTEMS_LORA, PEERS, SCHEMA, SIZES, BenchTrainError, SystemSpec,
+                                           DEFAULT_SYSTEMS_LORA, PEERS, SCHEMA, BenchTrainError, SystemSpec,
                                            base_system, lora_spec, model_fields, parse_system, parse_systems,
                                            size_facts)
 from pyinfinity.bench.train_report import (HEADER, below_bound, compare_to_best_deepspeed, gib, latest_runs,
@@ -378,7 +378,7 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
 
 __all__ = ["Settings", "run_bench", "run_one", "plan_runs", "check_configs",
            # from train_matrix, train_bound and train_report, importable from here as before
-           "SCHEMA", "SIZES", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "DEFAULT_SYSTEMS_LORA",
+           "SCHEMA", "DEFAULT_SIZES_GPU", "DEFAULT_SIZES_CPU", "DEFAULT_SYSTEMS", "DEFAULT_SYSTEMS_LORA",
            "PEERS", "DEEPSPEED_DEFAULTS", "lora_spec",
            "BenchTrainError", "SystemSpec", "parse_system", "parse_systems", "base_system", "model_fields", "size_facts",
            "tier_fractions", "bound", "optimizer_state", "optimizer_state_bytes",

@@ -1,4 +1,4 @@
-"""What `pyinfinity bench train` can run: the model sizes (Llama shapes), the systems and their
+"""What `pyinfinity bench train` can run: the model sizes (``pyinfinity.presets``), the systems and their
 variants (``deepspeed-z2-cpu[bf16.enabled=true]``), and the DeepSpeed settings every DeepSpeed run
 starts from."""
 from __future__ import annotations
@@ -9,33 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pyinfinity.bench.train_worker import SYSTEMS
+from pyinfinity.presets import NAMES, PRESETS, preset
 
 SCHEMA = "pyinfinity.bench.train/1"
 
-_LLAMA = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
-
-
-def _llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **fields: Any) -> dict[str, Any]:
-    """LlamaConfig fields of one shape; the others as ``_LLAMA`` unless ``fields`` sets them."""
-    return dict(_LLAMA, **fields, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads)
-
-
-# name -> LlamaConfig fields: hidden, intermediate, layers, attention heads, KV heads
-SIZES: dict[str, dict[str, Any]] = {
-    "tiny": _llama(64, 172, 2, 4, 4, vocab_size=1024),
-    "125m": _llama(768, 2048, 12, 12, 12),
-    "1.1b": _llama(2048, 5632, 22, 32, 4),  # TinyLlama-1.1B's shape
-    "3b": _llama(3200, 8640, 26, 32, 32),
-    "7b": _llama(4096, 11008, 32, 32, 32),
-    "10b": _llama(4608, 12288, 40, 36, 36),
-    "13b": _llama(5120, 13824, 40, 40, 40),
-    "20b": _llama(6144, 16384, 44, 48, 48),  # between 13B and LLaMA-30B: 20.3B parameters
-    "30b": _llama(6656, 17920, 60, 52, 52),  # LLaMA-30B's shape (the original LLaMA release)
-    "70b": _llama(8192, 28672, 80, 64, 8),  # Llama-2-70B's shape (grouped-query attention: 8 KV heads)
-}
 DEFAULT_SIZES_GPU = ("1.1b", "3b", "7b", "10b")
-DEFAULT_SIZES_CPU = ("tiny",)
+DEFAULT_SIZES_CPU = ("micro",)
 DEFAULT_SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-auto", "deepspeed-cpu", "deepspeed-z2-cpu",
                    "deepspeed-z3-gpu-params", "deepspeed-nvme", "torch")
 PEERS = {"pyinfinity-cpu": "deepspeed-cpu", "pyinfinity-nvme": "deepspeed-nvme",
@@ -62,7 +41,7 @@ def _linears(fields: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 # their names, and PEFT's default targets for Llama
-LLAMA_LINEARS = tuple(_linears(SIZES["tiny"]))
+LLAMA_LINEARS = tuple(_linears(PRESETS["tiny"]))
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 # DeepSpeed ZeRO-3 offload settings as commonly used for one GPU (BENCHMARKS.md lists them)
@@ -173,9 +152,10 @@ def base_system(label: str) -> str:
 
 
 def model_fields(size: str, seq: int) -> dict[str, Any]:
-    """LlamaConfig fields of a named size, or of a JSON config file (a transformers config.json)."""
-    if size in SIZES:
-        d = dict(SIZES[size])
+    """LlamaConfig fields of a named size (``pyinfinity.presets``), or of a JSON config file (a
+    transformers config.json)."""
+    if size in NAMES:
+        d = preset(size)
     elif size.endswith(".json") and os.path.isfile(size):
         with open(size) as f:
             raw = json.load(f)
@@ -186,7 +166,7 @@ def model_fields(size: str, seq: int) -> dict[str, Any]:
         if missing:
             raise BenchTrainError(f"--sizes: {size} lacks {', '.join(missing)} (expected a Llama config.json)")
     else:
-        raise BenchTrainError(f"--sizes: unknown size {size!r}; choose from {', '.join(SIZES)} or give a "
+        raise BenchTrainError(f"--sizes: unknown size {size!r}; choose from {', '.join(NAMES)} or give a "
                               "Llama config.json path")
     d["max_position_embeddings"] = max(int(d.get("max_position_embeddings", 2048)), seq)
     return d

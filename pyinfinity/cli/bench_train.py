@@ -20,9 +20,10 @@ import tempfile
 from typing import Any, Optional
 
 from pyinfinity.bench.train import (DEEPSPEED_DEFAULTS, DEFAULT_SIZES_CPU, DEFAULT_SIZES_GPU, DEFAULT_SYSTEMS,
-                                    DEFAULT_SYSTEMS_LORA, SIZES, BenchTrainError, Settings, load_results, lora_spec,
+                                    DEFAULT_SYSTEMS_LORA, BenchTrainError, Settings, load_results, lora_spec,
                                     parse_systems, plot, report, run_bench)
 from pyinfinity.bench.train_worker import SYSTEMS, ZERO_OFFLOAD
+from pyinfinity.presets import NAMES
 
 EPILOG = f"""
 systems: {', '.join(SYSTEMS)}
@@ -40,7 +41,7 @@ variants: SYSTEM[KEY=VALUE,...] sets dotted config keys in that system's config,
   pyinfinity-auto[resident_bytes=0]  deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]
   (values are JSON where they parse, else strings; a pyinfinity key outside the config's top-level
   sections is a key of its "pyinfinity" section; the full name labels the run; plain torch has none)
-sizes: {', '.join(f'{k}' for k in SIZES)}, or a Llama config.json path
+sizes: {', '.join(NAMES)} (pyinfinity.presets), or a Llama config.json path
 DeepSpeed settings (defaults: DeepSpeed ZeRO-3 offload as commonly configured for one GPU):
   {json.dumps(DEEPSPEED_DEFAULTS)}
 ZeRO-Offload settings of deepspeed-z2-cpu (DeepSpeed's ZeRO and ZeRO-Offload tutorials; deepspeed-z3-gpu-params

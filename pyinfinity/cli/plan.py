@@ -19,12 +19,12 @@ def add_parser(subparsers: Any) -> None:
                               description=__doc__)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="CONFIG", help="a transformers config.json (or a directory holding one)")
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import NAMES
 
-    which.add_argument("--model-size", choices=list(SIZES), metavar="SIZE",
-                       help="a Llama shape from the `pyinfinity bench train --sizes` preset table (vocab 32000 but "
-                            "tiny): " + ", ".join(SIZES) + " (1.1b is TinyLlama's shape, 30b LLaMA-30B's, 70b "
-                            "Llama-2-70B's)")
+    which.add_argument("--model-size", choices=NAMES, metavar="SIZE",
+                       help="a Llama shape from the preset table that `train --model-size` and `bench train "
+                            "--sizes` take too (vocab 32000 but the small ones and 8b): " + ", ".join(NAMES)
+                            + " (1.1b is TinyLlama's shape, 8b Llama-3-8B's, 30b LLaMA-30B's, 70b Llama-2-70B's)")
     p.add_argument("--config", metavar="JSON",
                    help="a DeepSpeed-format config whose \"auto\" values are decided (default: all auto)")
     p.add_argument("--gpu-memory", "--device-memory", dest="device_memory", default=None,
@@ -157,9 +157,9 @@ def model_source(args: argparse.Namespace) -> Any:
     """--model's path, or --model-size's preset as a transformers config dict."""
     if args.model:
         return args.model
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import preset
 
-    return {"model_type": "llama", **SIZES[args.model_size]}
+    return {"model_type": "llama", **preset(args.model_size)}
 
 
 def lora_sizes(model: Any, args: argparse.Namespace) -> Any:

@@ -14,7 +14,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli.train_args import PRESETS, add_arguments, check_arguments, engine_config, mean
+from pyinfinity.cli.train_args import add_arguments, check_arguments, engine_config, mean
+from pyinfinity.presets import preset
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,10 @@ class ByteBatches:
 def llama_config(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig
 
-    hidden, layers, heads, inter, *kv = PRESETS[args.model_size]
-    kv_heads = kv[0] if kv and not (args.hidden or args.heads) else None
+    fields = preset(args.model_size)  # its shape; the vocabulary is the corpus's
+    hidden, layers = fields["hidden_size"], fields["num_hidden_layers"]
+    heads, inter = fields["num_attention_heads"], fields["intermediate_size"]
+    kv_heads = fields["num_key_value_heads"] if not (args.hidden or args.heads) else None
     hidden = args.hidden or hidden
     layers = args.layers or layers
     heads = args.heads or (heads if hidden % heads == 0 else max(1, hidden // 64))
@@ -90,7 +93,7 @@ def llama_config(args: argparse.Namespace) -> Any:
         raise SystemExit(f"--heads: hidden {hidden} is not divisible by {heads} heads")
     return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
-                       max_position_embeddings=max(2048, args.seq),
+                       max_position_embeddings=max(2048, args.seq), rope_theta=fields.get("rope_theta", 10000.0),
                        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None, tie_word_embeddings=False,
                        use_cache=False)
 

@@ -16,22 +16,7 @@ from typing import Any, Optional
 
 from pyinfinity.cli.errors import UsageError
 
-# name -> (hidden, layers, heads, intermediate[, KV heads: grouped-query attention; default = heads])
-PRESETS = {
-    "tiny": (128, 4, 4, 344),
-    "small": (256, 8, 8, 688),
-    "medium": (512, 12, 8, 1376),
-    "125m": (768, 12, 12, 2048),
-    "350m": (1024, 24, 16, 2816),
-    "1b": (2048, 16, 16, 5504),
-    "3b": (2560, 32, 32, 6912),
-    "5b": (4096, 24, 32, 11008),  # bf16 weights ~9.8 GB: more than an 8 GiB device budget
-    "7b": (4096, 32, 32, 11008),
-    "13b": (5120, 40, 40, 13824),
-    "20b": (6144, 44, 48, 16384),  # 20.3B parameters at a 32000-token vocabulary
-    "30b": (6656, 60, 52, 17920),  # LLaMA-30B's shape (32.5B parameters at its 32000-token vocabulary)
-    "70b": (8192, 80, 64, 28672, 8),  # Llama-2-70B's shape (69.0B at its vocabulary): 8 KV heads
-}
+from pyinfinity.presets import NAMES
 
 # flags whose default is applied after parsing, so that a flag given on the command line can be
 # told from one left out (with --config, only the given ones override the file)
@@ -65,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE",
                    help="a DeepSpeed-format config to train with, e.g. the one `pyinfinity plan -o FILE` writes; "
                         "the flags given on the command line override its values")
-    p.add_argument("--model-size", default="tiny", choices=sorted(PRESETS),
-                   help="preset (hidden, layers, heads, intermediate); --hidden/--layers override")
+    p.add_argument("--model-size", default="tiny", choices=NAMES,
+                   help="preset (pyinfinity.presets; the corpus's byte vocabulary); --hidden/--layers override")
     p.add_argument("--hidden", type=int, help="hidden size")
     p.add_argument("--layers", type=int, help="decoder layers")
     p.add_argument("--heads", type=int, help="attention heads")

@@ -3,8 +3,8 @@
 Under ``gradient_accumulation_steps`` > 1 every micro-batch's gradient of a unit is added into that
 unit's fp32 accumulator. Done in the gradient hook it stalls backward for the whole add (and on a
 GPU for the copy off the device before it), and torch's CPU ``fp32.add_(bf16)`` first converts the
-whole source into a temporary of the gradient's size: on a 1.1B model that is a 4.4 GB allocation,
-page faults and a second pass, every micro-batch. Here instead:
+whole source into an fp32 temporary of the gradient's size: an allocation of 4 bytes a parameter,
+its page faults and a second pass, every micro-batch. Here instead:
 
 * ``GradStaging``: a few (``STAGING_SLOTS``) staging buffers a unit's gradient lands in (pinned
   with a GPU), taken in turn: the copy off the device of unit k+1 runs while unit k is added;
@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 STAGING_SLOTS = 3  # gradient staging buffers: one being filled, one being added, one spare (plan.placement counts them)
 # elements added per op: a 4 MiB fp32 chunk stays in the caches between its conversion and its add
-# (1M measured best on one core, 2.0 Gelem/s against 0.3 for one whole-unit add of bf16 into fp32)
 ADD_CHUNK = 1 << 20
 WAIT_STUCK_S = 600.0  # a wait for a staging slot or for the worker gives up (TimeoutError) after this long
 

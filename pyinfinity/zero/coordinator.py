@@ -17,8 +17,10 @@ How parameters reach the compute at the right time:
     the same mode replays it, prefetching ahead up to a byte budget; a mismatch (dynamic control
     flow) stops prefetching for that iteration (on-demand fetch) and the new order is recorded.
 
-One class: the hooks, the transfers and the trace all drive the same per-shard state machine
-(released, in flight, resident, in use) and its counters.
+One class: the hooks, the transfers and the trace all drive each shard's state machine
+(released, in flight, resident, in use: ``partition.ShardRun``) through its named transitions.
+``DeviceCopies`` holds the copies beside the compute stream (gradients to the host, new values of
+resident units).
 """
 from __future__ import annotations
 
@@ -70,12 +72,14 @@ class ParameterCoordinator:
     shard bytes (None = unlimited). prefetch_bytes: how far ahead (in bytes) the trace prefetches.
     on_grad(shard, host_flat, event, norm): called once per shard and backward with the unit's
     whole gradient (compute dtype, on the host in ``grad_dest(shard)``; on the device for a unit
-    whose optimizer state is there, ``shard.device_step``), the CUDA event that completes its
+    whose optimizer state is there, ``ShardRun.steps_on_device``), the CUDA event that completes its
     copy (None on the CPU or on the device) and its L2 norm (fp32 scalar on the device); each
     parameter's gradient is summed into one flat device buffer per unit as it arrives and
     ``param.grad`` is cleared. grad_dest(shard) -> (host tensor, whether it is the parameter home).
     wait_home(shard): waits until a home that holds a gradient has the new values (the step);
     master_values(shard, dst): the current weights of a home that still holds a gradient.
+    copies: the device-to-host and resident-update streams it shares with the homes and the
+    optimizer (``DeviceCopies``; default: its own), whose ``stats`` it counts into.
     """
 
     def __init__(self, model: nn.Module, partition: Partition, swapper: Any, device: torch.device, *,
@@ -86,7 +90,7 @@ class ParameterCoordinator:
                  wait_home: Optional[Callable[[FlatShard], float]] = None,
                  master_values: Optional[Callable[[FlatShard, torch.Tensor], None]] = None,
                  fixed_bytes: int = 0, max_live_elements: Optional[int] = None,
-                 max_inflight_reads: Optional[int] = None) -> None:
+                 max_inflight_reads: Optional[int] = None, copies: Optional[DeviceCopies] = None) -> None:
         self.model = model
         self.partition = partition
         self.swapper = swapper
@@ -104,7 +108,8 @@ class ParameterCoordinator:
         self.master_values = master_values
         self.max_live_elements = max_live_elements  # stage3_max_live_parameters: caps prefetch
         self.max_inflight_reads = max_inflight_reads  # offload_param.buffer_count: NVMe reads ahead
-        self.stats = FetchStats()
+        self.copies = copies if copies is not None else DeviceCopies(self.device, FetchStats())
+        self.stats = self.copies.stats
         self.in_backward = False
         self.grads_handed = 0  # units whose gradient on_grad got in this backward (the engine resets it)
         self.prefetch_high = 0  # most bytes prefetched ahead at once since the engine last reset it
@@ -124,16 +129,13 @@ class ParameterCoordinator:
         self._external: dict[nn.Module, list[FlatShard]] = {}
         self._cuda = self.device.type == "cuda"
         self.swap_stream = torch.cuda.Stream(self.device) if self._cuda else None  # host -> device
-        self.d2h_stream = torch.cuda.Stream(self.device) if self._cuda else None  # gradients off the device
-        self.update_stream = torch.cuda.Stream(self.device) if self._cuda else None  # new values of resident units
-        self._pending_grads: list[tuple[Any, torch.Tensor]] = []  # (D2H done event, device gradient kept alive)
         self._held_no_grad: list[FlatShard] = []  # held by backward with no gradient to wait for (_unpack)
         self._stall_events: list[tuple[Any, Any]] = []
         self._transfer_events: list[tuple[Any, Any]] = []
         self._kept: list[tuple[Any, torch.Tensor]] = []  # pinned staging until its H2D copy ran
         self._fault: Optional[Callable[[FlatShard], None]] = None  # test seam: called per fetch
         for sh in partition.shards:
-            if sh.persistent:
+            if sh.run.kept_resident:
                 self._start_fetch(sh)
                 self._complete(sh)
                 self.budget.fixed += sh.nbytes
@@ -159,7 +161,7 @@ class ParameterCoordinator:
         # its values (an embedding) is not resident then: give the parameter a shape-only stub
         # (one element, zero strides) for the accumulation instead of fetching it.
         def hook(grad: torch.Tensor) -> None:
-            if shard.state != ShardState.RESIDENT:
+            if shard.run.residency != ShardState.RESIDENT:
                 sl.param.data = torch.empty(1, dtype=shard.dtype, device=self.device).expand(sl.shape)
             return None
         return hook
@@ -178,19 +180,21 @@ class ParameterCoordinator:
 
     def _make_grad_hook(self, shard: FlatShard, sl: ParamSlice) -> Callable:
         def hook(param: torch.Tensor) -> None:
+            run = shard.run
             grad = param.grad
+            if grad is not None and self.on_grad is not None:
+                self._collect(shard, sl, grad)
+            else:
+                run.grad_arrived(sl.offset, None, None)
             if grad is not None:
-                if self.on_grad is not None:
-                    self._collect(shard, sl, grad)
                 param.grad = None
-            if shard.state != ShardState.RESIDENT:
+            if run.residency != ShardState.RESIDENT:
                 param.data = placeholder(shard.dtype, self.device)
-            shard.grads_seen += 1
-            if self.on_grad is not None and shard.grad_dev is not None and not shard.grad_done \
-                    and not shard.shared and shard.calls <= 1 and len(shard.grads_in) >= shard.n_trainable:
+            if self.on_grad is not None and run.grad is not None and not run.grad_handed \
+                    and not shard.shared and run.calls <= 1 and not run.grads_pending:
                 self._grad_complete(shard)  # every slice is in and no later use can add to it
-            if shard.grads_seen >= shard.n_trainable and shard.backward_held:
-                shard.backward_held = False
+            if not run.grads_pending and run.held_by_backward:
+                run.backward_let_go()
                 self._maybe_evict(shard)
         return hook
 
@@ -220,12 +224,12 @@ class ParameterCoordinator:
             self._release_passed(shards[0])
         for sh in shards:
             if sh.owner is module and not self.in_backward:
-                sh.calls += 1
+                sh.run.called()
             self._use(sh)
-            sh.users += 1
+            sh.run.use()
         for sh in shards:
             self._complete(sh)
-            if sh.persistent:
+            if sh.run.kept_resident:
                 self._ready(sh)
             elif self.in_backward:
                 self._hold_for_backward(sh)
@@ -233,8 +237,7 @@ class ParameterCoordinator:
     def release(self, module: nn.Module) -> None:
         """Ends ``module``'s use of its shards; a shard no call uses any more leaves the device."""
         for sh in self.shards_of(module):
-            if sh.users > 0:
-                sh.users -= 1
+            sh.run.unuse()
             self._maybe_evict(sh)
 
     @contextlib.contextmanager
@@ -246,15 +249,15 @@ class ParameterCoordinator:
             if sh not in shards:
                 shards.append(sh)
         for sh in shards:
-            sh.users += 1
-            if sh.state == ShardState.RELEASED:
+            sh.run.use()
+            if sh.run.residency == ShardState.RELEASED:
                 self._start_fetch(sh)
             self._complete(sh)
         try:
             yield
         finally:
             for sh in shards:
-                sh.users -= 1
+                sh.run.unuse()
                 self._maybe_evict(sh)
 
     def saved_tensors_hooks(self) -> Any:
@@ -267,7 +270,7 @@ class ParameterCoordinator:
             self._traces[self._mode] = self._current
         self._drop_unused_prefetches()
         for sh in self.partition.shards:
-            sh.calls = 0
+            sh.run.new_forward()
         self._mode = (self.model.training, torch.is_grad_enabled())
         self._trace = self._traces.get(self._mode)
         self._current = []
@@ -279,37 +282,29 @@ class ParameterCoordinator:
         """After ``loss.backward()``: hands off the gradients of units still open (tied, shared or
         called several times), releases what backward still holds."""
         for sh in self.partition.shards:
-            if sh.grad_dev is not None and not sh.grad_done:
+            if sh.run.grad is not None and not sh.run.grad_handed:
                 self._grad_complete(sh)
         self._held_no_grad.clear()
         for sh in self.partition.shards:
-            sh.grads_seen = 0
-            sh.grad_done = False
-            sh.grads_in.clear()
-            if sh.backward_held:
-                sh.backward_held = False
+            sh.run.end_backward()
+            sh.run.backward_let_go()
             self._maybe_evict(sh)
 
     def abandon_grads(self) -> None:
         """A backward failed: drops the gradients collected so far (nothing is handed off), and any
         parameter gradient autograd left behind (the next backward would add to it)."""
         for sh in self.partition.shards:
-            sh.grad_dev = None
+            sh.run.drop_grad()
             for sl in sh.slices:
                 sl.param.grad = None
-            sh.grads_seen = 0
-            sh.grad_done = False
-            sh.grads_in.clear()
 
     def release_all(self) -> None:
         """Releases every non-persistent shard (after the optimizer changed the homes)."""
         self._held_no_grad.clear()
         for sh in self.partition.shards:
-            sh.users = 0
-            sh.backward_held = False
-            sh.prefetched = False
-            if not sh.persistent and sh.state != ShardState.RELEASED:
-                if sh.state == ShardState.INFLIGHT:
+            sh.run.forget_uses()
+            if not sh.run.kept_resident and sh.run.residency != ShardState.RELEASED:
+                if sh.run.residency == ShardState.INFLIGHT:
                     try:
                         self._complete(sh)
                     except (OSError, ValueError) as exc:  # its data is being dropped anyway
@@ -320,19 +315,18 @@ class ParameterCoordinator:
     def give_up_resident(self, sh: FlatShard) -> int:
         """A unit kept on the device between steps leaves it: from now on it is fetched from its
         home before each use (which must hold its current values). Returns the device bytes freed."""
-        if not sh.persistent or sh.home.tier == Tier.GPU:
+        if not sh.run.kept_resident or sh.home.tier == Tier.GPU:
             return 0
-        sh.persistent = False
-        sh.ready = None
+        sh.run.stop_keeping_resident()
         self.budget.fixed -= sh.nbytes
-        if sh.state != ShardState.RELEASED and sh.users == 0 and not sh.backward_held:
+        if sh.run.residency != ShardState.RELEASED and sh.run.idle:
             self._evict(sh, count=False)
         return sh.nbytes
 
     def refresh_persistent(self) -> None:
         """Re-reads persistent shards from their homes (the optimizer wrote new values there)."""
         for sh in self.partition.shards:
-            if sh.persistent:
+            if sh.run.kept_resident:
                 self._evict(sh, count=False)
                 self._start_fetch(sh)
                 self._complete(sh)
@@ -360,9 +354,7 @@ class ParameterCoordinator:
     # ------------------------------------------------------------------------------- internals
     def _use(self, sh: FlatShard) -> None:
         """A shard goes from idle to in use: trace bookkeeping, then make sure a fetch runs."""
-        if sh.persistent:
-            return
-        if sh.users > 0 or sh.backward_held:
+        if sh.run.kept_resident or not sh.run.idle:
             return
         if len(self._current) < MAX_TRACE:
             self._current.append(sh.index)
@@ -375,10 +367,10 @@ class ParameterCoordinator:
                 log.debug("module order diverged from the trace at entry %d (shard %s); "
                           "fetching on demand and re-recording", self._pos, sh.module_name)
                 self._drop_unused_prefetches(keep=sh)
-        if sh.prefetched:
+        if sh.run.prefetched:
             self.stats.prefetch_hits += 1
-            sh.prefetched = False
-        elif sh.state == ShardState.RELEASED:
+            sh.run.prefetch_ended()
+        elif sh.run.residency == ShardState.RELEASED:
             self.stats.on_demand += 1
             self._start_fetch(sh, demand=True)
         self._prefetch_ahead()
@@ -387,14 +379,14 @@ class ParameterCoordinator:
         if not self.prefetch_enabled or self._trace is None or self._diverged:
             return
         shards = self.partition.shards
-        room = self.prefetch_bytes - sum(s.nbytes for s in shards if s.prefetched)
-        live = sum(s.numel for s in shards if s.state != ShardState.RELEASED)
-        reads = sum(1 for s in shards if s.state == ShardState.INFLIGHT and s.home.tier == Tier.NVME)
+        room = self.prefetch_bytes - sum(s.nbytes for s in shards if s.run.prefetched)
+        live = sum(s.numel for s in shards if s.run.residency != ShardState.RELEASED)
+        reads = sum(1 for s in shards if s.run.residency == ShardState.INFLIGHT and s.home.tier == Tier.NVME)
         for idx in self._trace[self._pos:self._pos + LOOKAHEAD_ENTRIES]:
             sh = shards[idx]
-            if sh.state != ShardState.RELEASED:
+            if sh.run.residency != ShardState.RELEASED:
                 continue
-            if sh.home_dirty:
+            if sh.run.home_stale:
                 break  # the optimizer has not written its new values yet: its use will wait for them
             if sh.nbytes > room or not self.budget.fits(sh.nbytes):
                 self.prefetch_starved |= sh.nbytes > self.prefetch_bytes
@@ -405,7 +397,7 @@ class ParameterCoordinator:
             if nvme and self.max_inflight_reads is not None and reads >= self.max_inflight_reads:
                 break
             self._start_fetch(sh)
-            sh.prefetched = True
+            sh.run.prefetch_issued()
             room -= sh.nbytes
             live += sh.numel
             reads += nvme
@@ -415,10 +407,10 @@ class ParameterCoordinator:
 
     def _drop_unused_prefetches(self, keep: Optional[FlatShard] = None) -> None:
         for sh in self.partition.shards:
-            if sh.prefetched and sh is not keep and sh.users == 0 and not sh.backward_held:
-                sh.prefetched = False
+            if sh.run.prefetched and sh is not keep and sh.run.idle:
+                sh.run.prefetch_ended()
                 self.stats.prefetch_wasted += 1
-                if sh.state == ShardState.INFLIGHT:
+                if sh.run.residency == ShardState.INFLIGHT:
                     self._complete(sh)
                 self._evict(sh)
 
@@ -426,17 +418,17 @@ class ParameterCoordinator:
         if self.budget.fits(nbytes):
             return
         for sh in reversed(self.partition.shards):  # drop prefetches the trace needs latest
-            if sh.prefetched and sh.users == 0 and not sh.backward_held:
-                sh.prefetched = False
+            if sh.run.prefetched and sh.run.idle:
+                sh.run.prefetch_ended()
                 self.stats.prefetch_wasted += 1
-                if sh.state == ShardState.INFLIGHT:
+                if sh.run.residency == ShardState.INFLIGHT:
                     self._complete(sh)
                 self._evict(sh)
                 if self.budget.fits(nbytes):
                     return
         if self.budget.resident + nbytes <= self.budget.capacity:
             return  # shards fit; whether activations leave room is the allocator's to say (OOM)
-        held = [s for s in self.partition.shards if s.state != ShardState.RELEASED and not s.persistent]
+        held = [s for s in self.partition.shards if s.run.residency != ShardState.RELEASED and not s.run.kept_resident]
         raise DeviceBudgetError(
             f"device_memory: {self.budget.capacity} bytes cannot hold shard {for_shard.module_name!r} "
             f"({nbytes} bytes) on top of {self.budget.resident} bytes resident "
@@ -446,9 +438,9 @@ class ParameterCoordinator:
 
     def _start_fetch(self, sh: FlatShard, demand: bool = False) -> None:
         """Allocates the device buffer and starts the copy from the shard's home."""
-        if sh.state != ShardState.RELEASED:
+        if sh.run.residency != ShardState.RELEASED:
             return
-        if sh.home_dirty and self.wait_home is not None:  # the step has not written the new values yet
+        if sh.run.home_stale and self.wait_home is not None:  # the step has not written the new values yet
             self.stats.step_wait_seconds += self.wait_home(sh)
         self._make_room(sh.nbytes, sh)
         if self._fault is not None:
@@ -457,37 +449,37 @@ class ParameterCoordinator:
         self.stats.fetched_bytes += sh.nbytes
         tr = _Transfer()
         home = sh.home
-        if sh.home_dirty and self.master_values is not None:
+        if sh.run.home_stale and self.master_values is not None:
             # the home holds the last backward's gradient and no step has consumed it yet (a forward
             # between backward() and step()): the weights come from the optimizer's master copy
-            sh.buffer = torch.empty(sh.numel, dtype=sh.dtype, device=self.device)
-            self.master_values(sh, sh.buffer)
+            buf = torch.empty(sh.numel, dtype=sh.dtype, device=self.device)
+            self.master_values(sh, buf)
             tr.copied = True
         elif home.tier == Tier.GPU:
-            sh.buffer = home.tensor
+            buf = home.tensor
             tr.copied = True
         elif not self._cuda:
-            sh.buffer = aligned_empty(sh.numel, sh.dtype)
-            tr.io = self.swapper.read(home, sh.buffer)
+            buf = aligned_empty(sh.numel, sh.dtype)
+            tr.io = self.swapper.read(home, buf)
             tr.copied = True
         else:
             with torch.cuda.stream(self.swap_stream):
-                sh.buffer = torch.empty(sh.numel, dtype=sh.dtype, device=self.device)
+                buf = torch.empty(sh.numel, dtype=sh.dtype, device=self.device)
             if home.tier == Tier.CPU:
-                self._h2d(tr, sh, home.tensor)
+                self._h2d(tr, buf, home.tensor)
             else:  # nvme -> pinned staging now, H2D when the read is done
                 tr.staging = aligned_empty(sh.numel, sh.dtype, pin=True)
                 tr.io = self.swapper.read(home, tr.staging)
         self._transfers[sh.index] = tr
-        sh.state = ShardState.INFLIGHT
+        sh.run.fetching(buf)
 
-    def _h2d(self, tr: _Transfer, sh: FlatShard, src: torch.Tensor) -> None:
+    def _h2d(self, tr: _Transfer, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Host -> device on the swap stream, bracketed by events (no host synchronisation)."""
         tr.start = torch.cuda.Event(enable_timing=True)
         tr.end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.swap_stream):
             tr.start.record()
-            sh.buffer.copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             tr.end.record()
         self._transfer_events.append((tr.start, tr.end))
         if len(self._transfer_events) > MAX_EVENT_PAIRS:
@@ -501,23 +493,23 @@ class ParameterCoordinator:
         for idx, tr in self._transfers.items():
             if not tr.copied and tr.io is not None and tr.io.done():
                 tr.io.wait()
-                self._h2d(tr, self.partition.shards[idx], tr.staging)
+                self._h2d(tr, self.partition.shards[idx].run.buffer, tr.staging)
 
     def _ready(self, sh: FlatShard) -> None:
         """A resident unit about to be used: its new values (the last step's) must be in place."""
-        if sh.home_dirty and self.wait_home is not None:
+        if sh.run.home_stale and self.wait_home is not None:
             self.stats.step_wait_seconds += self.wait_home(sh)
-        ev = sh.ready
+        ev = sh.run.take_ready()
         if ev is not None:
-            sh.ready = None
             if self._cuda:
                 torch.cuda.current_stream(self.device).wait_event(ev)
 
     def _complete(self, sh: FlatShard) -> None:
         """Waits until the shard's buffer holds its data and points the parameters into it."""
-        if sh.state == ShardState.RESIDENT:
+        run = sh.run
+        if run.residency == ShardState.RESIDENT:
             return
-        if sh.state == ShardState.RELEASED:
+        if run.residency == ShardState.RELEASED:
             self._start_fetch(sh, demand=True)
         tr = self._transfers.pop(sh.index)
         t0 = time.perf_counter()
@@ -525,11 +517,11 @@ class ParameterCoordinator:
             if tr.io is not None:
                 tr.io.wait()
             if not tr.copied:
-                self._h2d(tr, sh, tr.staging)
+                self._h2d(tr, run.buffer, tr.staging)
         except BaseException:
             # the read failed: give the buffer back so the engine stays usable (e.g. to load a
             # checkpoint), then let the caller see the error
-            sh.state = ShardState.RESIDENT
+            run.arrived()
             self._evict(sh, count=False)
             raise
         self.stats.fetch_wait_seconds += time.perf_counter() - t0
@@ -543,34 +535,32 @@ class ParameterCoordinator:
             self._stall_events.append((a, b))
             if len(self._stall_events) > MAX_EVENT_PAIRS:
                 del self._stall_events[:MAX_EVENT_PAIRS // 2]
-            sh.buffer.record_stream(cur)
+            run.buffer.record_stream(cur)
             if tr.staging is not None:  # keep the pinned staging alive until the copy ran
                 self._kept = [(e, t) for e, t in self._kept if not e.query()]
                 self._kept.append((tr.end, tr.staging))
-        buf = sh.buffer
+        buf = run.buffer
         for sl in sh.slices:
             sl.param.data = buf[sl.offset:sl.offset + sl.numel].view(sl.shape)
         self._storage[buf.untyped_storage().data_ptr()] = sh
-        sh.state = ShardState.RESIDENT
+        run.arrived()
 
     def _maybe_evict(self, sh: FlatShard) -> None:
-        if (not sh.persistent and sh.users == 0 and not sh.backward_held and not sh.prefetched
-                and sh.state != ShardState.RELEASED):
-            if sh.state == ShardState.INFLIGHT:
+        run = sh.run
+        if not run.kept_resident and run.idle and not run.prefetched and run.residency != ShardState.RELEASED:
+            if run.residency == ShardState.INFLIGHT:
                 self._complete(sh)
             self._evict(sh)
 
     def _evict(self, sh: FlatShard, count: bool = True) -> None:
-        if sh.state == ShardState.RELEASED:
+        if sh.run.residency == ShardState.RELEASED:
             return
-        if sh.state == ShardState.INFLIGHT:
+        if sh.run.residency == ShardState.INFLIGHT:
             self._complete(sh)
-        buf = sh.buffer
+        buf = sh.run.released()
         self._storage.pop(buf.untyped_storage().data_ptr(), None)
         for sl in sh.slices:
             sl.param.data = placeholder(sh.dtype, self.device)
-        sh.buffer = None
-        sh.state = ShardState.RELEASED
         self.budget.sub(sh.nbytes)
         if count:
             self.stats.releases += 1
@@ -583,10 +573,10 @@ class ParameterCoordinator:
             sh = self._storage.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
             return t
-        if sh is None or t.dtype != sh.dtype or sh.persistent:
+        if sh is None or t.dtype != sh.dtype or sh.run.kept_resident:
             return t
         # offset relative to the buffer: a later fetch may put the shard at another storage offset
-        return _ShardRef(sh, t.storage_offset() - sh.buffer.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        return _ShardRef(sh, t.storage_offset() - sh.run.buffer.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _ShardRef):
@@ -594,12 +584,13 @@ class ParameterCoordinator:
         sh = x.shard
         self._release_passed(sh)
         self._use(sh)
-        if sh.n_trainable and sh.grads_seen < sh.n_trainable:
-            sh.backward_held = True
+        if sh.run.grads_pending:
+            sh.run.hold_for_backward()
         self._complete(sh)
-        if sh.users == 0:
+        if sh.run.users == 0:
             self._hold_for_backward(sh)
-        return sh.buffer.as_strided(x.size, x.stride, sh.buffer.storage_offset() + x.offset)
+        buf = sh.run.buffer
+        return buf.as_strided(x.size, x.stride, buf.storage_offset() + x.offset)
 
     def _hold_for_backward(self, sh: FlatShard) -> None:
         """Backward uses ``sh`` (a saved tensor unpacked, or a recompute under activation
@@ -608,10 +599,10 @@ class ParameterCoordinator:
         another unit (_release_passed). A recompute saves some parameters as the Parameter objects
         themselves (``weight * x`` in a norm): releasing the unit between the recompute's modules
         would leave those pointing at an empty placeholder, and fetch the unit once per module."""
-        if sh.backward_held:
+        if sh.run.held_by_backward:
             return
-        sh.backward_held = True
-        if not (sh.n_trainable and sh.grads_seen < sh.n_trainable):
+        sh.run.hold_for_backward()
+        if not sh.run.grads_pending:
             self._held_no_grad.append(sh)
 
     def _release_passed(self, cur: FlatShard) -> None:
@@ -624,52 +615,65 @@ class ParameterCoordinator:
         for sh in self._held_no_grad:
             if sh is cur or sh.owner is cur.owner:
                 keep.append(sh)
-            elif sh.backward_held:
-                sh.backward_held = False
+            elif sh.run.held_by_backward:
+                sh.run.backward_let_go()
                 self._maybe_evict(sh)
         self._held_no_grad = keep
 
     # gradients ---------------------------------------------------------------------------
     def _collect(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
         """Sums one parameter's gradient into its unit's flat device gradient (zeros first)."""
-        if shard.grad_dev is None:
-            shard.grad_dev = torch.zeros(shard.numel, dtype=shard.dtype, device=self.device)
-        shard.grad_dev[sl.offset:sl.offset + sl.numel].add_(grad.reshape(-1))
-        shard.grads_in.add(sl.offset)
+        shard.run.grad_arrived(sl.offset, grad.reshape(-1), self.device)
 
     def _grad_complete(self, shard: FlatShard) -> None:
         """A unit's gradient is final for this backward: its norm on the device, one copy of the
         flat gradient to its host destination, then ``on_grad``."""
-        shard.grad_done = True
+        run = shard.run
         self.grads_handed += 1
-        g, shard.grad_dev = shard.grad_dev, None
-        if shard.device_step:  # its optimizer state is on the device: the gradient stays, stepped there in order
+        g = run.take_grad()
+        if run.steps_on_device:  # its optimizer state is on the device: the gradient stays, stepped there in order
             self.on_grad(shard, g, None, torch.linalg.vector_norm(g, 2, dtype=torch.float32))
             return
         used = None
         if self._cuda:
             used = torch.cuda.Event()
             used.record(torch.cuda.current_stream(self.device))  # the unit's backward is enqueued: its resident
-            shard.backward_done = used  # copy may be rewritten after this
-        if shard.grad_on_device:  # added into its accumulator there (its sum's norm is taken there too)
+            run.backward_enqueued(used)  # copy may be rewritten after this
+        if run.accumulates_on_device:  # added into its accumulator there (its sum's norm is taken there too)
             self.on_grad(shard, g, None, None)
             return
         norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
         self.stats.grad_bytes += shard.nbytes
         dest, is_home = self.grad_dest(shard)
         if is_home:
-            shard.home_dirty = True  # its weights are overwritten until the step writes the new ones
+            run.home_awaits_step()  # its weights are overwritten until the step writes the new ones
         if not self._cuda:
             dest.copy_(g)
             self.on_grad(shard, dest, None, norm)
             return
-        self.d2h_stream.wait_event(used)
-        with torch.cuda.stream(self.d2h_stream):
+        d2h = self.copies.d2h_stream
+        d2h.wait_event(used)
+        with torch.cuda.stream(d2h):
             dest.copy_(g, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-        g.record_stream(self.d2h_stream)  # allocated on the compute stream, read on the copy stream
+        g.record_stream(d2h)  # allocated on the compute stream, read on the copy stream
         self.on_grad(shard, dest, ev, norm)
+
+
+class DeviceCopies:
+    """The copies between the compute device and the host that run beside the compute stream:
+    gradients and device accumulators' sums to the host (``d2h_stream``), a resident unit's new
+    values to its device buffer (``update_stream``). Built before the coordinator, the parameter
+    homes and the optimizer, which all use it. ``stats``: where the bytes moved to the host are
+    counted (the coordinator's ``FetchStats``)."""
+
+    def __init__(self, device: torch.device, stats: FetchStats) -> None:
+        self.device = torch.device(device)
+        self.stats = stats
+        self._cuda = self.device.type == "cuda"
+        self.d2h_stream = torch.cuda.Stream(self.device) if self._cuda else None  # gradients off the device
+        self.update_stream = torch.cuda.Stream(self.device) if self._cuda else None  # new values of resident units
 
     def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """Copies a device tensor into a (pinned) host tensor on the gradient stream, after the work
@@ -689,19 +693,19 @@ class ParameterCoordinator:
 
     def update_resident(self, shard: FlatShard, src: torch.Tensor) -> None:
         """Copies a resident unit's new values (``src``: host, compute dtype) into its device buffer
-        once its backward is done; the next use waits for the copy (``shard.ready``). Called from
+        once its backward is done; the next use waits for the copy (``ShardRun.ready``). Called from
         the optimizer, possibly on its worker thread."""
-        buf = shard.buffer
+        buf = shard.run.buffer
         if buf is None or buf is src:
             return
         if not self._cuda:
             buf.copy_(src)
             return
-        done = getattr(shard, "backward_done", None)
+        done = shard.run.backward_done
         with torch.cuda.stream(self.update_stream):
             if done is not None:
                 self.update_stream.wait_event(done)
             buf.copy_(src, non_blocking=src.is_pinned())
             ev = torch.cuda.Event()
             ev.record()
-        shard.ready = ev
+        shard.run.update_queued(ev)

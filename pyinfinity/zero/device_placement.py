@@ -82,7 +82,7 @@ class DevicePlacement:
         (``layout.shards.device_units``: every unit when the parameters' home is the device)."""
         shards = [self.partition.shards[i] for i in units]
         for sh in shards:
-            sh.persistent = True
+            sh.run.keep_resident()
         # what a budget overflow may give up (not the units whose home is the device)
         self.resident_units = sorted((sh for sh in shards if sh.home.tier != Tier.GPU), key=lambda sh: sh.index)
         self.resident_bytes = sum(sh.nbytes for sh in self.partition.shards if sh.persistent)

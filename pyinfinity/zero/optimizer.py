@@ -51,14 +51,25 @@ class OffloadOptimizer:
     drive ``lr``. ``write_param(shard, flat)`` is called after each shard's step with the new
     master values (fp32, host); it writes them home in the compute dtype and returns a request
     (or None) that completes the write. ``state_format``: how a shard's state is stored and
-    stepped (default: ``AdamFp32``).
+    stepped (default: ``AdamFp32``). ``param_out(shard)``: the bf16 home the one-pass CPU step may
+    write the new weights into (then ``write_param`` is called with ``cast=False``);
+    ``release_grad(buf)`` gives a gradient staging buffer back once its gradient is added (under
+    accumulation); ``copy_to_host(device tensor, pinned host tensor) -> event`` brings a device
+    accumulator's sum to the host. ``background``: step in a worker thread
+    (``pyinfinity.overlap_step``); ``threads``: intra-op threads of the background step and the
+    gradient adds (None: torch's default); ``total_numel``: the trainable elements of the model,
+    what ``nvme_ratio`` splits (or ``plan()``).
     """
 
     def __init__(self, cfg: Any, swapper: TensorSwapper, *, nvme_ratio: float = 0.0,
                  buffer_count: int = 4, pipeline: bool = True,
-                 write_param: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None,
+                 write_param: Optional[Callable[..., Any]] = None,
                  step_device: Optional[torch.device] = None, accumulate_steps: int = 1,
-                 state_format: Optional[OptimStateFormat] = None) -> None:
+                 state_format: Optional[OptimStateFormat] = None,
+                 param_out: Optional[Callable[[FlatShard], Optional[torch.Tensor]]] = None,
+                 release_grad: Optional[Callable[[torch.Tensor], None]] = None,
+                 copy_to_host: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None,
+                 background: bool = False, threads: Optional[int] = None, total_numel: int = 0) -> None:
         self.cfg = cfg
         self.format = state_format if state_format is not None else AdamFp32(cfg.adam_w_mode)
         # where the Adam arithmetic runs: None = on the CPU, in place on the host state; a device
@@ -75,8 +86,8 @@ class OffloadOptimizer:
         self.param_groups = [{"lr": cfg.lr, "initial_lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps,
                               "weight_decay": cfg.weight_decay, "params": []}]
         self.defaults = dict(self.param_groups[0])
-        self.total_numel = 0  # trainable elements in all (plan(), or the engine up front): what ratio splits
-        self.background = False  # set by the engine (pyinfinity.overlap_step)
+        self.total_numel = total_numel  # trainable elements in all: what ratio splits
+        self.background = background
         self.window = StepWindow()
         self.phases = PhaseClock()
         self.worker = StepWorker(swapper, step_shard=self._step_shard, finish=self._finish,
@@ -84,15 +95,17 @@ class OffloadOptimizer:
         self.grads = GradientIntake(self.states, self._by_shard, self.accumulate_steps, self.window,
                                     wait_idle=self.worker.wait_for, hand=self._hand,
                                     step_on_device=lambda st, hyper: self.on_device.step(st, hyper, None),
-                                    on_worker=self.worker.is_current)
+                                    on_worker=self.worker.is_current, release_grad=release_grad,
+                                    copy_to_host=copy_to_host)
         self.on_device = DeviceStates(self.states, self._by_shard, self.format, swapper, self.phases,
                                       self._state_in_ram)
         streamed = StreamedStep(self.step_device, self.format, self.states) if self.step_device is not None else None
         self.cpu = CpuStep(self.states, self.format, swapper, self.grads, self.phases, buffer_count=self.buffer_count,
-                           pipeline=pipeline, streamed=streamed, on_worker=self.worker.is_current)
-        self.threads = None
+                           pipeline=pipeline, streamed=streamed, on_worker=self.worker.is_current,
+                           param_out=param_out)
+        self.threads = threads
 
-    # ------------------------------------------------------------------------- knobs the engine sets
+    # ------------------------------------------------------------------------- knobs
     @property
     def threads(self) -> Optional[int]:
         """Intra-op threads of the background step and of the gradient adds (None: torch's default)."""
@@ -111,34 +124,6 @@ class OffloadOptimizer:
     @fused.setter
     def fused(self, on: bool) -> None:
         self.cpu.fused = on
-
-    @property
-    def param_out(self) -> Optional[Callable[[FlatShard], Optional[torch.Tensor]]]:
-        """``param_out(shard)``: the bf16 home the one-pass CPU step may write the new weights into
-        (None: ``write_param`` casts them)."""
-        return self.cpu.param_out
-
-    @param_out.setter
-    def param_out(self, fn: Optional[Callable[[FlatShard], Optional[torch.Tensor]]]) -> None:
-        self.cpu.param_out = fn
-
-    @property
-    def release_grad(self) -> Optional[Callable[[torch.Tensor], None]]:
-        """Gives a gradient staging buffer back once its gradient is added (under accumulation)."""
-        return self.grads.release_grad
-
-    @release_grad.setter
-    def release_grad(self, fn: Optional[Callable[[torch.Tensor], None]]) -> None:
-        self.grads.release_grad = fn
-
-    @property
-    def copy_to_host(self) -> Optional[Callable[[torch.Tensor, torch.Tensor], Any]]:
-        """``copy_to_host(device tensor, pinned host tensor) -> event``: a device accumulator's sum to the host."""
-        return self.grads.copy_to_host
-
-    @copy_to_host.setter
-    def copy_to_host(self, fn: Optional[Callable[[torch.Tensor, torch.Tensor], Any]]) -> None:
-        self.grads.copy_to_host = fn
 
     # ------------------------------------------------------------------------- placement
     def plan(self, shards: Sequence[FlatShard]) -> None:
@@ -265,17 +250,24 @@ class OffloadOptimizer:
         """The background worker's step of one shard: Adam, then its new values home."""
         master = self._adam(st, flat, job.hyper, job.inv_factor)
         t0 = time.perf_counter()
-        if self.write_param is not None:
-            r = self.write_param(st.shard, master)
-            if r is not None:
-                r.wait()  # a fetch of this shard may come right after: its home must be complete
+        r = self._write_values(st, master)
+        if r is not None:
+            r.wait()  # a fetch of this shard may come right after: its home must be complete
         self.phases.add(write=time.perf_counter() - t0)
+
+    def _write_values(self, st: ShardOptimState, master: torch.Tensor) -> Any:
+        """A stepped shard's new master values home through ``write_param`` (not cast again when the
+        one-pass step cast them into the home); returns the write's request, if any."""
+        written, st.home_written = st.home_written, False
+        if self.write_param is None:
+            return None
+        return self.write_param(st.shard, master, cast=False) if written else self.write_param(st.shard, master)
 
     def _finish(self, st: ShardOptimState) -> None:
         """The shard's gradient is consumed and its new values are home (its norm stays for the
         step's report until ``step`` has combined them)."""
         st.src = st.event = None
-        st.shard.home_dirty = False
+        st.shard.run.home_current()
 
     def restore_homes(self) -> None:
         """Writes the current master values home for every shard whose home holds a gradient (a
@@ -283,18 +275,19 @@ class OffloadOptimizer:
         for st in self.states:  # a gradient on the device (or landed from there) never touched a home: drop it
             if (st.dev is not None or st.landing is not None) and not st.handed:
                 st.src = st.event = st.norm = None
-        dirty = [st for st in self.states if st.shard.home_dirty and not st.busy]
+        dirty = [st for st in self.states if st.shard.run.home_stale and not st.busy]
         if not dirty:
             return
         for st, flat in self.iter_states(write_back=False, states=dirty):
             if st.event is not None:
                 st.event.synchronize()  # the gradient copy must not land after the weights
+            st.home_written = False
             if self.write_param is not None:
                 req = self.write_param(st.shard, self.format.master(flat, st.numel))
                 if req is not None:
                     req.wait()
             st.src = st.event = st.norm = None
-            st.shard.home_dirty = False
+            st.shard.run.home_current()
 
     def step(self, grad_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = False) -> StepResult:
         """One Adam/AdamW step on every shard. Gradients are divided by ``grad_scale`` (fp16 loss
@@ -345,7 +338,7 @@ class OffloadOptimizer:
                 self._hand(st, job)
             busy = 0.0
         else:
-            self.cpu.step_states(rest, hyper, inv_factor, self._adam, self.write_param, self._finish,
+            self.cpu.step_states(rest, hyper, inv_factor, self._adam, self._write_values, self._finish,
                                  iter_states=self.iter_states)
             busy = time.perf_counter() - t0
         for st in self.states:
@@ -447,7 +440,7 @@ class OffloadOptimizer:
         data = self.format.load(flat.contiguous(), st.numel)
         st.step = step
         st.src = st.event = st.norm = None
-        shard.home_dirty = False  # the caller writes the loaded values home next
+        shard.run.home_current()  # the caller writes the loaded values home next
         self.swapper.write(st.home, data).wait()
         if st.dev is not None:
             st.dev.copy_(data)

@@ -2,19 +2,24 @@
 shard per dtype and requires_grad, in the compute dtype.
 
 With one process a ZeRO-3 "shard" is the whole flat buffer of one unit's parameters of one dtype
-(a decoder layer, say, or one module's own parameters); each parameter keeps its ``nn.Parameter`` object (so optimizers, tied
-weights and user references stay valid) but its ``.data`` is a 0-element placeholder except while
-the coordinator has the shard resident, when it is a view into the shard's device buffer.
+(a decoder layer, say, or one module's own parameters); each parameter keeps its ``nn.Parameter``
+object (so optimizers, tied weights and user references stay valid) but its ``.data`` is a
+0-element placeholder except while the coordinator has the shard resident, when it is a view into
+the shard's device buffer.
 
 Dtypes are never changed silently: the compute dtype is the parameter's own dtype unless the
 config enables fp16/bf16, and the fp32 master copy (taken before any cast) goes to the optimizer.
+
+A ``FlatShard`` is what the partition decided about one buffer (its unit, dtype, slices, home);
+its run-time state is one ``ShardRun``, whose named transitions are the only way that state
+changes: the coordinator, the optimizer's parts and the device placement ask for them.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
 import logging
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -25,9 +30,192 @@ log = logging.getLogger(__name__)
 
 
 class ShardState(enum.Enum):
+    """Where a shard's values are on the compute device (``ShardRun.residency``)."""
+
     RELEASED = "released"  # only the home copy (cpu / nvme) exists
     INFLIGHT = "inflight"  # a fetch into the device buffer is in progress
     RESIDENT = "resident"  # the device buffer holds the data; params point into it
+
+
+class ShardRun:
+    """A shard's run-time state, and the one place it changes.
+
+    Each change is a method named for the event that causes it; the coordinator, the optimizer's
+    parts and the device placement ask for it and read the attributes, none of them sets one.
+    What it holds, and who asks for each change:
+
+    * residency (coordinator): ``residency`` moves RELEASED -> INFLIGHT (``fetching``) ->
+      RESIDENT (``arrived``) -> RELEASED (``released``), the device ``buffer`` with it;
+      ``kept_resident``: the unit stays on the device between steps (``keep_resident``, set by
+      the partition's persistence threshold or the device placement; ``stop_keeping_resident``
+      when a budget overflow gives it up);
+    * uses (coordinator): ``users`` (module calls inside forward that need it), ``calls`` (calls
+      of its owner in this forward), ``prefetched`` (fetched ahead, not used yet),
+      ``held_by_backward`` (backward needs it until its gradients are in);
+    * the gradient of this backward (coordinator): ``grad`` (the unit's flat gradient on the
+      compute device while it is collected), ``grads_in`` (the trainable slices, by offset, whose
+      gradient hook fired), ``grad_handed`` (handed off to the optimizer);
+    * the home (coordinator, optimizer): ``home_stale``: the home holds a gradient, or a step
+      will rewrite it; a fetch waits for the step (``home_awaits_step``, ``home_current``);
+    * CUDA events (coordinator): ``ready`` (the copy of a resident unit's new values the next
+      use waits for), ``backward_done`` (after this backward's last use of the unit);
+    * where the optimizer keeps it (optimizer): ``steps_on_device`` (its optimizer state is on
+      the device too, the gradient stays there), ``accumulates_on_device`` (its fp32 gradient
+      accumulator is on the device, under accumulation).
+    """
+
+    __slots__ = ("_numel", "_dtype", "n_trainable", "residency", "buffer", "kept_resident", "users", "calls",
+                 "prefetched", "held_by_backward", "grad", "grads_in", "grad_handed", "home_stale", "ready", "backward_done",
+                 "steps_on_device", "accumulates_on_device")
+
+    def __init__(self, numel: int, dtype: torch.dtype, n_trainable: int, kept_resident: bool = False) -> None:
+        self._numel, self._dtype = numel, dtype  # the shape of the gradient collected
+        self.n_trainable = n_trainable
+        self.residency = ShardState.RELEASED
+        self.buffer: Optional[torch.Tensor] = None
+        self.kept_resident = kept_resident
+        self.users = 0
+        self.calls = 0
+        self.prefetched = False
+        self.held_by_backward = False
+        self.grad: Optional[torch.Tensor] = None
+        self.grads_in: set[int] = set()
+        self.grad_handed = False
+        self.home_stale = False
+        self.ready: Any = None
+        self.backward_done: Any = None
+        self.steps_on_device = False
+        self.accumulates_on_device = False
+
+    def _expect(self, *states: ShardState) -> None:
+        if self.residency not in states:
+            raise RuntimeError(f"shard transition from {self.residency.value}: expected "
+                               f"{' or '.join(s.value for s in states)}")
+
+    # -- residency
+    def fetching(self, buffer: torch.Tensor) -> None:
+        """A fetch into ``buffer`` started."""
+        self._expect(ShardState.RELEASED)
+        self.buffer, self.residency = buffer, ShardState.INFLIGHT
+
+    def arrived(self) -> None:
+        """The buffer holds the values (or a failed fetch gives its buffer back next)."""
+        self._expect(ShardState.INFLIGHT)
+        self.residency = ShardState.RESIDENT
+
+    def released(self) -> torch.Tensor:
+        """The buffer leaves the device; returns it."""
+        self._expect(ShardState.RESIDENT)
+        buf, self.buffer, self.residency = self.buffer, None, ShardState.RELEASED
+        return buf
+
+    def keep_resident(self) -> None:
+        self.kept_resident = True
+
+    def stop_keeping_resident(self) -> None:
+        """Fetched before each use from now on; a pending update of its device copy is moot."""
+        self.kept_resident, self.ready = False, None
+
+    # -- uses
+    @property
+    def idle(self) -> bool:
+        """No module call uses it and backward does not hold it."""
+        return self.users == 0 and not self.held_by_backward
+
+    def use(self) -> None:
+        self.users += 1
+
+    def unuse(self) -> None:
+        if self.users > 0:
+            self.users -= 1
+
+    def called(self) -> None:
+        """Its owner module was called in this forward."""
+        self.calls += 1
+
+    def new_forward(self) -> None:
+        self.calls = 0
+
+    def prefetch_issued(self) -> None:
+        self.prefetched = True
+
+    def prefetch_ended(self) -> None:
+        """The prefetch was used, or dropped unused."""
+        self.prefetched = False
+
+    def hold_for_backward(self) -> None:
+        self.held_by_backward = True
+
+    def backward_let_go(self) -> None:
+        self.held_by_backward = False
+
+    def forget_uses(self) -> None:
+        """Everything is released (after the optimizer changed the homes)."""
+        self.users, self.held_by_backward, self.prefetched = 0, False, False
+
+    # -- the gradient of this backward
+    @property
+    def grads_pending(self) -> bool:
+        """Some trainable slice's gradient has not arrived in this backward."""
+        return len(self.grads_in) < self.n_trainable
+
+    def grad_arrived(self, offset: int, grad: Optional[torch.Tensor], device: Optional[torch.device]) -> None:
+        """The gradient hook of the slice at ``offset`` fired; ``grad`` (the slice's, flattened) is
+        summed into the unit's flat gradient (zeros first) unless None."""
+        if grad is not None:
+            if self.grad is None:
+                self.grad = torch.zeros(self._numel, dtype=self._dtype, device=device)
+            self.grad[offset:offset + grad.numel()].add_(grad)
+        self.grads_in.add(offset)
+
+    def take_grad(self) -> torch.Tensor:
+        """The unit's gradient is final for this backward and handed off: returns it."""
+        g, self.grad, self.grad_handed = self.grad, None, True
+        return g
+
+    def end_backward(self) -> None:
+        self.grads_in.clear()
+        self.grad_handed = False
+
+    def drop_grad(self) -> None:
+        """A failed backward: the gradient collected so far is dropped."""
+        self.grad = None
+        self.end_backward()
+
+    # -- the home
+    def home_awaits_step(self) -> None:
+        """The home holds a gradient, or the optimizer will rewrite it: a fetch waits for the step."""
+        self.home_stale = True
+
+    def home_current(self) -> None:
+        """The home holds the current values (written by the step, restored or loaded)."""
+        self.home_stale = False
+
+    # -- CUDA events
+    def update_queued(self, event: Any) -> None:
+        """A copy of new values into the resident buffer was queued: the next use waits for ``event``."""
+        self.ready = event
+
+    def take_ready(self) -> Any:
+        ev, self.ready = self.ready, None
+        return ev
+
+    def backward_enqueued(self, event: Any) -> None:
+        """This backward's last use of the unit is queued before ``event``."""
+        self.backward_done = event
+
+    # -- where the optimizer keeps it
+    def state_to_device(self) -> None:
+        self.steps_on_device = True
+
+    def state_to_host(self) -> None:
+        self.steps_on_device = False
+
+    def accumulator_to_device(self) -> None:
+        self.accumulates_on_device = True
+
+    def accumulator_to_host(self) -> None:
+        self.accumulates_on_device = False
 
 
 @dataclass
@@ -45,37 +233,46 @@ class ParamSlice:
 
 @dataclass(eq=False)
 class FlatShard:
-    """One flat buffer of parameters and the run-time state the coordinator keeps about it."""
+    """One flat buffer of parameters: what the partition decided (its unit, dtype, slices, home)
+    and its run-time state (``run``, a ``ShardRun``: the only place that state changes)."""
 
     index: int
     module_name: str
     dtype: torch.dtype
     slices: list[ParamSlice]
     numel: int
-    persistent: bool = False
-    # -- run-time state (coordinator) --
-    state: ShardState = ShardState.RELEASED
-    home: Any = None  # swap record of the tensor swapper (tier cpu | nvme | gpu)
-    buffer: Optional[torch.Tensor] = None  # 1-D device buffer while INFLIGHT/RESIDENT
-    pending: Any = None  # in-flight transfer (wait() makes the buffer valid)
-    users: int = 0  # module calls currently inside forward that need it
-    backward_held: bool = False  # fetched by backward; released when its grads are in
-    prefetched: bool = False  # fetched ahead of use and not used yet
-    grads_seen: int = 0  # trainable slices whose grad arrived in this backward
+    kept_resident: InitVar[bool] = False  # from the start (the persistence threshold)
     owner: Optional[nn.Module] = None  # the module rooting the shard's unit
     shared: bool = False  # also needed by a module outside its unit (tied / external parameters)
-    calls: int = 0  # calls of the owner in this forward (several: its gradient is complete only at the end)
-    grad_dev: Optional[torch.Tensor] = None  # the unit's gradient on the compute device during backward
-    grad_done: bool = False  # the gradient of this backward was handed off
-    home_dirty: bool = False  # the home holds the gradient (or a step is pending): wait before reading it
-    home_fresh: bool = False  # the optimizer's one-pass step wrote the new values into the home already
-    ready: Any = None  # a CUDA event the compute stream waits for before the next use (resident update)
-    backward_done: Any = None  # a CUDA event after this backward's last use of the unit
-    device_step: bool = False  # its optimizer state is on the device too: the gradient stays there (zero.optim.device)
-    # its fp32 gradient accumulator is on the device (under accumulation): the micro-batch gradients are
-    # added there and the sum leaves the device once per optimizer step (zero.optim.grads)
-    grad_on_device: bool = False
-    grads_in: set = field(default_factory=set)  # slices (by offset) with a gradient in this backward
+    home: Any = None  # swap record of the tensor swapper (tier cpu | nvme | gpu), set when placed
+    run: ShardRun = field(init=False, repr=False)
+
+    def __post_init__(self, kept_resident: bool) -> None:
+        self.run = ShardRun(self.numel, self.dtype, self.n_trainable, kept_resident)
+
+    @property
+    def state(self) -> ShardState:
+        return self.run.residency
+
+    @property
+    def persistent(self) -> bool:
+        """Kept on the compute device between steps."""
+        return self.run.kept_resident
+
+    @property
+    def buffer(self) -> Optional[torch.Tensor]:
+        """Its device buffer while in flight or resident."""
+        return self.run.buffer
+
+    @property
+    def device_step(self) -> bool:
+        """Its optimizer state is on the device too (``zero.optim.device``)."""
+        return self.run.steps_on_device
+
+    @property
+    def grad_on_device(self) -> bool:
+        """Its fp32 gradient accumulator is on the device (``zero.optim.grads``)."""
+        return self.run.accumulates_on_device
 
     @property
     def nbytes(self) -> int:
@@ -175,8 +372,7 @@ def materialize_module(module: nn.Module, root: Optional[nn.Module],
     model's ``_init_weights(module)`` when there is one; with neither, zeros (logged).
     ``init_device`` (a GPU engine's device): a module whose new parameters take at most
     ``init_bytes`` is initialised there, by that device's random generator, and copied to the CPU
-    (a CPU generator draws a few hundred million values a second on one core: minutes for a
-    model of tens of billions of parameters).
+    (the CPU's generator draws on one core, the bottleneck of building a large model).
     """
     replaced = {} if replaced is None else replaced
     metas = []
@@ -226,7 +422,7 @@ def partition_model(
     fp16: bool = False,
     bf16: bool = False,
     persistence_threshold: int = 0,
-    on_shard: Callable[[FlatShard, torch.Tensor, Optional[torch.Tensor]], None],
+    on_shard: Callable[[FlatShard, torch.Tensor, Optional[torch.Tensor]], Any],
     device: torch.device = torch.device("cpu"),
     unit_bytes: int = 0,
     materialize: Callable[[nn.Module, Optional[nn.Module], dict[int, nn.Parameter]], None] = materialize_module,
@@ -238,7 +434,8 @@ def partition_model(
     parameters of their own are a unit of those alone (``unit_bytes`` 0: one unit per module).
     For each shard, ``on_shard(shard, flat_compute, flat_fp32)`` is called once with the shard's
     data in the compute dtype and in fp32 (the master copy, taken before any cast; None for a
-    frozen shard in another dtype, which gets no master); the callback places them in their tiers.
+    frozen shard in another dtype, which gets no master); the callback places them in their tiers
+    and returns the shard's home (its swap record).
     Afterwards every parameter's ``.data`` is a placeholder, so the model's own copy is freed unit
     by unit. Meta parameters (``init_empty``) are given storage one
     module at a time, just before their unit is partitioned, by ``materialize(module, model,
@@ -280,7 +477,7 @@ def partition_model(
                 slices.append(ParamSlice(qual, p, offset, n, p.shape, p.dtype, p.requires_grad))
                 offset += n
             shard = FlatShard(index=len(part.shards), module_name=uname, dtype=dtype, slices=slices,
-                              numel=offset, persistent=0 < offset <= persistence_threshold, owner=module)
+                              numel=offset, kept_resident=0 < offset <= persistence_threshold, owner=module)
             if offset == 0:
                 for s in slices:
                     part.param_slice[id(s.param)] = (shard, s)
@@ -300,7 +497,7 @@ def partition_model(
             for s in slices:
                 part.param_slice[id(s.param)] = (shard, s)
                 s.param.data = placeholder(dtype, device)
-            on_shard(shard, flat, flat32)
+            shard.home = on_shard(shard, flat, flat32)
             del flat, flat32
             part.shards.append(shard)
             made.append(shard)

@@ -39,11 +39,12 @@ from pyinfinity.layout.shards import Knobs, ParamTiers, device_units
 from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
-from pyinfinity.zero.coordinator import ParameterCoordinator
+from pyinfinity.zero.budget import FetchStats
+from pyinfinity.zero.coordinator import DeviceCopies, ParameterCoordinator
 from pyinfinity.zero.device_placement import DevicePlacement
 from pyinfinity.zero.homes import ParamHomes
 from pyinfinity.zero.lr_schedules import build_scheduler
-from pyinfinity.zero.optim.formats import AdamFp32, make_state_format
+from pyinfinity.zero.optim.formats import make_state_format
 from pyinfinity.zero.optimizer import DynamicLossScaler, OffloadOptimizer
 from pyinfinity.zero.partition import FlatShard, materialize_module, partition_model
 
@@ -65,6 +66,28 @@ def _weakly(method: Any) -> Any:
                                "build a new engine")
         return m(*args, **kwargs)
     return call
+
+
+def _buffers_to_device(model: nn.Module, device: torch.device) -> int:
+    """Moves the model's buffers to the device, where they stay; returns their bytes (charged to
+    the device budget)."""
+    nbytes = 0
+    for mod in model.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = b.to(device)
+                nbytes += b.numel() * b.element_size()
+    return nbytes
+
+
+def _scheduler(given: Any, cfg: Config, optimizer: OffloadOptimizer) -> Any:
+    """The lr scheduler: the caller's (a scheduler, or a callable that builds one from the
+    optimizer), else the config's, else None."""
+    if given is not None:
+        return given(optimizer) if callable(given) and not hasattr(given, "step") else given
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler.type, optimizer, cfg.scheduler.params)
+    return None
 
 
 class TrainingState:
@@ -100,8 +123,7 @@ class TrainingState:
         op, oo = z.offload_param, z.offload_optimizer
         # how each shard's optimizer state is kept (docs/optimizer_state.md)
         fmt_name, adam_w = cfg.optimizer_state_format, cfg.optimizer.adam_w_mode
-        # (AdamFp32 named here: tests swap in another fp32 layout through this module's name)
-        self.state_format = AdamFp32(adam_w) if fmt_name == "fp32" else make_state_format(fmt_name, adam_w)
+        self.state_format = make_state_format(fmt_name, adam_w)
         # the pools the layout gives this config: the swappers' pinned pools, the RAM, device and swap checks
         self.pools = engine_pools(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
@@ -121,33 +143,24 @@ class TrainingState:
                 e.close()
             self.ownership.release()
             raise
-        self.homes = ParamHomes(self.param_swapper, device, cfg.gradient_accumulation_steps)
-        self.optimizer = OffloadOptimizer(cfg.optimizer, self.optim_swapper,
-                                          nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
-                                          buffer_count=oo.buffer_count,
-                                          pipeline=oo.pipeline_read or oo.pipeline_write,
-                                          write_param=self.homes.write_param,
-                                          step_device=device if cfg.pyinfinity.optimizer_step_device
-                                          == "device" else None,
-                                          accumulate_steps=cfg.gradient_accumulation_steps,
-                                          state_format=self.state_format)
-        self.optimizer.background = background
-        self.optimizer.param_out = self.homes.param_out
-        self.optimizer.release_grad = self.homes.release_grad
-        # on the CPU device backward has the cores (see engine.AUTO_OVERLAP_ON_CPU)
-        self.optimizer.threads = optimizer_threads(cfg.pyinfinity.optimizer_threads, str(device))
-        self.optimizer.total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()
-                                                             if p.requires_grad}.values())
+        # the copies beside the compute stream, shared by the coordinator, the homes and the optimizer
+        self.copies = DeviceCopies(device, FetchStats())
+        self.homes = ParamHomes(self.param_swapper, device, cfg.gradient_accumulation_steps,
+                                update_resident=self.copies.update_resident)
+        self.optimizer = OffloadOptimizer(
+            cfg.optimizer, self.optim_swapper, nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
+            buffer_count=oo.buffer_count, pipeline=oo.pipeline_read or oo.pipeline_write,
+            step_device=device if cfg.pyinfinity.optimizer_step_device == "device" else None,
+            accumulate_steps=cfg.gradient_accumulation_steps, state_format=self.state_format,
+            write_param=self.homes.write_param, param_out=self.homes.param_out, release_grad=self.homes.release_grad,
+            copy_to_host=self.copies.copy_to_host, background=background,
+            # on the CPU device backward has the cores (see engine.AUTO_OVERLAP_ON_CPU)
+            threads=optimizer_threads(cfg.pyinfinity.optimizer_threads, str(device)),
+            total_numel=sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values()))
         # each shard's home, in creation order (layout.shards.ParamTiers)
         self._param_tiers = ParamTiers(op.device, int(op.max_in_cpu) if op.device == "nvme" else 0)
 
-        # buffers go to the device and stay (counted against the budget)
-        buf_bytes = 0
-        for mod in model.modules():
-            for name, b in list(mod._buffers.items()):
-                if b is not None:
-                    mod._buffers[name] = b.to(device)
-                    buf_bytes += b.numel() * b.element_size()
+        buf_bytes = _buffers_to_device(model, device)
         self.coordinator: Optional[ParameterCoordinator] = None
         self._closed = False
         self._held: list[Any] = [self.optimizer]  # what the finalizer stops: the worker, later the hooks
@@ -184,22 +197,14 @@ class TrainingState:
                 master_values=self.optimizer.master_values,
                 fixed_bytes=buf_bytes + self.placement.device_state_bytes + self.placement.device_grad_bytes,
                 max_live_elements=int(z.stage3_max_live_parameters),
-                max_inflight_reads=int(op.buffer_count) if op.device == "nvme" else None)
+                max_inflight_reads=int(op.buffer_count) if op.device == "nvme" else None, copies=self.copies)
         except BaseException:
             self.close()
             raise
         self._held.append(self.coordinator)  # a dropped engine takes its hooks off the model
-        self.optimizer.copy_to_host = self.coordinator.copy_to_host  # device accumulators' sums to the host
         self.placement.watch(self.coordinator)
-        self.homes.partition, self.homes.coordinator = self.partition, self.coordinator
         self.scaler = DynamicLossScaler(cfg.fp16)
-        if lr_scheduler is not None:
-            self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
-                lr_scheduler, "step") else lr_scheduler
-        elif cfg.scheduler is not None:
-            self.lr_scheduler = build_scheduler(cfg.scheduler.type, self.optimizer, cfg.scheduler.params)
-        else:
-            self.lr_scheduler = None
+        self.lr_scheduler = _scheduler(lr_scheduler, cfg, self.optimizer)
 
     # ------------------------------------------------------------------------- construction
     def _swap_engine(self, name: str) -> Any:
@@ -211,10 +216,11 @@ class TrainingState:
                                                   queue_depth=a.queue_depth, threads=a.thread_count)
         return self._swap_engines[name]
 
-    def _place_shard(self, shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> None:
-        tier = _TIERS[self._param_tiers.next(shard.numel)]
-        shard.home = self.param_swapper.put(f"param.{shard.index}", flat, tier)
+    def _place_shard(self, shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> Any:
+        """The partitioner's ``on_shard``: the shard's home and its optimizer state; returns the home."""
+        home = self.homes.place(shard, flat, _TIERS[self._param_tiers.next(shard.numel)])
         self.optimizer.add_shard(shard, flat32)
+        return home
 
     def _device_units(self) -> tuple[list[int], list[int], list[int]]:
         """The layout's device side for the shards partitioned (``layout.shards.device_units``):

@@ -512,7 +512,7 @@ def test_device_accumulators_leave_the_device_once_a_step(tiny_lm, lm_batches, e
 
 
 def test_the_planner_puts_accumulators_on_the_device_first(engine_config):
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import PRESETS as SIZES
     from pyinfinity.config import load_config
     from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape, solve
     from pyinfinity.layout.charges import device_state_cost

@@ -95,7 +95,7 @@ def test_timed_steps_hold_one_background_optimizer_pass_each(monkeypatch):
             pass
 
     monkeypatch.setattr(tw, "Run", FakeRun)
-    spec = {"system": "pyinfinity-cpu", "size": "tiny", "device": "cpu", "steps": 4, "warmup": 2, "batch": 1,
+    spec = {"system": "pyinfinity-cpu", "size": "micro", "device": "cpu", "steps": 4, "warmup": 2, "batch": 1,
             "seq": 4, "model": {"vocab_size": 16}}
     res = tw.run(spec)
     assert res["ok"], res
@@ -165,7 +165,7 @@ def test_merge_intervals():
 # ----------------------------------------------------------------------------------- the command
 
 
-TINY = ["--sizes", "tiny", "--batch", "2", "--seq", "32", "--steps", "3", "--warmup", "1", "--no-progress"]
+TINY = ["--sizes", "micro", "--batch", "2", "--seq", "32", "--steps", "3", "--warmup", "1", "--no-progress"]
 
 
 def test_bench_train_end_to_end_on_the_cpu(tmp_path):
@@ -178,7 +178,7 @@ def test_bench_train_end_to_end_on_the_cpu(tmp_path):
     d = json.loads(out.read_text())
     assert d["schema"] == bt.SCHEMA and len(d["invocations"]) == 1
     rates = d["invocations"][0]["rates"]
-    assert rates["disk_read"] > 0 and rates["adam"] > 0 and rates["matmul"]["tiny"] > 0
+    assert rates["disk_read"] > 0 and rates["adam"] > 0 and rates["matmul"]["micro"] > 0
     runs = {r["system"]: r for r in d["runs"]}
     assert set(runs) == {"pyinfinity-cpu", "pyinfinity-nvme", "torch"}
     for r in runs.values():
@@ -200,18 +200,18 @@ def test_bench_train_end_to_end_on_the_cpu(tmp_path):
     for s in ("pyinfinity-cpu", "pyinfinity-nvme"):  # the plan's host bytes against what the state took
         r = runs[s]
         assert r["rss_before_build"] > 0 and r["plan_host_bytes"] > 0 and r["peak_rss"] > r["rss_before_build"]
-        assert f"tiny {s}: host memory" in p.stdout and "x the plan" in p.stdout
+        assert f"micro {s}: host memory" in p.stdout and "x the plan" in p.stdout
         # the engine's own prediction at the run's shape, beside what was measured
         assert r["plan_predicted"]["seconds"] > 0 and r["plan_predicted"]["bottleneck"]
-        assert f"tiny {s}: the engine's plan predicted" in p.stdout and "predicted/measured" in p.stdout
+        assert f"micro {s}: the engine's plan predicted" in p.stdout and "predicted/measured" in p.stdout
     assert "rss_before_build" in runs["torch"] and "plan_host_bytes" not in runs["torch"]
     assert (tmp_path / "bt.png").stat().st_size > 10_000
     md = (tmp_path / "bt.md").read_text()
-    assert "| tiny |" in md and "pyinfinity-nvme" in md
-    assert "tokens/s" in p.stdout and "largest trained by pyinfinity-cpu: tiny" in p.stdout
+    assert "| micro |" in md and "pyinfinity-nvme" in md
+    assert "tokens/s" in p.stdout and "largest trained by pyinfinity-cpu: micro" in p.stdout
     assert os.listdir(tmp_path / "swap") == []  # each run's swap files removed
-    assert sorted(os.listdir(tmp_path / "logs")) == ["tiny-pyinfinity-cpu.log", "tiny-pyinfinity-nvme.log",
-                                                     "tiny-torch.log"]
+    assert sorted(os.listdir(tmp_path / "logs")) == ["micro-pyinfinity-cpu.log", "micro-pyinfinity-nvme.log",
+                                                     "micro-torch.log"]
     # a second invocation appends; --report-only redraws from the file
     p = _cli(*TINY, "--systems", "torch", "--no-trace", "--nvme", str(tmp_path / "swap"), "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
@@ -220,7 +220,7 @@ def test_bench_train_end_to_end_on_the_cpu(tmp_path):
     assert "trace" not in d["runs"][-1]
     p = _cli("--report-only", "--json", str(out), "--plot", str(tmp_path / "again.png"))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.count("tiny ") >= 3 and (tmp_path / "again.png").stat().st_size > 10_000
+    assert p.stdout.count("micro ") >= 3 and (tmp_path / "again.png").stat().st_size > 10_000
 
 
 def test_a_system_that_cannot_start_is_a_row_not_a_crash(tmp_path):
@@ -471,7 +471,7 @@ def _fake_bench(monkeypatch, tmp_path, systems, seconds, probes, grad_accum=1):
 
     monkeypatch.setattr(bt, "probe_disk", probe)
     monkeypatch.setattr(bt, "run_one", run_one)
-    s = bt.Settings(sizes=["tiny"], systems=systems, nvme_dir=str(tmp_path / "swap"), device="cpu", steps=3,
+    s = bt.Settings(sizes=["micro"], systems=systems, nvme_dir=str(tmp_path / "swap"), device="cpu", steps=3,
                     warmup=1, batch=2, seq=32, grad_accum=grad_accum, trace=False, progress=False,
                     log_dir=str(tmp_path / "logs"))
     data = bt.run_bench(s, str(tmp_path / "bt.json"))
@@ -481,7 +481,7 @@ def _fake_bench(monkeypatch, tmp_path, systems, seconds, probes, grad_accum=1):
 def test_vs_the_best_deepspeed_of_the_invocation_and_flagged_runs_left_out(monkeypatch, tmp_path):
     systems = ["pyinfinity-auto", "pyinfinity-auto[resident_bytes=0]", "deepspeed-cpu", "deepspeed-z2-cpu",
                "deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]", "deepspeed-z3-gpu-params", "torch"]
-    # the tiny model's compute bound is microseconds; deepspeed-z2-cpu[...] runs "below" a bound faked high
+    # the micro model's compute bound is microseconds; deepspeed-z2-cpu[...] runs "below" a bound faked high
     seconds = {"pyinfinity-auto": 0.5, "pyinfinity-auto[resident_bytes=0]": 0.8, "deepspeed-cpu": 2.0,
                "deepspeed-z2-cpu": 1.0, "deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]": 0.1,
                "deepspeed-z3-gpu-params": None, "torch": 0.2}
@@ -512,12 +512,12 @@ def test_vs_the_best_deepspeed_of_the_invocation_and_flagged_runs_left_out(monke
     assert runs["pyinfinity-auto[resident_bytes=0]"]["vs_best_deepspeed"]["ratio"] == pytest.approx(1.25)
     assert "vs_best_deepspeed" not in runs["deepspeed-cpu"]
     text = bt.report(data)
-    assert "tiny: pyinfinity-auto / the best DeepSpeed configuration of the same run (deepspeed-z2-cpu) = 2.00x" in text
+    assert "micro: pyinfinity-auto / the best DeepSpeed configuration of the same run (deepspeed-z2-cpu) = 2.00x" in text
     assert "BELOW BOUND: bound wrong, figure not used" in text
     assert "deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]: ran 0.100 s/step, below its bound" in text
     over = next(line for line in text.splitlines() if "step time over plain torch" in line)
     assert "bf16_optimizer_states" not in over and "pyinfinity-auto 2.50x" in over
-    row = next(line for line in text.splitlines() if line.startswith("tiny") and " pyinfinity-auto " in line)
+    row = next(line for line in text.splitlines() if line.startswith("micro") and " pyinfinity-auto " in line)
     assert "2.00x deepspeed-z2-cpu" in row
     # the table's rows: every label, the variants after their system
     labels = [r["system"] for r in bt.latest_runs(data)]
@@ -536,7 +536,7 @@ def test_tokens_per_step_count_every_micro_batch(monkeypatch, tmp_path):
     for r in data["runs"]:
         assert r["grad_accum"] == 4 and r["tokens_per_step"] == 4 * 2 * 32
         assert r["tokens_per_s"] == pytest.approx(4 * 64 / r["step_seconds"])
-    one = bt.size_facts(bt.model_fields("tiny", 32), "fp32", 2, 32, True)["flops_per_step"]
+    one = bt.size_facts(bt.model_fields("micro", 32), "fp32", 2, 32, True)["flops_per_step"]
     assert data["runs"][0]["flops_per_step"] == pytest.approx(4 * one)
     assert "per optimizer step (micro-batches a step in these runs: 4)" in bt.report(data)
 
@@ -545,8 +545,8 @@ def test_torch_accumulates_over_micro_batches_as_one_big_batch():
     """batch 2 in one step and 2 micro-batches of 1 see the same tokens (one generator) and train alike."""
     from pyinfinity.bench import train_worker as tw
 
-    spec = {"system": "torch", "size": "tiny", "device": "cpu", "dtype": "fp32", "steps": 3, "warmup": 1,
-            "seq": 16, "model": dict(bt.model_fields("tiny", 16)), "checkpointing": False, "lr": 1e-3, "seed": 0}
+    spec = {"system": "torch", "size": "micro", "device": "cpu", "dtype": "fp32", "steps": 3, "warmup": 1,
+            "seq": 16, "model": dict(bt.model_fields("micro", 16)), "checkpointing": False, "lr": 1e-3, "seed": 0}
     whole = tw.run(dict(spec, batch=2, grad_accum=1))
     micro = tw.run(dict(spec, batch=1, grad_accum=2))
     assert whole["ok"] and micro["ok"], (whole, micro)
@@ -590,7 +590,7 @@ def test_deepspeed_systems_and_variants_end_to_end_on_the_cpu(tmp_path):
         assert vs["peer"] == best["system"]
         assert vs["ratio"] == pytest.approx(runs["pyinfinity-cpu"]["tokens_per_s"] / best["tokens_per_s"])
     assert sorted(os.listdir(tmp_path / "logs")) == sorted(
-        f"tiny-{bt._file_name(x)}.log" for x in runs)
+        f"micro-{bt._file_name(x)}.log" for x in runs)
 
 
 # ----------------------------------------------------------------------------------- LoRA
@@ -643,7 +643,7 @@ def test_lora_facts_count_peft_s_adapters_and_no_weight_gradients_of_the_base():
     peft = pytest.importorskip("peft")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    fields = bt.model_fields("tiny", 32)
+    fields = bt.model_fields("micro", 32)
     for targets in (None, "all-linear", "q_proj,down_proj"):
         lora = bt.lora_spec(4, targets)
         with torch.device("meta"):

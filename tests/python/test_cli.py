@@ -244,7 +244,7 @@ def test_v_works_anywhere_on_the_line(tmp_path):
 
 
 def test_plan_model_size_presets_are_the_benchmarks_table_with_30b_and_70b():
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import PRESETS as SIZES
 
     assert SIZES["30b"] == {**SIZES["7b"], "hidden_size": 6656, "intermediate_size": 17920, "num_hidden_layers": 60,
                             "num_attention_heads": 52, "num_key_value_heads": 52}
@@ -404,7 +404,7 @@ def test_the_30b_and_70b_presets_are_llama_30b_and_llama_2_70b(size, billions):
     32000-token vocabulary, and a 20.3B shape between 13B and 30B (hidden 6144, 44 layers)."""
     import argparse
 
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import PRESETS as SIZES
     from pyinfinity.cli.train import llama_config
     from pyinfinity.cli.train_args import add_arguments
     from pyinfinity.plan.sizes import llama_sizes

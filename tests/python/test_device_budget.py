@@ -92,7 +92,7 @@ def test_the_loss_and_a_layers_recompute_are_charged_as_two_phases_not_one():
     and the loss's (the head, its gradient and the logits' tensors). Charged as both at once it
     came to 8.93 GB and the planner refused the shape; it fits. A measured activation figure and a
     run without checkpointing get no such credit."""
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import PRESETS as SIZES
 
     sizes = llama_sizes(dict(SIZES["20b"], model_type="llama"), "bf16")
     train = TrainShape(micro_batch=4, seq_len=1024, checkpointing=True)

@@ -160,7 +160,7 @@ def test_a_failing_backward_after_device_steps_is_refused_until_a_checkpoint_is_
 
 
 def test_config_and_plan(engine_config):
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import PRESETS as SIZES
     from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape, solve
     from pyinfinity.plan.placement import Fixed
     from pyinfinity.plan.sizes import llama_sizes

@@ -67,10 +67,12 @@ def test_make_train_uses_the_gpu_when_the_venv_sees_one(tmp_path):
     assert "--device cuda" in gpu and "--device cpu" not in gpu
     assert "--model-size 1b" in gpu and "--gpu-memory 1GiB" in gpu
     # the preset's bf16 weights exceed the budget it sets: a real offload run
-    from pyinfinity.cli.train import PRESETS, VOCAB
+    from pyinfinity.cli.train import VOCAB
     from pyinfinity.config import parse_size
+    from pyinfinity.presets import PRESETS
 
-    hidden, layers, _, inter = PRESETS["1b"]
+    f = PRESETS["1b"]
+    hidden, layers, inter = f["hidden_size"], f["num_hidden_layers"], f["intermediate_size"]
     params = layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + 2 * VOCAB * hidden + hidden
     assert 2 * params > parse_size("1GiB", "budget")
     # TRAIN_ARGS given on the command line wins on either machine

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pyinfinity
-import pyinfinity.zero.state
+import pyinfinity.zero.optim.formats
 from pyinfinity.config import MIN_QUANTIZED_NUMEL, OptimizerConfig
 from pyinfinity.swap.tensor_swapper import TensorSwapper, Tier
 from pyinfinity.zero.optim.formats import DEVICE_CHUNK, AdamFp32, OptimStateFormat
@@ -134,7 +134,7 @@ def test_another_layout_trains_the_engine_bit_for_bit(tiny_lm, lm_batches, engin
     got = []
     for fmt_cls in (AdamFp32, MasterLast):
         # the format the training state builds its optimizer with
-        monkeypatch.setattr(pyinfinity.zero.state, "AdamFp32", fmt_cls)
+        monkeypatch.setitem(pyinfinity.zero.optim.formats.FORMAT_CLASSES, "fp32", fmt_cls)
         cfg = engine_config("nvme", gradient_accumulation_steps=2)
         cfg["pyinfinity"].update(resident_bytes="64MiB", unit_bytes=0, device_optimizer_bytes="6KiB",
                                  overlap_step=True)
@@ -187,7 +187,8 @@ def _run_format(fmt_name: str, tmp_path, *, ratio=0.0, fused=True, background=Fa
     for sh, v in zip(shards, values):
         opt.add_shard(sh, v)
     for i in on_device:  # stepped by the format's device step (the CPU as the device)
-        shards[i].buffer = torch.empty(shards[i].numel)
+        shards[i].run.fetching(torch.empty(shards[i].numel))  # resident: the device step writes the weights there
+        shards[i].run.arrived()
         opt.to_device(shards[i], torch.device("cpu"))
     norms = []
     for step in range(steps):

@@ -371,7 +371,7 @@ def test_10b_for_a_gpu_with_8gib_is_placed_within_15_bytes_per_parameter(tmp_pat
     """The 10.49B preset for a CUDA device with an 8 GiB cap, rates saved from a GPU machine, 100 GiB
     of RAM and a 64 GiB disk: placed, not refused; host + disk state stays within 15 bytes per
     parameter (bf16 weights 2 + fp32 master and moments 12: the gradients land in the weights' home)."""
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import PRESETS as SIZES
     from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape, solve
     from pyinfinity.plan.sizes import llama_sizes
 
@@ -396,7 +396,7 @@ def test_13b_refused_on_that_machine_says_what_the_state_costs_a_parameter(tmp_p
     needs and the state's bytes a parameter (bf16 weights 2 + fp32 master and moments 12)."""
     import re
 
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import PRESETS as SIZES
     from pyinfinity.plan import Budgets, PlanError, Rates, SwapDir, TrainShape, solve
     from pyinfinity.plan.sizes import llama_sizes
 
@@ -418,7 +418,7 @@ def test_13b_with_a_compressed_state_is_placed_where_the_fp32_state_is_refused(t
     """The machine above (8 GiB GPU, 100 GiB of RAM, a 64 GiB disk) refuses the 13B preset with the
     fp32 state; the 8-bit state (fp32 master, 8.03 bytes a parameter with the bf16 weights) and the
     bf16 state (6, and a bf16 gradient buffer: the weights are the master) are placed."""
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.presets import PRESETS as SIZES
 
     rates = Rates(h2d=55e9, d2h=55e9, disk_read=1.9e9, disk_write=3.6e9, adam=3.9e9, matmul=6.4e14, memcpy=38e9,
                   device="cuda:0")

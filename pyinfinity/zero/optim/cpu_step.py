@@ -25,11 +25,12 @@ class CpuStep:
     """Steps shards whose state is in RAM or on NVMe. ``on_worker()`` says whether the calling
     thread is the background worker (its kernel threads are ``threads``); ``param_out(shard)``
     gives the bf16 home the one-pass kernel may write the new weights into (None: ``write_param``
-    casts them)."""
+    casts them; ``ShardOptimState.home_written`` says it did)."""
 
     def __init__(self, states: list[ShardOptimState], fmt: OptimStateFormat, swapper: TensorSwapper,
                  grads: GradientIntake, phases: PhaseClock, *, buffer_count: int, pipeline: bool,
-                 streamed: Optional[StreamedStep], on_worker: Callable[[], bool]) -> None:
+                 streamed: Optional[StreamedStep], on_worker: Callable[[], bool],
+                 param_out: Optional[Callable[[FlatShard], Optional[torch.Tensor]]] = None) -> None:
         self.states = states
         self.format = fmt
         self.swapper = swapper
@@ -41,7 +42,7 @@ class CpuStep:
         self._on_worker = on_worker
         self.fused = True  # the format's one-pass CPU step (False: torch's fused kernel on the host)
         self.threads: Optional[int] = None
-        self.param_out: Optional[Callable[[FlatShard], Optional[torch.Tensor]]] = None
+        self.param_out = param_out
         self._staging: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------------- one shard
@@ -70,7 +71,7 @@ class CpuStep:
                   inv_factor: Optional[torch.Tensor]) -> torch.Tensor:
         """The format's CPU step in one pass: the gradient read as it is (bf16 or fp32, no fp32
         copy) and, when ``param_out`` gives the shard's bf16 home, the new weights cast into it in
-        the same pass (``shard.home_fresh``: ``write_param`` need not cast them)."""
+        the same pass (``st.home_written``: ``write_param`` need not cast them)."""
         n = st.numel
         t0 = time.perf_counter()
         g = self.grads.for_step(st)
@@ -83,8 +84,7 @@ class CpuStep:
         st.step += 1
         scale = float(inv_factor) if inv_factor is not None else 1.0
         master = self.format.step_cpu(flat, n, g, out, hyper, st.step, scale, self.kernel_threads())
-        if out is not None:
-            st.shard.home_fresh = True
+        st.home_written = out is not None
         self.phases.add(gradient=t1 - t0, adam=time.perf_counter() - t1)
         return master
 
@@ -167,13 +167,14 @@ class CpuStep:
             w.wait()
 
     def step_states(self, states: Sequence[ShardOptimState], hyper: dict, inv_factor: Optional[torch.Tensor],
-                    adam: Callable[..., torch.Tensor], write_param: Optional[Callable[[FlatShard, torch.Tensor], Any]],
+                    adam: Callable[..., torch.Tensor], write_param: Callable[[ShardOptimState, torch.Tensor], Any],
                     finish: Callable[[ShardOptimState], None],
                     iter_states: Optional[Callable[..., Iterator[tuple[ShardOptimState, torch.Tensor]]]] = None
                     ) -> None:
         """Steps ``states`` in order on this thread through the pipelined read/step/write-back of
         ``iter_states`` (default: this one's; the optimizer's waits for its workers first) with
-        ``adam`` (``OffloadOptimizer._adam``), handing each new master to ``write_param``;
+        ``adam`` (``OffloadOptimizer._adam``), handing each state and its new master to
+        ``write_param`` (``OffloadOptimizer._write_values``);
         ``finish`` marks each consumed once every write has completed."""
         if not states:
             return
@@ -189,10 +190,9 @@ class CpuStep:
                 k += 1
                 extra: list = []
                 t0 = time.perf_counter()
-                if write_param is not None:
-                    req = write_param(st.shard, master)
-                    if req is not None:
-                        extra.append(req)
+                req = write_param(st, master)
+                if req is not None:
+                    extra.append(req)
                 self.phases.add(write=time.perf_counter() - t0)
                 done.append(st)
                 item = gen.send(extra)

@@ -50,7 +50,7 @@ class DeviceStates:
         st.dev.copy_(host)
         st.dev_step = torch.full((), float(st.step), dtype=torch.float32, device=device)
         st.dev_stale = False
-        shard.device_step = True
+        shard.run.state_to_device()
         return st.dev.numel() * st.dev.element_size()
 
     def step(self, st: ShardOptimState, hyper: dict, inv_factor: Optional[torch.Tensor],
@@ -111,7 +111,7 @@ class DeviceStates:
         st.src = st.norm = None
         st.dev = st.dev_step = None
         st.dev_stale = False
-        shard.device_step = False
+        shard.run.state_to_host()
         return freed
 
     def close(self) -> None:

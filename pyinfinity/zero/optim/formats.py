@@ -305,14 +305,16 @@ class AdamBf16(_MasterThenMoments):
         device_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, count, scale), out=out)
 
 
+# the class of each ``Config.optimizer_state_format`` (a key of ``config.STATE_FORMATS``): the
+# training state builds its optimizer's format from this table
+FORMAT_CLASSES: dict[str, type[OptimStateFormat]] = {"fp32": AdamFp32, "8bit": Adam8bit, "bf16": AdamBf16}
+
+
 def make_state_format(name: str, adam_w: bool) -> OptimStateFormat:
-    """The format class of ``Config.optimizer_state_format`` (a key of ``config.STATE_FORMATS``)."""
-    classes = {"8bit": Adam8bit, "bf16": AdamBf16}
-    if name == "fp32":
-        return AdamFp32(adam_w)
-    if name not in classes:
-        raise ValueError(f"optimizer state format: expected one of fp32, {', '.join(classes)}, got {name!r}")
-    return classes[name](adam_w)
+    """The format of ``Config.optimizer_state_format`` (``FORMAT_CLASSES``)."""
+    if name not in FORMAT_CLASSES:
+        raise ValueError(f"optimizer state format: expected one of {', '.join(FORMAT_CLASSES)}, got {name!r}")
+    return FORMAT_CLASSES[name](adam_w)
 
 
 def convert_home(data: torch.Tensor, numel: int, src: OptimStateFormat, dst: OptimStateFormat) -> torch.Tensor:

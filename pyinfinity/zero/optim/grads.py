@@ -39,7 +39,9 @@ class GradientIntake:
     def __init__(self, states: list[ShardOptimState], by_shard: dict[int, ShardOptimState], accumulate_steps: int,
                  window: StepWindow, *, wait_idle: Callable[[ShardOptimState, str], None],
                  hand: Callable[[ShardOptimState, StepJob], None],
-                 step_on_device: Callable[[ShardOptimState, dict], None], on_worker: Callable[[], bool]) -> None:
+                 step_on_device: Callable[[ShardOptimState, dict], None], on_worker: Callable[[], bool],
+                 release_grad: Optional[Callable[[torch.Tensor], None]] = None,
+                 copy_to_host: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None) -> None:
         self.states = states
         self.by_shard = by_shard
         self.accumulate_steps = max(1, int(accumulate_steps))
@@ -50,9 +52,9 @@ class GradientIntake:
         self._on_worker = on_worker
         self.threads: Optional[int] = None  # intra-op threads of the accumulation worker
         # a staging buffer a gradient arrived in is given back through ``release_grad`` once added
-        self.release_grad: Optional[Callable[[torch.Tensor], None]] = None
+        self.release_grad = release_grad
         # device accumulators: copy_to_host(src on the device, dst pinned on the host) -> the copy's event
-        self.copy_to_host: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None
+        self.copy_to_host = copy_to_host
         self._adder: Optional[AccumulateWorker] = None
         self._caller_scratch: Optional[torch.Tensor] = None  # add_into's fp32 chunk on the caller's thread
         self._scratch: dict[int, torch.Tensor] = {}  # thread ident -> fp32 gradient scratch (grad32)
@@ -238,7 +240,7 @@ class GradientIntake:
             acc.copy_(st.grad)
         st.landing = aligned_empty(st.numel, torch.float32, pin=device.type == "cuda")
         st.grad, st.acc_event = acc, None
-        shard.grad_on_device = True
+        shard.run.accumulator_to_device()
         return acc.numel() * 4
 
     def accumulator_to_host(self, shard: FlatShard) -> int:
@@ -253,7 +255,7 @@ class GradientIntake:
         if st.written:
             st.landing.copy_(st.grad)
         st.grad, st.landing, st.acc_event = st.landing, None, None
-        shard.grad_on_device = False
+        shard.run.accumulator_to_host()
         return freed
 
     # ------------------------------------------------------------------------- the accumulation worker
@@ -415,7 +417,7 @@ class GradientIntake:
         for st in self.states:
             st.grad = None
             st.landing = st.acc_event = None
-            st.shard.grad_on_device = False
+            st.shard.run.accumulator_to_host()
 
 
 __all__ = ["GradientIntake"]

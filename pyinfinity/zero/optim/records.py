@@ -35,6 +35,7 @@ class ShardOptimState:
     # ``landing`` (pinned host fp32) in the boundary micro-batch, ``acc_event`` completes that copy
     landing: Optional[torch.Tensor] = None
     acc_event: Any = None
+    home_written: bool = False  # the one-pass CPU step cast the new weights into the parameter home (``param_out``)
 
     @property
     def numel(self) -> int:

@@ -85,7 +85,7 @@ class StepWorker:
         with self.cond:
             st.busy = True
             st.handed = True
-            st.shard.home_dirty = True
+            st.shard.run.home_awaits_step()
             self._seq += 1
             seq = self._seq
         self._queue.put((st.shard.index, seq, (st, job)))
