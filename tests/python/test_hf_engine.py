@@ -1,0 +1,83 @@
+"""Hugging Face Trainer, TRL's SFTTrainer and Accelerate train on pyinfinity's own engine when the
+DeepSpeed config has a "pyinfinity" section and the script imports pyinfinity: a tiny Llama on the
+CPU, parameters and optimizer on the NVMe tier. Each run is a fresh interpreter (hf_worker.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.python import test_deepspeed_integration as ds
+
+WORKER = Path(__file__).with_name("hf_worker.py")
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+
+def run_worker(phase: str, out: Path, *args: str, timeout: int = 300) -> dict:
+    r = subprocess.run([sys.executable, str(WORKER), phase, str(out), *args], cwd=str(ds.ROOT), env=ds._env(),
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def worker_fails(phase: str, out: Path, *args: str, timeout: int = 300) -> str:
+    r = subprocess.run([sys.executable, str(WORKER), phase, str(out), *args], cwd=str(ds.ROOT), env=ds._env(),
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode != 0, "the run was expected to be refused"
+    return r.stderr
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_importable() -> None:
+    if ds.run_snippet("import deepspeed").returncode != 0:
+        pytest.skip("deepspeed is not importable")
+
+
+def by_step(res: dict, key: str) -> dict:
+    return dict(zip(res["steps"], res[key]))
+
+
+def test_trainer_trains_on_pyinfinitys_engine_as_its_own_loop_does_and_saves_a_model_from_pretrained_loads(
+        tmp_path: Path) -> None:
+    res = run_worker("trainer", tmp_path / "run", "--own", "1", "--final", "1", "--gather", "1")
+    assert res["engine"] == "PyinfinityDeepSpeedEngine" and res["is_deepspeed_engine"]
+    assert res["steps"] == [1, 2, 3, 4, 5, 6]
+    # the same batches through pyinfinity's own loop: the same losses and pre-clip gradient norms
+    assert res["losses"] == pytest.approx(res["own"]["losses"], rel=1e-5)
+    assert res["grad_norms"] == pytest.approx(res["own"]["grad_norms"], rel=1e-5)
+    assert max(res["grad_norms"]) > 1.0  # max_grad_norm=1.0 clipped these steps
+    lrs = res["lrs"]  # warm-up over two steps, then cosine down
+    assert lrs[0] == 0.0 and lrs[2] == pytest.approx(1e-3) and lrs[2] > lrs[3] > lrs[4] > lrs[5] > 0
+    # save_steps=2, save_total_limit=2: the last two checkpoints, each with the engine's global_step folder
+    cks = res["checkpoints"]
+    assert sorted(cks) == ["checkpoint-4", "checkpoint-6"]
+    assert "global_step4" in cks["checkpoint-4"] and "global_step6" in cks["checkpoint-6"]
+    assert "model.safetensors" in cks["checkpoint-6"]  # stage3_gather_16bit_weights_on_model_save: true
+    assert 0 < res["eval_loss"] < 10
+    import torch
+    from transformers import LlamaForCausalLM
+
+    final = tmp_path / "run" / "final"
+    assert (final / "model.safetensors").exists()
+    model = LlamaForCausalLM.from_pretrained(str(final))
+    base = LlamaForCausalLM.from_pretrained(str(tmp_path / "base"))
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), base.parameters()))  # trained weights
+    out = model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=6, do_sample=False)[0].tolist()
+    assert out == res["generated"]  # what the trained model generated in the run, from the saved weights
+
+
+def test_trainer_resumed_from_its_checkpoint_continues_exactly_and_saves_each_checkpoint_once(tmp_path: Path) -> None:
+    # stage3_gather_16bit_weights_on_model_save false: Trainer calls save_checkpoint twice per checkpoint
+    whole = run_worker("trainer", tmp_path / "whole", "--gather", "0")
+    assert whole["skipped_saves"] == 3  # the second call of each of the three checkpoints wrote nothing
+    assert sorted(whole["checkpoints"]) == ["checkpoint-4", "checkpoint-6"]
+    resumed = run_worker("trainer", tmp_path / "resumed", "--gather", "0", "--resume",
+                         str(tmp_path / "whole" / "trainer" / "checkpoint-4"))
+    for key in ("losses", "grad_norms", "lrs"):
+        w, r = by_step(whole, key), by_step(resumed, key)
+        assert [r[5], r[6]] == pytest.approx([w[5], w[6]], rel=1e-5), key
