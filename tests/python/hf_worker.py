@@ -154,6 +154,166 @@ def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     return res
 
 
+def tokenizer(base: Path):
+    """A word-level tokenizer over the tiny vocabulary ("t0" .. "t255"), saved beside the weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t2")
+    fast.save_pretrained(str(base))
+    return fast
+
+
+def phase_sft(out: Path, opts: argparse.Namespace) -> dict:
+    """TRL's SFTTrainer over pyinfinity's engine, on text: LoRA adapters over the offloaded base
+    (``--lora 1``) or a full fine-tune; the result saved with save_model."""
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    base = write_base(out.parent / "base")
+    tok = tokenizer(base)
+    model = LlamaForCausalLM.from_pretrained(str(base))
+    g = torch.Generator().manual_seed(2)
+    texts = [" ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (SEQ - 1,), generator=g)) for _ in range(16)]
+    (out / "nvme").mkdir(parents=True, exist_ok=True)
+    args = SFTConfig(output_dir=str(out / "sft"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
+                     max_steps=4, learning_rate=1e-2, deepspeed=ds_config(out / "nvme", True), use_cpu=True,
+                     report_to=[], logging_steps=1, save_strategy="no", max_length=SEQ, packing=False, seed=0,
+                     disable_tqdm=True, dataset_text_field="text")
+    peft_config = None
+    if opts.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                         processing_class=tok, peft_config=peft_config)
+    trainer.train()
+    trainer.save_model(str(out / "saved"))
+    res = {"losses": [x["loss"] for x in trainer.state.log_history if "loss" in x],
+           "engine": type(trainer.model_wrapped).__name__, "saved": sorted(p.name for p in (out / "saved").iterdir()),
+           "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)}
+    trainer.model_wrapped.destroy()
+    return res
+
+
+def phase_accelerate(out: Path, opts: argparse.Namespace) -> dict:
+    """A plain Accelerate loop (prepare, accumulate, backward, clip_grad_norm_, save_state /
+    load_state) over pyinfinity's engine; ``--resume DIR`` loads a saved state and runs the rest."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from torch.utils.data import DataLoader
+    from transformers import LlamaForCausalLM
+    from transformers.data.data_collator import default_data_collator
+
+    base = write_base(out.parent / "base")
+    model = LlamaForCausalLM.from_pretrained(str(base))
+    own_model = LlamaForCausalLM.from_pretrained(str(base)) if opts.own else None
+    (out / "nvme").mkdir(parents=True, exist_ok=True)
+    config = ds_config(out / "nvme", False)
+    config.update(gradient_accumulation_steps=ACCUM, gradient_clipping=CLIP)
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=ACCUM)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    data = samples()
+    dl = DataLoader(data, batch_size=MICRO, collate_fn=default_data_collator)
+    model, opt, dl = acc.prepare(model, opt, dl)
+    done = 0
+    if opts.resume:
+        acc.load_state(opts.resume)
+        done = 6
+        dl = acc.skip_first_batches(dl, done)
+    micro_losses, norms = [], []
+    for i, batch in enumerate(dl, done):
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            micro_losses.append(loss.item())
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+            opt.step()
+            opt.zero_grad()
+        if i + 1 == 6 and not opts.resume:
+            acc.save_state(str(out / "state"))
+    res = {"micro_losses": micro_losses, "grad_norms": norms, "engine": type(model).__name__,
+           "saved": sorted(p.name for p in (out / "state").iterdir()) if not opts.resume else []}
+    model.destroy()
+    if own_model is not None:
+        (out / "nvme_own").mkdir(exist_ok=True)
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
+               "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+               "zero_optimization": config["zero_optimization"], "pyinfinity": {"device": "cpu"}}
+        cfg["zero_optimization"] = {k: v for k, v in cfg["zero_optimization"].items() if v != "auto"}
+        engine = pyinfinity.initialize(own_model, cfg)
+        own_norms = []
+        for batch in DataLoader(data, batch_size=MICRO, collate_fn=default_data_collator):
+            engine.backward(engine(**batch).loss)
+            rec = engine.step()
+            if rec is not None:
+                own_norms.append(rec.grad_norm)
+        engine.close()
+        res["own_grad_norms"] = own_norms
+    return res
+
+
+def phase_misuse(out: Path, opts: argparse.Namespace) -> dict:
+    """deepspeed.initialize with a "pyinfinity" section and what pyinfinity's engine does not do:
+    the message of each refusal, and whether DeepSpeed's own initialize ever ran."""
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    from pyinfinity.integrations.deepspeed import engine_route
+
+    ran = []
+    original = engine_route._original_initialize
+
+    import functools
+
+    @functools.wraps(original)
+    def spy(*a, **kw):
+        ran.append(1)
+        return original(*a, **kw)
+
+    engine_route._original_initialize = spy
+    base = write_base(out.parent / "base")
+    (out / "nvme").mkdir(parents=True, exist_ok=True)
+
+    def attempt(config_change=None, optimizer=None, env=None, **kw) -> str:
+        model = LlamaForCausalLM.from_pretrained(str(base))
+        config = ds_config(out / "nvme", False)
+        config.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=1, gradient_clipping=0.0)
+        config["bf16"] = {"enabled": False}
+        (config_change or (lambda c: None))(config)
+        opt = optimizer(model) if optimizer else torch.optim.AdamW(model.parameters(), lr=LR)
+        old = dict(os.environ)
+        os.environ.update(env or {})
+        try:
+            deepspeed.initialize(model=model, optimizer=opt, config=config, **kw)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        return "accepted"
+
+    def two_groups(m):
+        decay = [p for n, p in m.named_parameters() if "norm" not in n]
+        rest = [p for n, p in m.named_parameters() if "norm" in n]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=LR)
+
+    res = {"pipeline": attempt(lambda c: c.update(pipeline={"stages": 2})),
+           "world_size": attempt(env={"WORLD_SIZE": "2"}),
+           "tensor_parallel": attempt(lambda c: c.update(tensor_parallel={"autotp_size": 2})),
+           "stage": attempt(lambda c: c["zero_optimization"].update(stage=2)),
+           "sgd": attempt(optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+           "param_groups": attempt(optimizer=two_groups),
+           "mpu": attempt(mpu=object())}
+    res["deepspeed_initialize_ran"] = len(ran)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("phase")
@@ -162,10 +322,12 @@ def main() -> None:
     ap.add_argument("--resume", default=None)
     ap.add_argument("--own", type=int, default=0)
     ap.add_argument("--final", type=int, default=0)
+    ap.add_argument("--lora", type=int, default=0)
     opts = ap.parse_args()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"trainer": phase_trainer}[opts.phase](out, opts)
+    res = {"trainer": phase_trainer, "sft": phase_sft, "accelerate": phase_accelerate,
+           "misuse": phase_misuse}[opts.phase](out, opts)
     (out / "result.json").write_text(json.dumps(res))
 
 

@@ -81,3 +81,60 @@ def test_trainer_resumed_from_its_checkpoint_continues_exactly_and_saves_each_ch
     for key in ("losses", "grad_norms", "lrs"):
         w, r = by_step(whole, key), by_step(resumed, key)
         assert [r[5], r[6]] == pytest.approx([w[5], w[6]], rel=1e-5), key
+
+
+def test_sft_trainer_trains_lora_adapters_over_the_offloaded_base_and_saves_what_peft_loads(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    res = run_worker("sft", tmp_path / "lora", "--lora", "1")
+    assert res["engine"] == "PyinfinityDeepSpeedEngine"
+    assert res["trainable"] and all("lora_" in n for n in res["trainable"])  # the base stays frozen
+    assert len(res["losses"]) == 4 and res["losses"][-1] < res["losses"][0]
+    assert "adapter_model.safetensors" in res["saved"] and "model.safetensors" not in res["saved"]
+    import torch
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(str(tmp_path / "base"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = base(ids).logits
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "lora" / "saved"))
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # trained from their zero start
+    assert not torch.allclose(model(ids).logits, before)
+
+
+def test_sft_trainer_fine_tunes_every_parameter_and_saves_a_model_from_pretrained_loads(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    res = run_worker("sft", tmp_path / "full")
+    assert res["engine"] == "PyinfinityDeepSpeedEngine"
+    assert len(res["losses"]) == 4 and res["losses"][-1] < res["losses"][0]
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(tmp_path / "full" / "saved"))
+    base = LlamaForCausalLM.from_pretrained(str(tmp_path / "base"))
+    assert all(not torch.equal(a, b) for a, b in zip(model.parameters(), base.parameters()))
+
+
+def test_accelerate_loop_clips_accumulates_and_resumes_from_save_state_exactly(tmp_path: Path) -> None:
+    whole = run_worker("accelerate", tmp_path / "whole", "--own", "1")
+    assert whole["engine"] == "PyinfinityDeepSpeedEngine"
+    assert len(whole["micro_losses"]) == 12 and len(whole["grad_norms"]) == 6
+    # accelerator.backward divides by the accumulation steps as pyinfinity's own loop does: the same norms
+    assert whole["grad_norms"] == pytest.approx(whole["own_grad_norms"], rel=1e-5)
+    assert "pytorch_model" in whole["saved"]
+    resumed = run_worker("accelerate", tmp_path / "resumed", "--resume", str(tmp_path / "whole" / "state"))
+    assert resumed["micro_losses"] == pytest.approx(whole["micro_losses"][6:], rel=1e-5)
+    assert resumed["grad_norms"] == pytest.approx(whole["grad_norms"][3:], rel=1e-5)
+
+
+def test_what_pyinfinitys_engine_does_not_do_is_refused_naming_the_key_and_never_falls_back(tmp_path: Path) -> None:
+    res = run_worker("misuse", tmp_path / "misuse")
+    assert res.pop("deepspeed_initialize_ran") == 0  # DeepSpeed's own engine was never built instead
+    expected = {"pipeline": "pipeline:", "world_size": "world size: 2 processes", "tensor_parallel":
+                "tensor_parallel.autotp_size: 2", "stage": "zero_optimization.stage: 2", "sgd": "optimizer: SGD",
+                "param_groups": "optimizer.param_groups[1].weight_decay", "mpu": "mpu:"}
+    for case, start in expected.items():
+        msg = res[case]
+        assert msg.startswith("ConfigError: " + start), (case, msg)
+        assert "\n" not in msg and "remove the \"pyinfinity\" section" in msg, (case, msg)

@@ -286,6 +286,9 @@ def build_facade(model: nn.Module, ds_config: dict, cfg: dict, *, optimizer: Any
 
     engine = engine_initialize(model, cfg)
     try:
+        from pyinfinity.integrations.deepspeed import gathered
+
+        gathered.register(engine)
         facade = facade_class()(engine, ds_config, None)
         opt = EngineOptimizer(engine, facade)
         facade.optimizer = opt

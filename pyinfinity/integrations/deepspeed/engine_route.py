@@ -7,9 +7,9 @@ therefore asks (``integrations.post_import``) for :func:`install_route` to run t
 ``deepspeed`` is imported: it replaces ``deepspeed.initialize`` by :func:`initialize`, which hands a
 config without the section to DeepSpeed's own and otherwise builds pyinfinity's ``Engine`` behind
 the facade of ``engine_facade`` (what Trainer and Accelerate call on DeepSpeed's engine).
-``deepspeed.zero.Init`` and ``deepspeed.zero.GatheredParameters`` get stand-ins the same way
-(``zero_init``): transformers' ZeRO-3 ``from_pretrained`` then partitions the model into pyinfinity's
-tiers as it is built and streams the checkpoint into them, never holding the whole model.
+``deepspeed.zero.GatheredParameters`` gets a stand-in the same way (``gathered``): a library that
+reads an engine's parameter outside its module's forward (TRL's fused LM-head loss) has it made
+resident through the engine's coordinator.
 
 Accelerate is patched when ``accelerate.accelerator`` is imported, for a config with the section
 only: an optimizer offloaded with no ``"optimizer"`` section makes it replace the user's torch
@@ -61,6 +61,11 @@ def engine_config(config: dict, optimizer: Any) -> dict:
             raise refuse("optimizer", "given both in the config and as an object", "remove one of them")
         cfg["optimizer"] = optimizer_section(optimizer)
     z = cfg.get("zero_optimization") or {}
+    # keys Trainer and Accelerate add that only DeepSpeed's engine reads (the facade reads the gather switch)
+    for key in ("steps_per_print", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
+        cfg.pop(key, None)
+    for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"):
+        z.pop(key, None)
     for key in [k for k, v in z.items() if v == "auto"]:
         del z[key]  # pyinfinity's defaults and planner decide them
     for key in [k for k, v in cfg.items() if v == "auto"]:
@@ -101,7 +106,7 @@ def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
 
 
 def install_route(deepspeed: types.ModuleType) -> None:
-    """Replaces ``deepspeed.initialize`` (and ``zero.Init`` / ``zero.GatheredParameters``) by
+    """Replaces ``deepspeed.initialize`` (and ``zero.GatheredParameters``) by
     pyinfinity's route; idempotent. Called by ``post_import`` once ``deepspeed`` is imported."""
     global _original_initialize
     current = getattr(deepspeed, "initialize")
@@ -111,15 +116,21 @@ def install_route(deepspeed: types.ModuleType) -> None:
     route = functools.wraps(current)(initialize)
     setattr(route, MARK, True)
     deepspeed.initialize = route
+    from pyinfinity.integrations.deepspeed import gathered
+
+    gathered.install(deepspeed.zero)
     log.debug("pyinfinity: deepspeed.initialize routes a config with a %r section to pyinfinity's engine", SECTION)
 
 
 def uninstall_route() -> None:
-    """Puts DeepSpeed's own ``initialize`` (and zero.Init / GatheredParameters) back."""
+    """Puts DeepSpeed's own ``initialize`` (and GatheredParameters) back."""
     global _original_initialize
     ds = sys.modules.get("deepspeed")
     if ds is not None and _original_initialize is not None:
         ds.initialize = _original_initialize
+        from pyinfinity.integrations.deepspeed import gathered
+
+        gathered.uninstall(ds.zero)
     _original_initialize = None
 
 
@@ -156,7 +167,7 @@ def patch_accelerate(accelerator: types.ModuleType) -> None:
         def deepspeed_config_process(self: Any, prefix: str = "", mismatches: Any = None, config: Any = None,
                                      must_match: bool = True, **kw: Any) -> Any:
             if prefix == "" and has_section(self.deepspeed_config):
-                kw = {k: v for k, v in kw.items() if k not in PLANNED_KEYS}
+                kw = {k: ("auto" if k in PLANNED_KEYS else v) for k, v in kw.items()}  # an "auto" stays "auto"
             return process(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match, **kw)
 
         setattr(deepspeed_config_process, MARK, True)
