@@ -18,6 +18,7 @@ import torch
 VOCAB, SEQ, SAMPLES, MICRO, ACCUM = 256, 16, 24, 2, 2
 STEPS = SAMPLES // (MICRO * ACCUM)
 LR, WARMUP, CLIP = 1e-3, 2, 1.0
+DEVICE = "cpu"  # pyinfinity.device of every run (--device: cuda for the GPU suite)
 
 
 def llama_config():
@@ -51,7 +52,7 @@ def ds_config(nvme: Path, gather: bool) -> dict:
                                   "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)},
                                   "stage3_param_persistence_threshold": "auto",
                                   "stage3_gather_16bit_weights_on_model_save": gather},
-            "pyinfinity": {"device": "cpu"}}
+            "pyinfinity": {"device": DEVICE}}
 
 
 class SkippedSaves(logging.Handler):
@@ -78,7 +79,7 @@ def trainer_args(out: Path, config: dict, **kw):
     return TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=MICRO,
                              gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=LR,
                              warmup_steps=WARMUP, lr_scheduler_type="cosine", max_grad_norm=CLIP, weight_decay=0.0,
-                             use_cpu=True, deepspeed=config, report_to=[], logging_steps=1, save_steps=2,
+                             use_cpu=DEVICE == "cpu", deepspeed=config, report_to=[], logging_steps=1, save_steps=2,
                              save_total_limit=2, seed=0, disable_tqdm=True, **kw)
 
 
@@ -90,7 +91,7 @@ def own_loop(model, batches: list, nvme: Path) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(nvme)},
                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
-           "pyinfinity": {"device": "cpu"}}
+           "pyinfinity": {"device": DEVICE}}
     shadow = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)  # only its lr: the schedule's value
     sched = get_cosine_schedule_with_warmup(shadow, WARMUP, STEPS)
     engine = pyinfinity.initialize(model, cfg)
@@ -116,8 +117,17 @@ def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     from transformers.data.data_collator import default_data_collator
 
     base = write_base(out.parent / "base")
-    model = LlamaForCausalLM.from_pretrained(str(base))  # before TrainingArguments(deepspeed=...) (zero.Init path)
     own_model = LlamaForCausalLM.from_pretrained(str(base)) if opts.own else None
+    config = ds_config(out / "nvme", opts.gather)
+    if opts.zero_init:  # as Hugging Face documents: the arguments first, then from_pretrained under zero.Init
+        args = trainer_args(out, config)
+        model = LlamaForCausalLM.from_pretrained(str(base))
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        assert is_deepspeed_zero3_enabled() and all(p.is_meta for p in model.parameters())
+    else:
+        model = LlamaForCausalLM.from_pretrained(str(base))
+        args = trainer_args(out, config)
     batches: list = []
 
     def collate(features):
@@ -129,10 +139,9 @@ def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     logging.getLogger("pyinfinity").addHandler(skipped)
     logging.getLogger("pyinfinity").setLevel(logging.INFO)
     res: dict = {}
-    config = ds_config(out / "nvme", opts.gather)
     (out / "nvme").mkdir(parents=True, exist_ok=True)
     data = samples()
-    trainer = Trainer(model=model, args=trainer_args(out, config), train_dataset=data, eval_dataset=data[:4],
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
                       data_collator=collate)
     trainer.train(resume_from_checkpoint=opts.resume)
     import deepspeed
@@ -180,7 +189,7 @@ def phase_sft(out: Path, opts: argparse.Namespace) -> dict:
     texts = [" ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (SEQ - 1,), generator=g)) for _ in range(16)]
     (out / "nvme").mkdir(parents=True, exist_ok=True)
     args = SFTConfig(output_dir=str(out / "sft"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
-                     max_steps=4, learning_rate=1e-2, deepspeed=ds_config(out / "nvme", True), use_cpu=True,
+                     max_steps=4, learning_rate=1e-2, deepspeed=ds_config(out / "nvme", True), use_cpu=DEVICE == "cpu",
                      report_to=[], logging_steps=1, save_strategy="no", max_length=SEQ, packing=False, seed=0,
                      disable_tqdm=True, dataset_text_field="text")
     peft_config = None
@@ -243,7 +252,7 @@ def phase_accelerate(out: Path, opts: argparse.Namespace) -> dict:
         (out / "nvme_own").mkdir(exist_ok=True)
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
                "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-               "zero_optimization": config["zero_optimization"], "pyinfinity": {"device": "cpu"}}
+               "zero_optimization": config["zero_optimization"], "pyinfinity": {"device": DEVICE}}
         cfg["zero_optimization"] = {k: v for k, v in cfg["zero_optimization"].items() if v != "auto"}
         engine = pyinfinity.initialize(own_model, cfg)
         own_norms = []
@@ -314,6 +323,82 @@ def phase_misuse(out: Path, opts: argparse.Namespace) -> dict:
     return res
 
 
+BIG_LAYERS = 8  # hidden 2048, MLP 5504, vocabulary 32000, untied: 536M parameters, 2.14 GB in fp32
+
+
+def phase_big_write(out: Path, opts: argparse.Namespace) -> dict:
+    """A random-init Llama checkpoint of 2.14 GB (fp32) in 1 GB safetensors shards, written tensor
+    by tensor (never the whole model in memory)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mc = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=BIG_LAYERS,
+                     num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=256,
+                     tie_word_embeddings=False)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(mc).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    shards: list = [{}]
+    size = 0
+    for k, shape in shapes.items():
+        t = torch.empty(shape).normal_(0, 0.02, generator=g) if len(shape) > 1 else torch.ones(shape)
+        if size + t.numel() * 4 > (1 << 30) and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += t.numel() * 4
+    n, weight_map, files = len(shards), {}, []
+    for i, tensors in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+        files.append(os.path.getsize(out / name))
+        tensors.clear()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    mc.save_pretrained(str(out))
+    return {"files": files, "params": sum(int(torch.Size(s).numel()) for s in shapes.values())}
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def phase_big_load(out: Path, opts: argparse.Namespace) -> dict:
+    """from_pretrained after TrainingArguments(deepspeed=...) (transformers' ZeRO-3 path), then the
+    engine built through deepspeed.initialize (Trainer's call), parameters on the NVMe tier: the
+    peak resident memory this adds (VmHWM after resetting it)."""
+    import deepspeed
+    from transformers import LlamaForCausalLM, TrainingArguments
+
+    nvme = out / "nvme"
+    nvme.mkdir(parents=True, exist_ok=True)
+    config = ds_config(nvme, False)
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, gradient_clipping=0.0)
+    config["bf16"] = {"enabled": False}
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = rss_kib("VmRSS")
+    args = TrainingArguments(output_dir=str(out / "args"), deepspeed=config, use_cpu=DEVICE == "cpu", report_to=[])  # noqa: F841
+    model = LlamaForCausalLM.from_pretrained(opts.resume)
+    meta = all(p.is_meta for p in model.parameters())
+    after_build = rss_kib("VmHWM")
+    for n, p in model.named_parameters():  # the optimizer state of the final norm only: the load is measured
+        p.requires_grad_(n == "model.norm.weight")
+    opt = torch.optim.AdamW([model.model.norm.weight], lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    peak = rss_kib("VmHWM")
+    tiers = engine.pyinfinity_engine.memory_report().params
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        engine.eval()
+        logits = engine(input_ids=ids).logits
+    engine.destroy()
+    return {"meta": meta, "before_kib": before, "after_build_kib": after_build, "peak_kib": peak, "tiers": tiers,
+            "logits_finite": bool(torch.isfinite(logits).all())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("phase")
@@ -323,11 +408,15 @@ def main() -> None:
     ap.add_argument("--own", type=int, default=0)
     ap.add_argument("--final", type=int, default=0)
     ap.add_argument("--lora", type=int, default=0)
+    ap.add_argument("--zero-init", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
     opts = ap.parse_args()
+    global DEVICE
+    DEVICE = opts.device
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"trainer": phase_trainer, "sft": phase_sft, "accelerate": phase_accelerate,
-           "misuse": phase_misuse}[opts.phase](out, opts)
+           "misuse": phase_misuse, "big_write": phase_big_write, "big_load": phase_big_load}[opts.phase](out, opts)
     (out / "result.json").write_text(json.dumps(res))
 
 

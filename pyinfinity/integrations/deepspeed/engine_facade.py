@@ -284,7 +284,9 @@ def build_facade(model: nn.Module, ds_config: dict, cfg: dict, *, optimizer: Any
         _check_optimizer_covers(model, list(model_parameters))
     from pyinfinity.engine import initialize as engine_initialize
 
-    engine = engine_initialize(model, cfg)
+    from pyinfinity.integrations.deepspeed.zero_init import weights_source
+
+    engine = engine_initialize(model, cfg, weights=weights_source(model))  # a meta model: its checkpoint streamed in
     try:
         from pyinfinity.integrations.deepspeed import gathered
 

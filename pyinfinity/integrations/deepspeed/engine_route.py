@@ -9,7 +9,9 @@ config without the section to DeepSpeed's own and otherwise builds pyinfinity's 
 the facade of ``engine_facade`` (what Trainer and Accelerate call on DeepSpeed's engine).
 ``deepspeed.zero.GatheredParameters`` gets a stand-in the same way (``gathered``): a library that
 reads an engine's parameter outside its module's forward (TRL's fused LM-head loss) has it made
-resident through the engine's coordinator.
+resident through the engine's coordinator. ``deepspeed.zero.Init`` too (``zero_init``):
+transformers' ZeRO-3 ``from_pretrained`` then builds the model on the meta device, and the engine
+streams the checkpoint into its tiers module by module, never holding the whole model.
 
 Accelerate is patched when ``accelerate.accelerator`` is imported, for a config with the section
 only: an optimizer offloaded with no ``"optimizer"`` section makes it replace the user's torch
@@ -37,19 +39,9 @@ from pyinfinity.integrations.deepspeed.route_checks import (PLANNED_KEYS, SECTIO
 log = logging.getLogger(__name__)
 
 _original_initialize: Optional[Callable[..., Any]] = None
-
-
-def _init_process_group() -> None:
-    """A process group of one, as DeepSpeed's initialize makes (Trainer gathers its logged losses
-    through it): in memory (no port, no launcher's environment needed), then DeepSpeed's comm over it."""
-    import torch
-    import torch.distributed as dist
-    from deepspeed import comm
-
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+#: zero_optimization keys whose "auto" pyinfinity's planner decides (other "auto" values left by the libraries
+#: are dropped: pyinfinity's defaults apply)
+PLANNED_ZERO_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold")
 
 
 def engine_config(config: dict, optimizer: Any) -> dict:
@@ -66,8 +58,8 @@ def engine_config(config: dict, optimizer: Any) -> dict:
         cfg.pop(key, None)
     for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"):
         z.pop(key, None)
-    for key in [k for k, v in z.items() if v == "auto"]:
-        del z[key]  # pyinfinity's defaults and planner decide them
+    for key in [k for k, v in z.items() if v == "auto" and k not in PLANNED_ZERO_KEYS]:
+        del z[key]  # pyinfinity's defaults decide them
     for key in [k for k, v in cfg.items() if v == "auto"]:
         del cfg[key]
     for key in ("fp16", "bf16"):
@@ -97,8 +89,10 @@ def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     if callable(optimizer) and not hasattr(optimizer, "param_groups"):
         raise refuse("optimizer", "a callable building the optimizer: pyinfinity's engine builds its own offloaded "
                       "Adam", "pass a torch.optim.AdamW or an \"optimizer\" section")
-    _init_process_group()
     from pyinfinity.integrations.deepspeed.engine_facade import build_facade
+    from pyinfinity.integrations.deepspeed.zero_init import init_process_group
+
+    init_process_group()
 
     facade = build_facade(model, config, engine_config(config, optimizer), optimizer=optimizer,
                           model_parameters=a.get("model_parameters"), lr_scheduler=a.get("lr_scheduler"))
@@ -106,7 +100,7 @@ def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
 
 
 def install_route(deepspeed: types.ModuleType) -> None:
-    """Replaces ``deepspeed.initialize`` (and ``zero.GatheredParameters``) by
+    """Replaces ``deepspeed.initialize`` (and ``zero.Init`` / ``zero.GatheredParameters``) by
     pyinfinity's route; idempotent. Called by ``post_import`` once ``deepspeed`` is imported."""
     global _original_initialize
     current = getattr(deepspeed, "initialize")
@@ -116,21 +110,23 @@ def install_route(deepspeed: types.ModuleType) -> None:
     route = functools.wraps(current)(initialize)
     setattr(route, MARK, True)
     deepspeed.initialize = route
-    from pyinfinity.integrations.deepspeed import gathered
+    from pyinfinity.integrations.deepspeed import gathered, zero_init
 
     gathered.install(deepspeed.zero)
+    zero_init.install(deepspeed.zero)
     log.debug("pyinfinity: deepspeed.initialize routes a config with a %r section to pyinfinity's engine", SECTION)
 
 
 def uninstall_route() -> None:
-    """Puts DeepSpeed's own ``initialize`` (and GatheredParameters) back."""
+    """Puts DeepSpeed's own ``initialize`` (and zero.Init / GatheredParameters) back."""
     global _original_initialize
     ds = sys.modules.get("deepspeed")
     if ds is not None and _original_initialize is not None:
         ds.initialize = _original_initialize
-        from pyinfinity.integrations.deepspeed import gathered
+        from pyinfinity.integrations.deepspeed import gathered, zero_init
 
         gathered.uninstall(ds.zero)
+        zero_init.uninstall(ds.zero)
     _original_initialize = None
 
 

@@ -57,6 +57,8 @@ class GatheredParameters:
         self._inner: Any
         if not enabled or not params:
             self._inner = contextlib.nullcontext()
+        elif not ours and all(p.is_meta for p in params):
+            self._inner = contextlib.nullcontext()  # built by zero_init.Init: the engine loads their values
         elif not ours:
             self._inner = _original(params, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled)
         else:
