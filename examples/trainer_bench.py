@@ -37,7 +37,8 @@ def write_model(path: Path) -> None:
     if (path / "config.json").exists():
         return
     path.mkdir(parents=True, exist_ok=True)
-    mc = LlamaConfig(**SHAPE, torch_dtype="bfloat16")
+    mc = LlamaConfig(**SHAPE)
+    mc.dtype = "bfloat16"
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in LlamaForCausalLM(mc).state_dict().items()}
     g = torch.Generator().manual_seed(0)
@@ -71,7 +72,8 @@ def worker(way: str, model_dir: str, steps: int, warmup: int, cap: int, out: str
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    if way == "deepspeed":  # the same cap for DeepSpeed: torch's allocator limit for the process
+    cuda = torch.cuda.is_available()  # (the CPU: a smoke run of this script's logic only)
+    if way == "deepspeed" and cuda:  # the same cap for DeepSpeed: torch's allocator limit for the process
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
     tmp = tempfile.mkdtemp(prefix=f"trainer_bench_{way}_")
@@ -79,7 +81,7 @@ def worker(way: str, model_dir: str, steps: int, warmup: int, cap: int, out: str
                              per_device_train_batch_size=BATCH, gradient_accumulation_steps=1, max_steps=steps,
                              gradient_checkpointing=True, learning_rate=1e-4, max_grad_norm=0.0, weight_decay=0.0,
                              warmup_steps=0, save_strategy="no", logging_steps=1, report_to=[], disable_tqdm=True,
-                             optim="adamw_torch", seed=0)
+                             optim="adamw_torch", seed=0, use_cpu=not cuda)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)  # under zero.Init (ZeRO-3)
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": (ids := torch.randint(0, SHAPE["vocab_size"], (TOKENS,), generator=g)), "labels": ids}
@@ -88,11 +90,13 @@ def worker(way: str, model_dir: str, steps: int, warmup: int, cap: int, out: str
 
     class StepTimes(TrainerCallback):
         def on_step_end(self, *a, **k):
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             ends.append(time.perf_counter())
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[StepTimes()])
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
     timed = ends[warmup - 1:] if warmup > 0 else ends
     s_per_step = (timed[-1] - timed[0]) / max(1, len(timed) - 1)
@@ -102,7 +106,7 @@ def worker(way: str, model_dir: str, steps: int, warmup: int, cap: int, out: str
     Path(out).write_text(json.dumps({
         "way": f"{way} engine through Trainer", "engine": type(trainer.model_wrapped).__name__,
         "s_per_step": s_per_step, "tokens_per_s": BATCH * TOKENS / s_per_step,
-        "peak_gpu_bytes": torch.cuda.max_memory_reserved(), "peak_rss_bytes": rss, "losses": losses,
+        "peak_gpu_bytes": torch.cuda.max_memory_reserved() if cuda else None, "peak_rss_bytes": rss, "losses": losses,
         "timed_steps": len(timed) - 1}))
 
 
@@ -153,7 +157,10 @@ def main() -> int:
             continue
         res = Path(f"{logs}.{way}.result.json")
         res.unlink(missing_ok=True)
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # the box's transformers/Accelerate may be of another release series than the tested ones (refused by
+        # default): the benchmark runs them with a warning, and the JSON records the versions
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   PYINFINITY_HF_UNTESTED="1")
         r = subprocess.run([sys.executable, __file__, "--worker", way, "--result", str(res), "--steps", str(a.steps),
                             "--warmup", str(a.warmup), "--gpu-memory", a.gpu_memory, "--model-dir", str(model_dir)],
                            env=env, capture_output=True, text=True)
@@ -178,8 +185,16 @@ def main() -> int:
         print(f"{r['way']:42} {r['s_per_step']:8.3f} {r['tokens_per_s']:10,.0f} {gpu:>10} {rss:>10}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
+    import importlib.metadata as md
+
+    versions = {}
+    for name in ("torch", "transformers", "accelerate", "deepspeed"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
     Path(a.out).write_text(json.dumps({"rows": rows, "ratios": ratios, "steps": a.steps, "warmup": a.warmup,
-                                       "gpu_memory": a.gpu_memory}, indent=1))
+                                       "gpu_memory": a.gpu_memory, "versions": versions}, indent=1))
     print(f"json: {a.out}")
     return 0 if all("error" not in r for r in rows) else 1
 

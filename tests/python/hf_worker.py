@@ -184,7 +184,8 @@ def phase_sft(out: Path, opts: argparse.Namespace) -> dict:
 
     base = write_base(out.parent / "base")
     tok = tokenizer(base)
-    model = LlamaForCausalLM.from_pretrained(str(base))
+    # --zero-init: SFTTrainer given the directory loads it itself, after its arguments (under zero.Init)
+    model = str(base) if opts.zero_init else LlamaForCausalLM.from_pretrained(str(base))
     g = torch.Generator().manual_seed(2)
     texts = [" ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (SEQ - 1,), generator=g)) for _ in range(16)]
     (out / "nvme").mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,8 @@ def test_trainer_resumed_from_its_checkpoint_continues_exactly_and_saves_each_ch
 def test_sft_trainer_trains_lora_adapters_over_the_offloaded_base_and_saves_what_peft_loads(tmp_path: Path) -> None:
     pytest.importorskip("trl")
     peft = pytest.importorskip("peft")
-    res = run_worker("sft", tmp_path / "lora", "--lora", "1")
+    # the model given as its directory: SFTTrainer loads it under zero.Init (meta) and PEFT wraps it there
+    res = run_worker("sft", tmp_path / "lora", "--lora", "1", "--zero-init", "1")
     assert res["engine"] == "PyinfinityDeepSpeedEngine"
     assert res["trainable"] and all("lora_" in n for n in res["trainable"])  # the base stays frozen
     assert len(res["losses"]) == 4 and res["losses"][-1] < res["losses"][0]

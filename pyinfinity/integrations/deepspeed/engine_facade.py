@@ -284,9 +284,13 @@ def build_facade(model: nn.Module, ds_config: dict, cfg: dict, *, optimizer: Any
         _check_optimizer_covers(model, list(model_parameters))
     from pyinfinity.engine import initialize as engine_initialize
 
+    from pyinfinity import adapters
     from pyinfinity.integrations.deepspeed.zero_init import weights_source
 
-    engine = engine_initialize(model, cfg, weights=weights_source(model))  # a meta model: its checkpoint streamed in
+    weights = weights_source(model)  # a meta model (built under zero.Init): its checkpoint is streamed in
+    if weights is not None and adapters.is_peft_model(model):
+        adapters.init_new_adapters(model)  # PEFT put new adapters on the meta base's device
+    engine = engine_initialize(model, cfg, weights=weights)
     try:
         from pyinfinity.integrations.deepspeed import gathered
 
