@@ -26,10 +26,22 @@ def run_worker(phase: str, out: Path, *args: str, timeout: int = 300, gpu: bool 
     return json.loads((out / "result.json").read_text())
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _deepspeed_importable() -> None:
     if ds.run_snippet("import deepspeed").returncode != 0:
         pytest.skip("deepspeed is not importable")
+
+
+def test_a_library_release_outside_the_known_series_is_refused_naming_the_known_ones(monkeypatch) -> None:
+    from pyinfinity.config_values import ConfigError
+    from pyinfinity.integrations.deepspeed import route_checks
+
+    monkeypatch.setattr(route_checks, "KNOWN_SERIES", {"pytest": ((0, 1),)})
+    monkeypatch.delenv(route_checks.UNTESTED_ENV, raising=False)
+    with pytest.raises(ConfigError, match=r"pytest \S+ \(known: 0\.1\.x\).*PYINFINITY_HF_UNTESTED=1"):
+        route_checks.check_versions()
+    monkeypatch.setenv(route_checks.UNTESTED_ENV, "1")
+    route_checks.check_versions()  # a warning only
 
 
 def by_step(res: dict, key: str) -> dict:
