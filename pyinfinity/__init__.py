@@ -42,3 +42,14 @@ def __getattr__(name: str):
 
         return DeviceBudgetExceeded
     raise AttributeError(f"module 'pyinfinity' has no attribute {name!r}")
+
+
+# Hugging Face Trainer, TRL and Accelerate reach an engine through `deepspeed.initialize`: once DeepSpeed
+# (and Accelerate) are imported, a config with a "pyinfinity" section is routed to pyinfinity's engine
+# (integrations/deepspeed/engine_route.py). Only a finder is registered here: nothing is imported now.
+from pyinfinity import post_import as _post_import  # noqa: E402
+
+_post_import.when_imported("deepspeed", "pyinfinity.integrations.deepspeed.engine_route:install_route")
+_post_import.when_imported("accelerate.accelerator", "pyinfinity.integrations.deepspeed.engine_route:patch_accelerate")
+_post_import.when_imported("trl.trainer.utils", "pyinfinity.integrations.deepspeed.gathered:patch_trl")
+_post_import.when_imported("transformers.modeling_utils", "pyinfinity.integrations.deepspeed.zero_init:patch_transformers")

@@ -205,10 +205,20 @@ def _give_copies_storage(model: nn.Module) -> None:
                                                              requires_grad=p.requires_grad)
 
 
-def _init_adapters(model: nn.Module, rng: torch.Tensor) -> None:
+def init_new_adapters(model: nn.Module) -> None:
+    """LoRA weights PEFT left on the meta device made on the CPU as PEFT makes them, drawing from
+    the current random state: a base built under ``zero.Init`` on the DeepSpeed route, wrapped by
+    PEFT (TRL's ``SFTTrainer(model=DIR, peft_config=...)``) before pyinfinity sees the model."""
+    if any(ab[name].weight.is_meta for layer in lora_layers(model).values() for ab in (layer.lora_A, layer.lora_B)
+           for name in ab.keys()):
+        _init_adapters(model, torch.random.get_rng_state(), replay_check=False)
+
+
+def _init_adapters(model: nn.Module, rng: torch.Tensor, replay_check: bool = True) -> None:
     """Makes the LoRA weights again on the CPU, drawing from ``rng`` what PEFT drew from it:
     ``nn.Linear(in, r)`` and ``nn.Linear(r, out)`` built, then ``reset_lora_parameters``, layer by
-    layer in module order; cast through the base layer's dtype to the dtype PEFT left them in."""
+    layer in module order; cast through the base layer's dtype to the dtype PEFT left them in.
+    ``replay_check``: PEFT drew from ``rng`` before, and must have drawn as much as the replay."""
     after = torch.random.get_rng_state()
     torch.random.set_rng_state(rng)
     replayed = None
@@ -227,7 +237,7 @@ def _init_adapters(model: nn.Module, rng: torch.Tensor) -> None:
         replayed = torch.random.get_rng_state()
     finally:
         torch.random.set_rng_state(after)
-    if not torch.equal(replayed, after):  # PEFT drew more or less than replayed: the values would differ
+    if replay_check and not torch.equal(replayed, after):  # PEFT drew more or less than replayed: the values would differ
         raise AdapterError("peft_config: PEFT initialised the adapters differently than pyinfinity replays it "
                            f"(peft {require_peft().__version__}); this version is not supported")
 
@@ -336,6 +346,7 @@ def base_config(model: nn.Module) -> Any:
 
 
 __all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
+           "init_new_adapters",
            "check_adapters_materialized", "checkpoint_keys", "saved_copies", "replaced_originals",
            "build_peft_model", "get_peft_model",
            "merged_key", "lora_owner", "merge_weight", "base_config", "training_identity", "PEFT_PREFIX",

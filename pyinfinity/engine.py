@@ -344,9 +344,10 @@ class Engine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-batch's loss (scaled for accumulation and fp16); gradients leave
-        the device as they are produced."""
+        the device as they are produced. ``scale_wrt_gas=False`` (DeepSpeed's keyword): the loss
+        is already divided by the accumulation steps (Hugging Face Trainer's is)."""
         self.state.check_trainable("backward()")
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise TypeError(f"loss: expected a tensor that requires grad (the output of engine(...) in train mode), "
@@ -355,7 +356,7 @@ class Engine:
         scaled = loss
         if self.config.fp16.enabled:
             scaled = scaled * self.scaler.scale
-        if self.gradient_accumulation_steps > 1:
+        if self.gradient_accumulation_steps > 1 and scale_wrt_gas:
             scaled = scaled / self.gradient_accumulation_steps
         opt = self.optimizer
         if self.state.pending_backward:
@@ -410,7 +411,17 @@ class Engine:
         self.state.drain("synchronize()")
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next backward()/step() ends the accumulation window: as the caller set it
+        (``set_gradient_accumulation_boundary``), else every ``gradient_accumulation_steps`` micro-batches."""
+        told = self.__dict__.get("_boundary")
+        if told is not None:
+            return told
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """DeepSpeed's: the caller says whether the next backward()/step() ends the window (a
+        training loop whose last window of an epoch is shorter); None goes back to counting."""
+        self._boundary = None if is_boundary is None else bool(is_boundary)
 
     def step(self) -> Optional[StepRecord]:
         """Counts a micro-batch; at the accumulation boundary applies the optimizer (in the

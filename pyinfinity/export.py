@@ -80,6 +80,23 @@ def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.
     return files
 
 
+def state_dict(state: "TrainingState", *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The trained weights as one state dict in memory (the whole model: what DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict`` returns), each in its parameter's original dtype, the
+    buffers included; ``trainable_only``: the trainable parameters only (a LoRA run's adapters)."""
+    state.check_trainable("state_dict()")
+    state.quiesce("state_dict()")
+    state.coordinator.release_all()
+    names, buffers = _names(state)
+    out: dict[str, torch.Tensor] = {}
+    for sh in state.partition.shards:
+        if sh.trainable or not trainable_only:
+            out.update(_shard_tensors(state, sh, names))
+    if not trainable_only:
+        out.update(buffers)
+    return out
+
+
 def _names(state: "TrainingState") -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:
     """The state-dict keys of every offloaded parameter (several when tied) and the buffers' values."""
     names: dict[int, list[str]] = {}
@@ -158,4 +175,4 @@ def _write_model(state: "TrainingState", out_dir: str, names: dict[int, list[str
     return files
 
 
-__all__ = ["write", "EXPORT_FILE_BYTES"]
+__all__ = ["write", "state_dict", "EXPORT_FILE_BYTES"]

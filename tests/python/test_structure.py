@@ -34,7 +34,7 @@ FACE = PACKAGE  # the package's __init__: its imports inside functions are lazy 
 # draws the same table.
 LAYERS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("core", ("_C",), ()),
-    ("leaves", ("config_values", "units", "device", "guards", "presets"), ("core",)),
+    ("leaves", ("config_values", "units", "device", "guards", "presets", "post_import"), ("core",)),
     ("config", ("config",), ("leaves",)),
     ("swap", ("swap", "aio"), ("core", "leaves", "config")),
     ("layout", ("layout",), ("leaves",)),
@@ -42,11 +42,14 @@ LAYERS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("plan", ("plan",), ("core", "leaves", "config", "layout")),
     ("state io", ("checkpoint", "export", "pretrained", "adapters", "resume"),
      ("core", "leaves", "config", "swap", "layout", "zero")),
-    ("integrations", ("integrations",), ("core", "leaves", "config", "swap", "layout", "plan")),
     ("engine", ("engine", "telemetry"), ("core", "leaves", "config", "swap", "layout", "zero", "plan", "state io")),
-    # the package face (pyinfinity/__init__.py) imports nothing of pyinfinity when it loads: its imports
-    # inside functions (the engine, the names it hands out) are lazy, and the one kind allowed anywhere
-    ("face", ("",), ()),
+    # DeepSpeed's I/O backend, and pyinfinity's engine behind deepspeed.initialize (which builds an engine)
+    ("integrations", ("integrations",),
+     ("core", "leaves", "config", "swap", "layout", "zero", "plan", "state io", "engine")),
+    # the package face (pyinfinity/__init__.py) imports only leaves when it loads (the post-import finder
+    # it registers); its imports inside functions (the engine, the names it hands out) are lazy, the one
+    # kind allowed anywhere
+    ("face", ("",), ("leaves",)),
     ("tools", ("bench", "cli", "data", "__main__"),
      ("core", "leaves", "config", "swap", "layout", "zero", "plan", "state io", "engine", "face")),
 ]
