@@ -1,11 +1,14 @@
 """What the engine reports about its steps and its memory: a ``StepRecord`` per optimizer step
 (``Engine.history``, returned by ``step()``), a ``MemoryReport`` on demand (``memory_report()``),
-and the medians the planner's closing comparison of predicted and measured step times reads."""
+the medians the planner's closing comparison of predicted and measured step times reads, and the
+``Progress`` of the start's long phase (the weights written to their tiers)."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from pyinfinity.config import format_size
 
@@ -91,4 +94,54 @@ def measured_parts(history: list) -> dict[str, float]:
             "waits for new values": med([r.step_wait_seconds for r in steady])}
 
 
-__all__ = ["StepRecord", "MemoryReport", "host_rss", "measured_parts"]
+class Progress:
+    """Progress of a long phase, logged at INFO at most every ``interval`` seconds: modules done of
+    the total, bytes, the rate and the time left at that rate. Nothing is logged for a phase that
+    ends within one interval (a small model's start stays quiet)."""
+
+    def __init__(self, what: str, modules: int, nbytes: int, *, interval: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, logger: Optional[logging.Logger] = None) -> None:
+        self.what, self.total_modules, self.total_bytes = what, max(0, modules), max(0, nbytes)
+        self.interval, self.clock = interval, clock
+        self.log = logger or logging.getLogger("pyinfinity.progress")
+        self.modules = self.bytes = 0
+        self.t0 = self.last = clock()
+        self.lines = 0
+
+    def advance(self, modules: int = 0, nbytes: int = 0) -> None:
+        self.modules += modules
+        self.bytes += nbytes
+        now = self.clock()
+        if now - self.last >= self.interval:
+            self.last = now
+            self.lines += 1
+            self.log.info("%s", self.line(now))
+
+    def line(self, now: Optional[float] = None) -> str:
+        elapsed = max(1e-9, (self.clock() if now is None else now) - self.t0)
+        rate = self.bytes / elapsed
+        left = (self.total_bytes - self.bytes) / rate if rate > 0 and self.total_bytes > self.bytes else 0.0
+        return (f"{self.what}: {self.modules}/{self.total_modules} modules, {format_size(self.bytes)} of "
+                f"{format_size(self.total_bytes)} ({format_size(rate)}/s), {_duration(elapsed)} so far, "
+                f"about {_duration(left)} left")
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def default_logging() -> None:
+    """Makes the engine's INFO lines (the plan, the start's progress, a step line every
+    ``steps_per_print`` steps) visible where the application configured no logging: when the root
+    logger has no handler and the ``pyinfinity`` logger's level was left alone, that logger gets
+    level INFO; the package's own stderr handler (``pyinfinity/__init__.py``) prints them, as
+    transformers' library logger does. Setting the ``pyinfinity`` logger's level
+    (``logging.getLogger("pyinfinity").setLevel(logging.WARNING)``) or configuring logging
+    (``logging.basicConfig``) first leaves everything as set."""
+    lib = logging.getLogger("pyinfinity")
+    if lib.level == logging.NOTSET and not logging.getLogger().handlers:
+        lib.setLevel(logging.INFO)
+
+
+__all__ = ["StepRecord", "MemoryReport", "Progress", "default_logging", "host_rss", "measured_parts"]

@@ -489,10 +489,25 @@ def clean_checkpoint_leftovers(save_dir: str) -> list[str]:
 
 def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
     """The engine's start checks and claim, from its resolved ``pyinfinity.config.Config`` and the
-    model's ``ModelSizes``: the device and RAM budgets (``CapacityError`` saying how much is
-    missing and where), then the swap directories of every state class placed on NVMe (locked,
-    cleaned of a crashed run's files, checked for free space). An ownership with no directories
-    when nothing goes to NVMe."""
+    model's ``ModelSizes``: the device and RAM budgets (``check_budgets``), then the swap
+    directories of every state class placed on NVMe (locked, cleaned of a crashed run's files,
+    checked for free space). An ownership with no directories when nothing goes to NVMe."""
+    z = cfg.zero_optimization
+    op, oo = z.offload_param, z.offload_optimizer
+    param_nvme, optim_nvme = check_budgets(cfg, sizes, n_tensors)
+    plans = []
+    if op.device == "nvme":
+        plans.append(SpacePlan("params", list(op.nvme_path), param_nvme, n_tensors))
+    if oo.device == "nvme":
+        plans.append(SpacePlan("optimizer", list(oo.nvme_path), optim_nvme, n_tensors))
+    dirs = [d for p in plans for d in p.dirs]
+    return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
+
+
+def check_budgets(cfg: Any, sizes: Any, n_tensors: int = 1) -> tuple[int, int]:
+    """The device and RAM budgets of a resolved config against the model's state (``CapacityError``
+    saying how much is missing and where); returns the bytes the parameters and the optimizer
+    state put on NVMe (upper bounds). Writes nothing."""
     z = cfg.zero_optimization
     op, oo = z.offload_param, z.offload_optimizer
     itemsize = max(1, sizes.param_bytes // max(1, sizes.numel))
@@ -541,16 +556,10 @@ def claim_swap_dirs(cfg: Any, sizes: Any, n_tensors: int = 1) -> SwapOwnership:
                        + ("" if op.device != "none" else " or offload the parameters"))
     if missing:
         raise CapacityError("the model's training state does not fit: " + "; ".join(missing))
-    plans = []
-    if op.device == "nvme":
-        plans.append(SpacePlan("params", list(op.nvme_path), param_nvme, n_tensors))
-    if oo.device == "nvme":
-        plans.append(SpacePlan("optimizer", list(oo.nvme_path), optim_nvme, n_tensors))
-    dirs = [d for p in plans for d in p.dirs]
-    return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
+    return param_nvme, optim_nvme
 
 
-__all__ = ["SwapOwnership", "SpacePlan", "CapacityError", "SwapSpaceTooSmall", "SwapDirBusyError", "claim_swap_dirs",
+__all__ = ["SwapOwnership", "SpacePlan", "CapacityError", "SwapSpaceTooSmall", "SwapDirBusyError", "claim_swap_dirs", "check_budgets",
            "clean_checkpoint_leftovers",
            # from swap.manifest and swap.directories, importable from here as before
            "Owner", "SwapFileError", "read_manifest", "write_fsynced", "fsync_path", "LOCK_NAME", "MANIFEST_NAME",
