@@ -98,3 +98,25 @@ def test_the_starts_progress_says_modules_bytes_and_time_left_every_interval(cap
     assert [r.getMessage() for r in caplog.records] == [
         "loading the weights into their tiers: 3/10 modules, 2.00 GiB of 10.00 GiB (409.60 MiB/s), 5s so far, "
         "about 20s left"]
+
+
+def test_the_planned_step_is_logged_once_not_with_every_decision(caplog, tmp_path):
+    import logging
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pyinfinity
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "auto", "nvme_path": str(tmp_path)},
+                                 "offload_optimizer": {"device": "auto", "nvme_path": str(tmp_path)}},
+           "pyinfinity": {"device": "cpu", "device_memory": "64MiB"}}
+    with caplog.at_level(logging.INFO, logger="pyinfinity"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+        with pyinfinity.initialize(model, cfg):
+            pass
+    predicted = [r.getMessage() for r in caplog.records if "s/step (compute" in r.getMessage()]
+    assert len(predicted) == 1 and predicted[0].startswith("plan:"), predicted
+    decided = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto: ")]
+    assert any("zero_optimization.offload_param.device = " in m and "see the plan above" in m for m in decided)
