@@ -457,9 +457,22 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
                   device=str(dev), source={k: UNPROBED for k in ("h2d", "d2h", "disk_read", "disk_write", "adam",
                                                                   "matmul", "memcpy")})
     placement = evaluate(sizes, train, budgets, rates, k, cfg.nvme_paths)
-    if placement.violations:
+    violations = [v for v in placement.violations if not v.startswith("host RAM")]
+    # on the CPU device the device pool is host RAM the device budget already bounds (its own check
+    # above): the host check here is of what the tiers, gradients and staging take beside it
+    pool = placement.device_bytes if budgets.device_is_host else 0
+    host = placement.host_bytes - pool
+    if host > budgets.host_memory:
+        p = placement
+        staging = host - p.params.ram - p.optimizer.ram - p.grads.ram
+        violations.append(f"host RAM: needs {fmt(host)} (parameters {fmt(p.params.ram)}, optimizer states "
+                          f"{fmt(p.optimizer.ram)}, gradient buffers {fmt(p.grads.ram)}, staging {fmt(staging)})"
+                          + (f" beside the device pool's {fmt(pool)}" if pool else "")
+                          + f", budget {fmt(budgets.host_memory)}")
+    placement.violations = violations
+    if violations:
         raise PlanError("the config's placement does not fit this machine (nothing was written): "
-                        + "; ".join(placement.violations + _fixed_hints(placement)))
+                        + "; ".join(violations + _fixed_hints(placement)))
     return placement
 
 

@@ -120,3 +120,32 @@ def test_the_planned_step_is_logged_once_not_with_every_decision(caplog, tmp_pat
     assert len(predicted) == 1 and predicted[0].startswith("plan:"), predicted
     decided = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto: ")]
     assert any("zero_optimization.offload_param.device = " in m and "see the plan above" in m for m in decided)
+
+
+def test_the_engines_start_logs_its_progress_through_the_weights(caplog, monkeypatch, tmp_path):
+    """The start's progress lines (here one per module: interval 0) count modules and bytes up to the
+    model's totals while the weights are initialised into their tiers."""
+    import functools
+    import logging
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pyinfinity
+    import pyinfinity.zero.state as state_mod
+    from pyinfinity.telemetry import Progress
+
+    monkeypatch.setattr(state_mod, "Progress", functools.partial(Progress, interval=0.0))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+           "pyinfinity": {"device": "cpu", "device_memory": "64MiB"}}
+    with pyinfinity.init_empty(cfg):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    with caplog.at_level(logging.INFO, logger="pyinfinity.progress"):
+        with pyinfinity.initialize(model, cfg):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "pyinfinity.progress"]
+    assert lines and all(m.startswith("initialising the weights in their tiers: ") for m in lines)
+    n = sum(1 for m in model.modules() if m._parameters)
+    assert f"{n}/{n} modules" in lines[-1] and "left" in lines[-1], lines[-1]
