@@ -106,7 +106,6 @@ class Progress:
         self.log = logger or logging.getLogger("pyinfinity.progress")
         self.modules = self.bytes = 0
         self.t0 = self.last = clock()
-        self.lines = 0
 
     def advance(self, modules: int = 0, nbytes: int = 0) -> None:
         self.modules += modules
@@ -114,7 +113,6 @@ class Progress:
         now = self.clock()
         if now - self.last >= self.interval:
             self.last = now
-            self.lines += 1
             self.log.info("%s", self.line(now))
 
     def line(self, now: Optional[float] = None) -> str:

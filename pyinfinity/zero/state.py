@@ -161,7 +161,7 @@ class TrainingState:
             # a random init draws its values on the GPU, a module at a time, within a quarter of the budget
             materialize = functools.partial(materialize_module, init_device=device, init_bytes=device_memory // 4)
         progress = Progress("loading the weights into their tiers" if loading else
-                            "initialising the weights in their tiers", n_modules, sizes.param_bytes)
+                            "writing the weights to their tiers", n_modules, sizes.param_bytes)
         make = materialize or materialize_module
 
         def materialize_counted(m: nn.Module, root: Any, replaced: dict) -> None:

@@ -124,7 +124,7 @@ def test_the_planned_step_is_logged_once_not_with_every_decision(caplog, tmp_pat
 
 def test_the_engines_start_logs_its_progress_through_the_weights(caplog, monkeypatch, tmp_path):
     """The start's progress lines (here one per module: interval 0) count modules and bytes up to the
-    model's totals while the weights are initialised into their tiers."""
+    model's totals while the weights are initialised and written to their tiers."""
     import functools
     import logging
 
@@ -146,6 +146,6 @@ def test_the_engines_start_logs_its_progress_through_the_weights(caplog, monkeyp
         with pyinfinity.initialize(model, cfg):
             pass
     lines = [r.getMessage() for r in caplog.records if r.name == "pyinfinity.progress"]
-    assert lines and all(m.startswith("initialising the weights in their tiers: ") for m in lines)
+    assert lines and all(m.startswith("writing the weights to their tiers: ") for m in lines)
     n = sum(1 for m in model.modules() if m._parameters)
     assert f"{n}/{n} modules" in lines[-1] and "left" in lines[-1], lines[-1]
