@@ -454,12 +454,12 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
         train.activation_bytes = 0
     unit = 1.0  # placeholders: evaluate's bytes do not depend on the rates
     rates = Rates(h2d=unit, d2h=unit, disk_read=unit, disk_write=unit, adam=unit, matmul=unit, memcpy=unit,
-                  device=str(dev), source={k: UNPROBED for k in ("h2d", "d2h", "disk_read", "disk_write", "adam",
+                  device=str(dev), source={f: UNPROBED for f in ("h2d", "d2h", "disk_read", "disk_write", "adam",
                                                                   "matmul", "memcpy")})
     placement = evaluate(sizes, train, budgets, rates, k, cfg.nvme_paths)
     violations = [v for v in placement.violations if not v.startswith("host RAM")]
-    # on the CPU device the device pool is host RAM the device budget already bounds (its own check
-    # above): the host check here is of what the tiers, gradients and staging take beside it
+    # on the CPU device the device pool is host RAM that the device budget bounds (the device memory
+    # check): the host check here is of what the tiers, gradients and staging take beside it
     pool = placement.device_bytes if budgets.device_is_host else 0
     host = placement.host_bytes - pool
     if host > budgets.host_memory:
@@ -525,5 +525,6 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     return evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
 
 
-__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config", "Decision", "DEFAULT_SEQ_LEN",
-           "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads", "measured_compute", "run_dtype"]
+__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config",
+           "Decision", "DEFAULT_SEQ_LEN", "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads",
+           "measured_compute", "run_dtype"]
