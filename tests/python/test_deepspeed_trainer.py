@@ -155,3 +155,30 @@ def test_the_docs_plain_deepspeed_script_and_sizing_run_as_printed(tmp_path: Pat
             assert "offload_param.buffer_size" in r.stdout, r.stdout
     assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*")), \
         sorted(str(p) for p in (tmp_path / "nvme").rglob("*"))
+
+
+def test_a_run_deepspeed_swaps_nothing_of_is_said_and_leaves_nothing(tmp_path: Path) -> None:
+    """The docs' script with a model whose partitions are all below DeepSpeed's swap threshold and
+    the optimizer state in CPU memory: DeepSpeed writes nothing under nvme_path; a warning says
+    so at exit, and the folders made for the run are gone."""
+    import re
+
+    if ds.run_snippet("import deepspeed").returncode != 0:
+        pytest.skip("deepspeed is not importable")
+    swap = tmp_path / "nvme" / "ds_swap"
+    config = json.loads(docs_blocks("json")[0].replace("/mnt/nvme0/ds_swap", str(swap)))
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    script = next(b for b in docs_blocks("python") if "deepspeed.initialize(" in b)
+    tiny = ("model_config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+            "num_attention_heads=4, num_key_value_heads=2, vocab_size=256)")
+    script = re.sub(r"^model_config = LlamaConfig\((.|\n)*?\)[^\n]*\n", tiny + "\n", script, count=1, flags=re.M)
+    (tmp_path / "train_ds.py").write_text(script)
+    env = {k: v for k, v in ds._env({}).items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
+                                                                  "MASTER_ADDR")}
+    r = subprocess.run([sys.executable, "train_ds.py"], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "DeepSpeed wrote nothing to its swap folders" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*")), \
+        sorted(str(p) for p in (tmp_path / "nvme").rglob("*"))
