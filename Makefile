@@ -19,8 +19,8 @@ GEN = $(shell (test -x $(VENV)/bin/ninja || command -v ninja) >/dev/null 2>&1 &&
 # Small enough for a CPU in a few minutes; parameters and optimizer states on NVMe (SWAP_DIR,
 # a git-ignored folder here; point it at a real NVMe mount to measure one).
 SWAP_DIR ?= .swap
-# Without a GPU: 24.6 MiB of weights against a 16 MiB device budget, everything on NVMe: about
-# 90 s on 2 cores.
+# Without a GPU: 24.6 MiB of weights against a 16 MiB device budget, everything on NVMe: minutes on
+# 2 cores (README and BENCHMARKS.md say how many).
 TRAIN_ARGS_CPU ?= --model-size small --steps 20 --seq 128 --batch 4 --offload nvme --nvme $(SWAP_DIR) \
 	--gpu-memory 16MiB --device cpu
 # With a GPU (the venv's torch sees one): the 0.81B "1b" preset, whose bf16 weights (1.51 GiB) exceed
@@ -31,7 +31,7 @@ TRAIN_ARGS_GPU ?= --model-size 1b --steps 40 --seq 512 --batch 4 --checkpoint-ac
 HAS_GPU = $(shell $(PY) -c "import torch; print(1 if torch.cuda.is_available() else '')" 2>/dev/null)
 TRAIN_ARGS ?= $(if $(HAS_GPU),$(TRAIN_ARGS_GPU),$(TRAIN_ARGS_CPU))
 
-.PHONY: train test test-gpu venv build test-cpp test-asan test-tsan test-python clean
+.PHONY: train test test-note test-quick test-gpu venv build test-cpp test-asan test-tsan test-python clean
 
 # What the extension is built from: `make build` reinstalls it only when one of these is newer
 # than the stamp (a second `make build` with nothing changed does nothing).
@@ -50,11 +50,25 @@ $(VENV)/.built: $(VENV)/.bootstrapped $(EXT_SOURCES)
 
 build: $(VENV)/.built
 
+# SWAP_DIR is removed after the run when it is left empty (the engine removes its swap files at close).
 train: build
 	mkdir -p $(SWAP_DIR)
-	$(PY) -m pyinfinity train $(TRAIN_ARGS)
+	$(PY) -m pyinfinity train $(TRAIN_ARGS); rc=$$?; rmdir $(SWAP_DIR) 2>/dev/null; exit $$rc
 
-test: build test-cpp test-asan test-tsan test-python
+TEST_TIME_NOTE = "make test: the C++ suites (plain, ASan+UBSan, TSan builds; about 8 min on 2 cores), then pytest's \
+	1,150 tests: about 17 min in all on a quiet 2-core machine, 50 on a busy one. For a first check: make test-quick"
+
+test: test-note build test-cpp test-asan test-tsan test-python
+
+test-note:
+	@echo $(TEST_TIME_NOTE)
+
+# A first check in a few minutes: the config, the README's examples, the engine's training paths
+# on the CPU, the swap layer and logging. `make test` stays the full suite.
+QUICK_TESTS = tests/python/test_config.py tests/python/test_readme.py tests/python/test_swap_engine.py \
+	tests/python/test_zero_partition.py tests/python/test_logging.py tests/python/test_docs.py
+test-quick: build
+	$(PY) -m pytest -q -rs -p no:cacheprovider $(QUICK_TESTS)
 
 # $(1): build dir, $(2): extra cmake flags, $(3): environment for the test run
 define cpp_suite

@@ -9,13 +9,13 @@ __version__ = "0.1.0"
 
 
 class _UnconfiguredWarnings(logging.StreamHandler):
-    """WARNING and above to stderr while the application has configured no logging (the root logger
-    has no handler), like ``logging.lastResort``; once it has, records go its way only. INFO stays
-    quiet either way: a user must see e.g. that stale swap files were removed, not every step."""
+    """pyinfinity's records to stderr while the application has configured no logging (the root
+    logger has no handler), like ``logging.lastResort``; once it has, records go its way only. What
+    passes is the ``pyinfinity`` logger's level: WARNING and above by default (the root's), INFO from
+    the first engine on (``telemetry.default_logging``: the plan, progress and step lines)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.setLevel(logging.WARNING)
         self.setFormatter(logging.Formatter("pyinfinity %(levelname)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:

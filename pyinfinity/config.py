@@ -68,7 +68,7 @@ SizeOrAuto = Union[int, str]
 
 # DeepSpeed keys that mean something to DeepSpeed but nothing here: accepted, warned about once.
 IGNORED_TOP = {
-    "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
+    "wall_clock_breakdown", "dump_state", "prescale_gradients",
     "gradient_predivide_factor", "sparse_gradients", "memory_breakdown", "flops_profiler",
     "tensorboard", "wandb", "csv_monitor", "comms_logger", "communication_data_type",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp", "autotuning",
@@ -263,7 +263,7 @@ class EngineConfig:
     host_memory: SizeOrAuto = AUTO
     prefetch: bool = True
     optimizer_step_device: str = "cpu"  # cpu | device (states streamed to the compute device)
-    log_every: int = 1
+    log_every: Optional[int] = None  # the step line's interval; None: the top-level steps_per_print
     checksums: bool = False
     overlap_step: Union[bool, str] = AUTO  # True | False | "auto"
     resident_bytes: SizeOrAuto = AUTO
@@ -282,6 +282,7 @@ class Config:
     train_micro_batch_size_per_gpu: int = 1
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
+    steps_per_print: int = 10  # a step line every this many optimizer steps (DeepSpeed's key and default)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -573,7 +574,7 @@ def _parse_engine(d: dict) -> EngineConfig:
     if "optimizer_threads" in d:
         v = d["optimizer_threads"]
         e.optimizer_threads = AUTO if v == AUTO else _int(v, "pyinfinity.optimizer_threads", 1)
-    if "log_every" in d:
+    if d.get("log_every") is not None:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
@@ -628,6 +629,8 @@ def load_config(config: Union[dict, str, os.PathLike, Config]) -> Config:
     _reconcile_batch(c, d)
     if "gradient_clipping" in d:
         c.gradient_clipping = _float(d["gradient_clipping"], "gradient_clipping")
+    if d.get("steps_per_print", AUTO) != AUTO:
+        c.steps_per_print = _int(d["steps_per_print"], "steps_per_print", 1)
     if "fp16" in d:
         f16 = d["fp16"]
         _check_keys(f16, _names(FP16Config), IGNORED_FP16, "fp16")

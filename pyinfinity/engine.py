@@ -29,7 +29,7 @@ from pyinfinity import checkpoint, guards
 from pyinfinity.config import (AUTO, Config, ConfigError, auto_overlap_off, format_size, load_config,
                                overlap_step_blocker)
 from pyinfinity.layout.charges import PlanError
-from pyinfinity.telemetry import MemoryReport, StepRecord, host_rss, measured_parts
+from pyinfinity.telemetry import MemoryReport, StepRecord, default_logging, host_rss, measured_parts
 from pyinfinity.units import auto_unit_bytes
 from pyinfinity.zero.budget import DeviceBudgetExceeded
 from pyinfinity.zero.coordinator import ParameterCoordinator
@@ -119,6 +119,18 @@ def _log_overlap_off(why: str) -> None:
         log.info("auto: pyinfinity.overlap_step = false (%s)", why)
 
 
+def _log_decisions(decisions: list) -> None:
+    """The planner's "auto" decisions, one line per reason (the planner's decisions share theirs:
+    the predicted step, which the plan's table logs once)."""
+    by_why: dict[str, list[str]] = {}
+    for d in decisions:
+        by_why.setdefault(d.why, []).append(f"{d.key} = {d.value}")
+    for why, what in by_why.items():
+        if why.startswith("planner: "):
+            why = "planner: see the plan above"
+        log.info("auto: %s (%s)", ", ".join(what), why)
+
+
 def _recomputes_activations(model: nn.Module) -> bool:
     """Whether a transformers model has activation checkpointing on (the planner's activation estimate)."""
     import warnings
@@ -146,6 +158,7 @@ class Engine:
                  lr_scheduler: Any = None, weights: Union[str, os.PathLike, None] = None, *,
                  seq_len: Optional[int] = None) -> None:
         self.state: Optional[TrainingState] = None
+        default_logging()  # the plan, the progress and the step lines show without a logging setup
         guards.check_not_wrapped(model)
         cfg = load_config(config)
         self.weights: Any = None  # pretrained.WeightLoader: names, shapes checked before anything is written
@@ -188,8 +201,15 @@ class Engine:
         plan_sizes = self.plan.inputs[0] if self.plan is not None else None
         if plan_sizes is None and self.device.type == "cuda":
             plan_sizes = sizes
-        for d in decisions:
-            log.info("auto: %s = %s (%s)", d.key, d.value, d.why)
+        _log_decisions(decisions)
+        if self.plan is None:  # a placement the config fixes: checked against this machine before a byte is written
+            from pyinfinity.layout.pools import engine_pools
+            from pyinfinity.plan.resolve import budget_summary, check_placement
+            from pyinfinity.swap.ownership import check_budgets
+
+            check_budgets(cfg, engine_pools(cfg, sizes, sum(1 for m in model.modules() if m._parameters)))
+            log.info("%s", budget_summary(check_placement(cfg, model, self.device, seq_len=seq_len,
+                                                          checkpointing=checkpointing)))
         self.config = cfg
         self.auto_decisions = decisions
         planned = {d.key for d in decisions}
@@ -459,7 +479,7 @@ class Engine:
         rec = self._record(res, lr)
         self.history.append(rec)
         self.state.placement.after_step()
-        if self.global_steps % self.config.pyinfinity.log_every == 0:
+        if self.global_steps % (self.config.pyinfinity.log_every or self.config.steps_per_print) == 0:
             log.info("step %d loss %.4f lr %.3g %.0f tok/s peak %s overlap %s", rec.step, rec.loss, rec.lr,
                      rec.tokens_per_s, format_size(rec.peak_device_bytes),
                      "n/a" if rec.overlap_fraction is None else f"{rec.overlap_fraction:.2f}")

@@ -76,10 +76,11 @@ def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.
         from pyinfinity.pretrained import copy_tokenizer_files
 
         files += copy_tokenizer_files(tokenizer_dir, out_dir)
-    log.info("exported %d files to %s", len(files), out_dir)
+    log.info("exported %d files to %s%s", len(files), out_dir, _dtype_note(state, peft_model and not merge_adapters))
     return files
 
 
+<<<<<<< HEAD
 def state_dict(state: "TrainingState", *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The trained weights as one state dict in memory (the whole model: what DeepSpeed's
     ``_zero3_consolidated_16bit_state_dict`` returns), each in its parameter's original dtype, the
@@ -95,6 +96,21 @@ def state_dict(state: "TrainingState", *, trainable_only: bool = False) -> dict[
     if not trainable_only:
         out.update(buffers)
     return out
+=======
+def _dtype_note(state: "TrainingState", adapters_only: bool) -> str:
+    """What dtype the weights were written in, said where it is not the one the run computed in
+    (a model built in fp32 and trained in bf16 is exported in fp32, as its own parameters are)."""
+    shards = [sh for sh in state.partition.shards if sh.trainable or not adapters_only]
+    written = sorted({str(s.orig_dtype).replace("torch.", "") for sh in shards for s in sh.slices})
+    cfg = state.config
+    compute = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else None
+    names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    written = [names.get(d, d) for d in written]
+    if compute is None or written == [compute]:
+        return f" (weights in {', '.join(written)})" if written else ""
+    return (f" (weights in {', '.join(written)}, each parameter's own dtype, from the fp32 masters; the run computed "
+            f"in {compute}: cast them, e.g. model.to(torch.bfloat16), for {compute} files)")
+>>>>>>> newcomer
 
 
 def _names(state: "TrainingState") -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:

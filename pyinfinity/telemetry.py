@@ -1,9 +1,12 @@
 """What the engine reports about its steps and its memory: a ``StepRecord`` per optimizer step
 (``Engine.history``, returned by ``step()``), a ``MemoryReport`` on demand (``memory_report()``),
-and the medians the planner's closing comparison of predicted and measured step times reads."""
+the medians the planner's closing comparison of predicted and measured step times reads, and the
+default logging that shows step lines and the start's progress (``progress.Progress``)."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,4 +94,17 @@ def measured_parts(history: list) -> dict[str, float]:
             "waits for new values": med([r.step_wait_seconds for r in steady])}
 
 
-__all__ = ["StepRecord", "MemoryReport", "host_rss", "measured_parts"]
+def default_logging() -> None:
+    """Makes the engine's INFO lines (the plan, the start's progress, a step line every
+    ``steps_per_print`` steps) visible where the application configured no logging: when the root
+    logger has no handler and the ``pyinfinity`` logger's level was left alone, that logger gets
+    level INFO; the package's own stderr handler (``pyinfinity/__init__.py``) prints them, as
+    transformers' library logger does. Setting the ``pyinfinity`` logger's level
+    (``logging.getLogger("pyinfinity").setLevel(logging.WARNING)``) or configuring logging
+    (``logging.basicConfig``) first leaves everything as set."""
+    lib = logging.getLogger("pyinfinity")
+    if lib.level == logging.NOTSET and not logging.getLogger().handlers:
+        lib.setLevel(logging.INFO)
+
+
+__all__ = ["StepRecord", "MemoryReport", "default_logging", "host_rss", "measured_parts"]

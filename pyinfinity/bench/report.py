@@ -145,18 +145,6 @@ def _check_build() -> tuple[list[Check], dict[str, Any]]:
     return checks, info
 
 
-def _cuda_status_words(status: str) -> str:
-    """The CUDA runtime's no-device status as a user reads it: error 35 ("driver insufficient") is
-    what the runtime says when no NVIDIA driver is loaded at all, 100 when it sees no GPU."""
-    if "cudaError 35" in status:
-        if not os.path.exists("/proc/driver/nvidia/version"):
-            return "no NVIDIA driver / no GPU"
-        return "the NVIDIA driver is older than the CUDA runtime pyinfinity was built with: update the driver"
-    if "cudaError 100" in status:
-        return "no NVIDIA driver / no GPU (the driver sees no device)"
-    return status
-
-
 def _check_gpu(info: dict[str, Any]) -> list[Check]:
     gpus, why = mach.gpu_info()
     cuda_built = info.get("cuda", info.get("cuda_compiled", None))
@@ -174,8 +162,9 @@ def _check_gpu(info: dict[str, Any]) -> list[Check]:
     else:
         try:
             import pyinfinity._C as C
+            from pyinfinity.swap.stager import cuda_status_words
 
-            why += f"; CUDA runtime: {_cuda_status_words(C.cuda_status())}"
+            why += f"; CUDA runtime: {cuda_status_words(C.cuda_status())}"
         except (ImportError, AttributeError):
             pass
         checks.append(Check("GPUs", WARN, why,

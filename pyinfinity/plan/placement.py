@@ -293,7 +293,7 @@ def solve(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
                           f"({rates.device_adam_source(train.optimizer_state)}) predicts "
                           f"{alt.predicted.total:.3f} s/step against {best.predicted.total:.3f}: it stays on the host "
                           "(pyinfinity.device_optimizer_bytes sets it)")
-    log.info("plan: params %s, optimizer %s; %s", best.knobs.param_device, best.knobs.optimizer_device,
+    log.debug("plan: params %s, optimizer %s; %s", best.knobs.param_device, best.knobs.optimizer_device,
              best.predicted.breakdown())
     return best
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from pyinfinity.config import default_optimizer_threads, load_config, optimizer_threads, overlap_step_blocker
-from pyinfinity.layout.charges import PlanError, TrainShape, largest_shape
+from pyinfinity.layout.charges import PlanError, TrainShape, fmt, largest_shape
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.plan.budgets import Budgets, measure_budgets
@@ -413,6 +413,91 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     return out, decisions, placement
 
 
+UNPROBED = "not probed: the config fixes the placement"
+
+
+def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, seq_len: Optional[int] = None,
+                    checkpointing: bool = False, budgets: Optional[Budgets] = None) -> Placement:
+    """The placement of a resolved config that fixes every placement knob (``plan_engine_config``
+    returned no plan), checked against this machine's budgets before the engine writes a byte:
+    PlanError, one line naming every budget it exceeds (device, host RAM, each swap filesystem's
+    free space) and the bytes, as ``solve`` refuses a plan. No rate is probed (bytes need none),
+    so the Placement's times are not a prediction: ``Placement.table`` is not for this one; the
+    engine logs ``budget_summary``. Activations are charged as ``plan_engine_config`` charges
+    them: not on the CPU device, and on a GPU only when ``seq_len`` is known (the first forward
+    checks a batch's shape against the budget)."""
+    from pyinfinity.plan.rates import Rates
+
+    dev = torch.device(device)
+    ub = cfg.pyinfinity.unit_bytes
+    sizes = model_sizes(model, compute_dtype(cfg), unit_bytes=ub if isinstance(ub, int) else None)
+    if budgets is None:
+        dm, hm = cfg.pyinfinity.device_memory, cfg.pyinfinity.host_memory
+        budgets = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
+                                  host_memory=hm if isinstance(hm, int) else None)
+    fixed, owned = _fixed_from(cfg, None)
+    for name in UNPLANNED_ALONE & owned:
+        setattr(fixed, name, 0)
+    for name, value in budget_sizing(cfg, sizes, budgets.device_memory).items():
+        setattr(fixed, name, value)
+    k = Knobs(**{name: getattr(fixed, name) for name in KEYS})
+    oo = cfg.zero_optimization.offload_optimizer
+    k.pipeline = oo.pipeline_read or oo.pipeline_write
+    train = _train_shape(cfg, seq_len, checkpointing)
+    if dev.type != "cuda" or seq_len is None:
+        train.activation_bytes = 0
+    unit = 1.0  # placeholders: evaluate's bytes do not depend on the rates
+    rates = Rates(h2d=unit, d2h=unit, disk_read=unit, disk_write=unit, adam=unit, matmul=unit, memcpy=unit,
+                  device=str(dev), source={f: UNPROBED for f in ("h2d", "d2h", "disk_read", "disk_write", "adam",
+                                                                  "matmul", "memcpy")})
+    placement = evaluate(sizes, train, budgets, rates, k, cfg.nvme_paths)
+    violations = [v for v in placement.violations if not v.startswith("host RAM")]
+    # on the CPU device the device pool is host RAM that the device budget bounds (the device memory
+    # check): the host check here is of what the tiers, gradients and staging take beside it
+    pool = placement.device_bytes if budgets.device_is_host else 0
+    host = placement.host_bytes - pool
+    if host > budgets.host_memory:
+        p = placement
+        staging = host - p.params.ram - p.optimizer.ram - p.grads.ram
+        violations.append(f"host RAM: needs {fmt(host)} (parameters {fmt(p.params.ram)}, optimizer states "
+                          f"{fmt(p.optimizer.ram)}, gradient buffers {fmt(p.grads.ram)}, staging {fmt(staging)})"
+                          + (f" beside the device pool's {fmt(pool)}" if pool else "")
+                          + f", budget {fmt(budgets.host_memory)}")
+    placement.violations = violations
+    if violations:
+        raise PlanError("the config's placement does not fit this machine (nothing was written): "
+                        + "; ".join(violations + _fixed_hints(placement)))
+    return placement
+
+
+def _fixed_hints(p: Placement) -> list[str]:
+    """What to change for each budget a fixed placement exceeds."""
+    hints = []
+    kinds = {v.split(":", 1)[0] for v in p.violations}
+    if "device memory" in kinds:
+        hints.append("raise pyinfinity.device_memory, or lower stage3_prefetch_bucket_size or the micro-batch")
+    if "host RAM" in kinds:
+        on_disk = p.knobs.param_device == "nvme" and p.knobs.optimizer_device == "nvme"
+        hints.append("raise pyinfinity.host_memory (the gradient buffers and the staging stay in RAM whatever the "
+                     "tiers) or train a smaller model" if on_disk else
+                     "put more on NVMe (offload_param/offload_optimizer device \"nvme\") or raise "
+                     "pyinfinity.host_memory")
+    if "swap" in kinds:
+        hints.append("give nvme_path directories on a disk with that room")
+    hints.append("`pyinfinity plan --config FILE` shows what fits this machine")
+    return hints
+
+
+def budget_summary(placement: Placement) -> str:
+    """One line of what a placement charges each budget (the engine's start, for a fixed placement)."""
+    swap = f"; swap {fmt(placement.swap_bytes)} on disk" if placement.swap_bytes else ""
+    return (f"plan (the config's placement, checked): parameters on {placement.knobs.param_device}, optimizer "
+            f"state on {placement.knobs.optimizer_device}; device peak {fmt(placement.device_bytes)} of "
+            f"{fmt(placement.device_memory)}, host RAM {fmt(placement.host_bytes)} of {fmt(placement.host_memory)}"
+            f"{swap}; step time not predicted (no rates probed for a fixed placement: `pyinfinity plan --config "
+            "FILE` predicts it)")
+
+
 def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets, rates: Rates, *,
                  seq_len: Optional[int] = None, checkpointing: bool = False) -> Placement:
     """The placement and predicted step time of a fully specified config (a hand configuration);
@@ -432,5 +517,6 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     return evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
 
 
-__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "plan_config", "Decision", "DEFAULT_SEQ_LEN",
-           "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads", "measured_compute", "run_dtype"]
+__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config",
+           "Decision", "DEFAULT_SEQ_LEN", "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads",
+           "measured_compute", "run_dtype"]

@@ -490,11 +490,26 @@ def clean_checkpoint_leftovers(save_dir: str) -> list[str]:
 def claim_swap_dirs(cfg: Any, pools: Any) -> SwapOwnership:
     """The engine's start checks and claim, from its resolved ``pyinfinity.config.Config`` and the
     layout's byte totals (``layout.pools.EnginePools``): the device and RAM budgets
-    (``CapacityError`` saying how much is missing and where), then the swap directories of every
-    state class placed on NVMe (locked, cleaned of a crashed run's files, checked for the
-    layout's bytes of free space). An ownership with no directories when nothing goes to NVMe."""
+    (``check_budgets``), then the swap directories of every state class placed on NVMe (locked,
+    cleaned of a crashed run's files, checked for the layout's bytes of free space). An ownership
+    with no directories when nothing goes to NVMe."""
+    check_budgets(cfg, pools)
     z = cfg.zero_optimization
     op, oo = z.offload_param, z.offload_optimizer
+    plans = []
+    if op.device == "nvme":
+        plans.append(SpacePlan("params", list(op.nvme_path), pools.param_disk, pools.n_tensors))
+    if oo.device == "nvme":
+        plans.append(SpacePlan("optimizer", list(oo.nvme_path), pools.optim_disk, pools.n_tensors))
+    dirs = [d for p in plans for d in p.dirs]
+    return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
+
+
+def check_budgets(cfg: Any, pools: Any) -> None:
+    """The device and RAM budgets of a resolved config against the layout's byte totals
+    (``layout.pools.EnginePools``): ``CapacityError`` saying how much is missing and where.
+    Writes nothing."""
+    op = cfg.zero_optimization.offload_param
     missing = []
     host = cfg.pyinfinity.host_memory
     ram_need = pools.host
@@ -514,16 +529,9 @@ def claim_swap_dirs(cfg: Any, pools: Any) -> SwapOwnership:
                        + ("" if op.device != "none" else " or offload the parameters"))
     if missing:
         raise CapacityError("the model's training state does not fit: " + "; ".join(missing))
-    plans = []
-    if op.device == "nvme":
-        plans.append(SpacePlan("params", list(op.nvme_path), pools.param_disk, pools.n_tensors))
-    if oo.device == "nvme":
-        plans.append(SpacePlan("optimizer", list(oo.nvme_path), pools.optim_disk, pools.n_tensors))
-    dirs = [d for p in plans for d in p.dirs]
-    return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
 
 
-__all__ = ["SwapOwnership", "SpacePlan", "CapacityError", "SwapSpaceTooSmall", "SwapDirBusyError", "claim_swap_dirs",
+__all__ = ["SwapOwnership", "SpacePlan", "CapacityError", "SwapSpaceTooSmall", "SwapDirBusyError", "claim_swap_dirs", "check_budgets",
            "clean_checkpoint_leftovers",
            # from swap.manifest and swap.directories, importable from here as before
            "Owner", "SwapFileError", "read_manifest", "write_fsynced", "fsync_path", "LOCK_NAME", "MANIFEST_NAME",

@@ -1,6 +1,7 @@
 """CudaStager: file <-> GPU tensors through pinned bounce buffers, disk and PCIe overlapped."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -8,6 +9,19 @@ import torch
 from pyinfinity import _C
 from pyinfinity.swap.checks import as_path, check_offset, check_tensor, nbytes
 from pyinfinity.swap.engine import FileLike, SwapEngine
+
+
+def cuda_status_words(status: str) -> str:
+    """The CUDA runtime's no-device status (``_C.cuda_status()``) as a user reads it: error 35
+    ("driver insufficient") is what the runtime says when no NVIDIA driver is loaded at all, 100
+    when the driver sees no GPU."""
+    if "cudaError 35" in status:
+        if not os.path.exists("/proc/driver/nvidia/version"):
+            return "no NVIDIA driver / no GPU"
+        return "the NVIDIA driver is older than the CUDA runtime pyinfinity was built with: update the driver"
+    if "cudaError 100" in status:
+        return "no NVIDIA driver / no GPU (the driver sees no device)"
+    return status
 
 
 def cuda_available() -> bool:
@@ -27,7 +41,8 @@ class CudaStager:
     def __init__(self, engine: Optional[SwapEngine] = None, device: Optional[int] = None,
                  chunk_bytes: Optional[int] = None, num_buffers: Optional[int] = None) -> None:
         if not _C.cuda_compiled() or _C.cuda_device_count() == 0:
-            raise RuntimeError(f"CudaStager needs a CUDA device: {_C.cuda_status()}")
+            why = cuda_status_words(_C.cuda_status()) if _C.cuda_compiled() else "pyinfinity was built without CUDA"
+            raise RuntimeError(f"CudaStager needs a CUDA device: {why}")
         self.engine = engine if engine is not None else SwapEngine()
         dev = torch.cuda.current_device() if device is None else int(device)
         kwargs = {}

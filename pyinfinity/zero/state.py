@@ -39,6 +39,7 @@ from pyinfinity.layout.shards import Knobs, ParamTiers, device_units
 from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
+from pyinfinity.progress import Progress
 from pyinfinity.zero.budget import FetchStats
 from pyinfinity.zero.coordinator import DeviceCopies, ParameterCoordinator
 from pyinfinity.zero.device_placement import DevicePlacement
@@ -167,16 +168,28 @@ class TrainingState:
         self._finalizer = weakref.finalize(self, TrainingState._cleanup, self.param_swapper, self.optim_swapper,
                                            self._swap_engines, self.ownership, self._held)
         atexit.register(self._finalizer)
+        loading = materialize is not None  # a checkpoint's weights (pretrained.WeightLoader), else an init
         if materialize is None and device.type == "cuda" and device_memory:
             # a random init draws its values on the GPU, a module at a time, within a quarter of the budget
             materialize = functools.partial(materialize_module, init_device=device, init_bytes=device_memory // 4)
+        progress = Progress("loading the weights into their tiers" if loading else
+                            "writing the weights to their tiers", n_modules, sizes.param_bytes)
+        make = materialize or materialize_module
+
+        def materialize_counted(m: nn.Module, root: Any, replaced: dict) -> None:
+            make(m, root, replaced)
+            progress.advance(modules=1 if m._parameters else 0)
+
+        def place_counted(shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> None:
+            self._place_shard(shard, flat, flat32)
+            progress.advance(nbytes=flat.numel() * flat.element_size())
+
         try:
             t0 = time.perf_counter()
             self.partition = partition_model(model, fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled,
                                              persistence_threshold=int(z.stage3_param_persistence_threshold),
-                                             on_shard=self._place_shard, device=device,
-                                             unit_bytes=int(cfg.pyinfinity.unit_bytes),
-                                             **({"materialize": materialize} if materialize is not None else {}))
+                                             on_shard=place_counted, device=device,
+                                             unit_bytes=int(cfg.pyinfinity.unit_bytes), materialize=materialize_counted)
             log.info("placed %d units (%d shards) in %.2fs", self.partition.units, len(self.partition.shards),
                      time.perf_counter() - t0)
             self.ownership.flush()  # the manifest lists every slot

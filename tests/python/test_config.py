@@ -38,7 +38,16 @@ def test_misspelt_key_names_key_and_suggests(cfg, key, suggestion):
 def test_ignored_deepspeed_key_warns_once(caplog):
     with caplog.at_level(logging.WARNING, logger="pyinfinity.config"):
         load_config(base(steps_per_print=10, wall_clock_breakdown=False))
-    assert any("steps_per_print" in r.getMessage() for r in caplog.records)
+    assert any("wall_clock_breakdown" in r.getMessage() for r in caplog.records)
+
+
+def test_steps_per_print_is_the_step_lines_interval_as_in_deepspeed(caplog):
+    assert load_config(base()).steps_per_print == 10  # DeepSpeed's default
+    with caplog.at_level(logging.WARNING, logger="pyinfinity.config"):
+        assert load_config(base(steps_per_print=3)).steps_per_print == 3
+    assert not any("steps_per_print" in r.getMessage() for r in caplog.records)  # it acts: no "ignored"
+    with pytest.raises(ConfigError, match="steps_per_print"):
+        load_config(base(steps_per_print=0))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

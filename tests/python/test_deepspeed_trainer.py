@@ -73,3 +73,112 @@ def test_trainer_with_deepspeed_config_swaps_through_pyinfinity(tmp_path: Path) 
     assert any("bfloat16params" in f for f in files) and any("exp_avg" in f for f in files), sorted(files)
     assert files <= set(res["written"]) and files <= set(res["read"])   # every swap file through pyinfinity
     assert "async_io" not in res["loaded_ops"]
+
+
+def docs_trainer_script() -> str:
+    """docs/deepspeed.md's Trainer script, as printed."""
+    import re
+
+    text = (ds.ROOT / "docs" / "deepspeed.md").read_text(encoding="utf-8")
+    blocks = [m.group(1) for m in re.finditer(r"^```python[^\n]*\n(.*?)^```", text, re.S | re.M)]
+    return next(b for b in blocks if "Trainer(" in b and "train_ds =" in b)
+
+
+def test_the_docs_trainer_script_trains_and_checkpoints_as_printed(tmp_path: Path) -> None:
+    """The script with two substitutions: MODEL, the model it documents as a Hub name or a local
+    directory, is a small local Llama; nvme_path is under tmp_path. It trains on the CPU with
+    bf16, saves its two checkpoints (Trainer's double save_checkpoint into one folder, which
+    DeepSpeed 0.19's NVMe optimizer copy refuses on its own), and leaves nothing under nvme_path."""
+    import re
+
+    from tests.python.pretrained_dirs import make_model_dir
+
+    pytest.importorskip("accelerate")
+    if ds.run_snippet("import deepspeed").returncode != 0:
+        pytest.skip("deepspeed is not importable")
+    model = make_model_dir(str(tmp_path / "model"), "llama", hidden=768, layers=2, shard="200MB")
+    src, n = re.subn(r'^MODEL = "[^"]*"', f'MODEL = "{model}"', docs_trainer_script(), flags=re.M)
+    assert n == 1, "the script no longer sets MODEL on a line of its own"
+    swap = tmp_path / "nvme" / "ds_swap"
+    assert "/mnt/nvme0/ds_swap" in src
+    (tmp_path / "train.py").write_text(src.replace("/mnt/nvme0/ds_swap", str(swap)))
+    env = {k: v for k, v in ds._env({}).items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
+                                                                  "MASTER_ADDR", "DS_ACCELERATOR")}
+    r = subprocess.run([sys.executable, "train.py"], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    for step in (2, 4):
+        copy = tmp_path / "out" / f"checkpoint-{step}" / f"global_step{step}" / "offloaded_tensors" / "rank00"
+        assert any(copy.glob("*.swp")), f"no NVMe optimizer state in {copy}"
+    state = json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses)
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*")), \
+        sorted(str(p) for p in (tmp_path / "nvme").rglob("*"))
+
+
+def docs_blocks(lang: str) -> list[str]:
+    import re
+
+    text = (ds.ROOT / "docs" / "deepspeed.md").read_text(encoding="utf-8")
+    return [m.group(1) for m in re.finditer(rf"^```{lang}[^\n]*\n(.*?)^```", text, re.S | re.M)]
+
+
+def test_the_docs_plain_deepspeed_script_and_sizing_run_as_printed(tmp_path: Path) -> None:
+    """docs/deepspeed.md's install lines, its ds_config.json with the training script that loads it
+    (the model line replaced by the one the script documents for a CPU, nvme_path under
+    tmp_path), and the sizing snippet: each runs in its own interpreter as printed; the training
+    writes and reads its swap files through pyinfinity and leaves nothing under nvme_path."""
+    import re
+
+    if ds.run_snippet("import deepspeed").returncode != 0:
+        pytest.skip("deepspeed is not importable")
+    swap = tmp_path / "nvme" / "ds_swap"
+    (config,) = docs_blocks("json")[:1]
+    (tmp_path / "ds_config.json").write_text(config.replace("/mnt/nvme0/ds_swap", str(swap)))
+    python = docs_blocks("python")
+    script = next(b for b in python if "deepspeed.initialize(" in b)
+    cpu = re.search(r"^# on a CPU: (model_config = .*)$", script, re.M)
+    assert cpu, "the script no longer documents its CPU model line"
+    script = re.sub(r"^model_config = LlamaConfig\((.|\n)*?\)[^\n]*\n", cpu.group(1) + "\n", script, count=1,
+                    flags=re.M)
+    script += "\nst = pyinf_ds.stats()\nassert st.writes and st.reads and st.files_written, st\n"
+    env = {k: v for k, v in ds._env({}).items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
+                                                                  "MASTER_ADDR")}
+    for name, src in (("install.py", python[0]), ("train_ds.py", script),
+                      ("sizing.py", next(b for b in python if "sizing.changes" in b))):
+        (tmp_path / name).write_text(src)
+        r = subprocess.run([sys.executable, name], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, name + "\n" + r.stdout[-3000:] + r.stderr[-6000:]
+        if name == "sizing.py":
+            assert "offload_param.buffer_size" in r.stdout, r.stdout
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*")), \
+        sorted(str(p) for p in (tmp_path / "nvme").rglob("*"))
+
+
+def test_a_run_deepspeed_swaps_nothing_of_is_said_and_leaves_nothing(tmp_path: Path) -> None:
+    """The docs' script with a model whose partitions are all below DeepSpeed's swap threshold and
+    the optimizer state in CPU memory: DeepSpeed writes nothing under nvme_path; a warning says
+    so at exit, and the folders made for the run are gone."""
+    import re
+
+    if ds.run_snippet("import deepspeed").returncode != 0:
+        pytest.skip("deepspeed is not importable")
+    swap = tmp_path / "nvme" / "ds_swap"
+    config = json.loads(docs_blocks("json")[0].replace("/mnt/nvme0/ds_swap", str(swap)))
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    script = next(b for b in docs_blocks("python") if "deepspeed.initialize(" in b)
+    tiny = ("model_config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+            "num_attention_heads=4, num_key_value_heads=2, vocab_size=256)")
+    script = re.sub(r"^model_config = LlamaConfig\((.|\n)*?\)[^\n]*\n", tiny + "\n", script, count=1, flags=re.M)
+    (tmp_path / "train_ds.py").write_text(script)
+    env = {k: v for k, v in ds._env({}).items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
+                                                                  "MASTER_ADDR")}
+    r = subprocess.run([sys.executable, "train_ds.py"], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "DeepSpeed wrote nothing to its swap folders" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*")), \
+        sorted(str(p) for p in (tmp_path / "nvme").rglob("*"))

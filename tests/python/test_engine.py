@@ -4,6 +4,7 @@ transformers models (generate, save_pretrained layout), life cycle."""
 from __future__ import annotations
 
 import copy
+import logging
 import os
 
 import pytest
@@ -396,3 +397,21 @@ while True:
             proc.kill()
     assert "KeyboardInterrupt" in err
     assert not list(swap.glob("*.swp"))
+
+
+def test_export_of_a_bf16_run_says_it_writes_the_models_own_fp32(engine_config, tmp_path, caplog):
+    """A model built in fp32 and trained in bf16 is exported in fp32 (its parameters' own dtype):
+    the export's log line says so, and the files hold fp32."""
+    from safetensors import safe_open
+
+    x = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pyinfinity.initialize(_tiny_llama(), engine_config("cpu", bf16={"enabled": True})) as eng:
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
+        with caplog.at_level(logging.INFO, logger="pyinfinity.export"):
+            files = eng.export(str(tmp_path / "hf"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("exported"))
+    assert "weights in fp32" in line and "computed in bf16" in line, line
+    st = next(f for f in files if f.endswith(".safetensors"))
+    with safe_open(st, "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}

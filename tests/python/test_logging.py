@@ -1,6 +1,7 @@
 """What the package logs reaches a user who configured no logging: WARNING and above on stderr
-(e.g. the removal of a crashed run's swap files), INFO not; once the application configures
-logging, records go its way only (never twice)."""
+(e.g. the removal of a crashed run's swap files), INFO not until an engine is made, then the
+engine's plan, progress and a step line every ``steps_per_print`` steps; once the application
+configures logging, records go its way only (never twice)."""
 from __future__ import annotations
 
 import subprocess
@@ -33,3 +34,118 @@ def test_a_configured_application_gets_each_record_once_its_own_way():
     err = run("logging.basicConfig(level=logging.INFO, format='APP %(levelname)s %(message)s', stream=sys.stderr)")
     assert err.count("stale swap files removed") == 1 and "APP WARNING stale swap files removed" in err
     assert "APP INFO an info line" in err
+
+
+ENGINE = """
+import logging, sys, torch
+import pyinfinity
+from transformers import LlamaConfig, LlamaForCausalLM
+{setup}
+cfg = {{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+        "zero_optimization": {{"stage": 3, "offload_param": {{"device": "cpu"}}, "offload_optimizer": {{"device": "cpu"}}}},
+        "pyinfinity": {{"device": "cpu", "device_memory": "64MiB"}}{extra}}}
+model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=256))
+with pyinfinity.initialize(model, cfg) as eng:
+    for _ in range(12):
+        b = torch.randint(0, 256, (2, 16))
+        eng.backward(eng(input_ids=b, labels=b).loss)
+        eng.step()
+"""
+
+
+def run_engine(setup: str = "", extra: str = "") -> str:
+    p = subprocess.run([sys.executable, "-c", ENGINE.format(setup=setup, extra=extra)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p.stderr
+
+
+def step_lines(err: str) -> list[int]:
+    return [int(line.split("step ", 1)[1].split()[0]) for line in err.splitlines() if " step " in f" {line}"
+            and "loss" in line]
+
+
+def test_an_engine_prints_a_step_line_every_ten_steps_without_a_logging_setup():
+    err = run_engine()
+    assert step_lines(err) == [10], err
+    assert "plan (the config's placement, checked)" in err and "engine ready" in err
+
+
+def test_steps_per_print_sets_the_step_lines_interval():
+    assert step_lines(run_engine(extra=', "steps_per_print": 4')) == [4, 8, 12]
+
+
+def test_a_user_quiets_the_engine_by_setting_the_package_loggers_level():
+    err = run_engine('logging.getLogger("pyinfinity").setLevel(logging.WARNING)')
+    assert step_lines(err) == [] and "engine ready" not in err, err
+
+
+def test_the_starts_progress_says_modules_bytes_and_time_left_every_interval(caplog):
+    import logging
+
+    from pyinfinity.progress import Progress
+
+    now = [100.0]
+    prog = Progress("loading the weights into their tiers", 10, 10 << 30, interval=5.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="pyinfinity.progress"):
+        prog.advance(modules=1, nbytes=1 << 30)
+        now[0] += 4.0
+        prog.advance(modules=1, nbytes=1 << 30)  # within the interval: quiet
+        assert not caplog.records
+        now[0] += 1.0  # 5 s in, 2 GiB done: 8 GiB left at 2 GiB / 5 s
+        prog.advance(modules=1, nbytes=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "loading the weights into their tiers: 3/10 modules, 2.00 GiB of 10.00 GiB (409.60 MiB/s), 5s so far, "
+        "about 20s left"]
+
+
+def test_the_planned_step_is_logged_once_not_with_every_decision(caplog, tmp_path):
+    import logging
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pyinfinity
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "auto", "nvme_path": str(tmp_path)},
+                                 "offload_optimizer": {"device": "auto", "nvme_path": str(tmp_path)}},
+           "pyinfinity": {"device": "cpu", "device_memory": "64MiB"}}
+    with caplog.at_level(logging.INFO, logger="pyinfinity"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+        with pyinfinity.initialize(model, cfg):
+            pass
+    predicted = [r.getMessage() for r in caplog.records if "s/step (compute" in r.getMessage()]
+    assert len(predicted) == 1 and predicted[0].startswith("plan:"), predicted
+    decided = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto: ")]
+    assert any("zero_optimization.offload_param.device = " in m and "see the plan above" in m for m in decided)
+
+
+def test_the_engines_start_logs_its_progress_through_the_weights(caplog, monkeypatch, tmp_path):
+    """The start's progress lines (here one per module: interval 0) count modules and bytes up to the
+    model's totals while the weights are initialised and written to their tiers."""
+    import functools
+    import logging
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pyinfinity
+    import pyinfinity.zero.state as state_mod
+    from pyinfinity.progress import Progress
+
+    monkeypatch.setattr(state_mod, "Progress", functools.partial(Progress, interval=0.0))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+           "pyinfinity": {"device": "cpu", "device_memory": "64MiB"}}
+    with pyinfinity.init_empty(cfg):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    with caplog.at_level(logging.INFO, logger="pyinfinity.progress"):
+        with pyinfinity.initialize(model, cfg):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "pyinfinity.progress"]
+    assert lines and all(m.startswith("writing the weights to their tiers: ") for m in lines)
+    n = sum(1 for m in model.modules() if m._parameters)
+    assert f"{n}/{n} modules" in lines[-1] and "left" in lines[-1], lines[-1]

@@ -96,3 +96,31 @@ def test_bootstrap_from_a_virtual_environment_uses_its_torch(tmp_path):
     q = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, sys; print(torch.__file__)"],
                        capture_output=True, text=True, timeout=120)
     assert q.returncode == 0 and q.stdout.startswith(sys.prefix), q.stdout + q.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_says_how_long_it_takes_and_offers_a_quick_subset(tmp_path):
+    venv = fake_venv(tmp_path, gpu=False)
+    full = subprocess.run(["make", "-n", "-C", ROOT, "test", f"VENV={venv}"], capture_output=True, text=True,
+                          timeout=60)
+    assert full.returncode == 0, full.stderr
+    first = next(line for line in full.stdout.splitlines() if line.startswith("echo"))
+    assert "min" in first and "make test-quick" in first  # said before anything is built
+    assert "pytest" in full.stdout and "ctest" in full.stdout  # the full suite stays the full suite
+    quick = subprocess.run(["make", "-n", "-C", ROOT, "test-quick", f"VENV={venv}"], capture_output=True, text=True,
+                           timeout=60)
+    assert quick.returncode == 0, quick.stderr
+    run = next(line for line in quick.stdout.splitlines() if "-m pytest" in line)
+    files = [w for w in run.split() if w.startswith("tests/python/test_")]
+    assert files and all(os.path.exists(os.path.join(ROOT, f)) for f in files)
+    assert "ctest" not in quick.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_train_leaves_no_empty_swap_dir_behind(tmp_path):
+    venv = fake_venv(tmp_path, gpu=False)
+    p = subprocess.run(["make", "-n", "-C", ROOT, "train", f"VENV={venv}", f"SWAP_DIR={tmp_path / 'swap'}"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    run = next(line for line in p.stdout.splitlines() if "-m pyinfinity train" in line)
+    assert f"rmdir {tmp_path / 'swap'}" in run  # after the run, whatever its exit status

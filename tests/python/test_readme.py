@@ -159,3 +159,43 @@ def test_readme_examples_run_on_cuda(tmp_path, monkeypatch):
     ns = run_readme(tmp_path, monkeypatch)
     check_results(ns, tmp_path, "cuda")
     assert ns["engine"].device.index is not None
+
+
+def first_example() -> str:
+    """README's first training block, the one that builds a model under ``init_empty``."""
+    blocks = [b for b in training_blocks() if "init_empty" in b]
+    assert blocks, "README.md has no training block that builds its model under pyinfinity.init_empty"
+    return blocks[0]
+
+
+def test_the_first_example_as_printed_is_refused_in_one_line_before_it_writes(tmpfs_dir, tmp_path):
+    """The first example's model (about 5B parameters, 72 GB of state on disk), its nvme_path values
+    pointed at directories of a 64 MiB tmpfs, nothing else changed: ``initialize`` refuses it in
+    one line before anything is materialised or written (the swap directories stay empty), in
+    seconds, on any machine: its swap alone does not fit the tmpfs."""
+    import subprocess
+    import sys
+    import time
+
+    src = first_example()
+    dirs: dict[str, str] = {}
+    for m in re.finditer(NVME_PATH, src):
+        for p in re.findall(r"[\"']([^\"']*)[\"']", m.group(2)):
+            dirs.setdefault(p, os.path.join(tmpfs_dir, f"nvme{len(dirs)}"))
+    assert len(dirs) >= 1
+    # the nvme_path values alone change: the model, the config and the calls run as printed
+    script = re.sub(NVME_PATH, lambda m: m.group(1) + re.sub(r"([\"'])([^\"']*)\1",
+                                                           lambda q: f"{q.group(1)}{dirs[q.group(2)]}{q.group(1)}",
+                                                           m.group(2)), src)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYINFINITY_WAIT_TIMEOUT": "30"})
+    took = time.monotonic() - t0
+    assert p.returncode != 0, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("pyinfinity.plan.charges.PlanError: ") or "PlanError: " in last, p.stderr[-3000:]
+    assert "does not fit this machine (nothing was written)" in last and "swap: needs" in last, last
+    assert took < 120, f"the refusal took {took:.0f} s"
+    written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmpfs_dir) for f in fs)
+    assert written < 1 << 20, f"{written} bytes written under the swap directories"
+    assert "engine ready" not in p.stderr and "step " not in p.stderr

@@ -13,6 +13,7 @@ import threading
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from pyinfinity.integrations.deepspeed.checkpoints import patch_save_checkpoint, unpatch_save_checkpoint
 from pyinfinity.integrations.deepspeed.layout import PATCHED_METHODS, SUPPORTED_SERIES, check_layout
 from pyinfinity.integrations.deepspeed.ops import PIN_OP_NAME, REPLACED_OPS
 from pyinfinity.integrations.deepspeed.patching import MARK, original, restore, saved_method
@@ -74,6 +75,7 @@ def _patch(supported: Series) -> None:
             log.info("pyinfinity: deepspeed %s %s.%s().load() now returns pyinfinity's %s", deepspeed.__version__,
                      cls.__module__, cls.__name__, op.__name__)
         patch_param_swapper(supported)
+        patch_save_checkpoint()
 
 
 def _unpatch() -> None:
@@ -178,6 +180,7 @@ def uninstall() -> None:
         _remove_hook()
         _unpatch()
         unpatch_param_swapper()
+        unpatch_save_checkpoint()
         release_claims()
 
 

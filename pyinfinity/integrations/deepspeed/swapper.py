@@ -4,10 +4,12 @@ empty the first one's swap folders. Applied by ``install()`` (or :func:`patch_pa
 alone), after checking the swapper's layout; undone by ``uninstall()``."""
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
 import logging
 import os
+import shutil
 import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -141,6 +143,9 @@ def _give_back_prefetched(swapper: Any, needed: int, keep: Set[int]) -> int:
 
 # -- one job per swap folder: each rank claims its own lock before DeepSpeed touches the folder ------
 _claims: Dict[Tuple[str, int], Any] = {}  # (nvme_path, rank) -> SwapOwnership
+_made: List[str] = []  # folders the claims created (the claim folders, a missing nvme_path), removed when empty
+_swap_folders: Dict[str, str] = {}  # DeepSpeed's swap folder of this rank -> its nvme_path, removed at release
+_exit_hook = False
 
 
 def claim_dir(nvme_path: str, rank: int) -> str:
@@ -170,17 +175,55 @@ def _claim_swap_space(nvme_path: Any) -> None:
         if key in _claims and not _claims[key].released:
             return
         d = claim_dir(nvme_path, rank)
-        os.makedirs(d, exist_ok=True)
+        from pyinfinity.swap.directories import make_swap_dir
+
+        _made.extend(make_swap_dir(d, warn=False))
         _claims[key] = SwapOwnership.acquire([d])
+        global _exit_hook
+        if not _exit_hook:
+            _exit_hook = True
+            atexit.register(release_claims)
         log.info("pyinfinity: rank %d claimed %s", rank, d)
 
 
+def _note_swap_folder(swapper: Any, nvme_path: Any) -> None:
+    """Records a DeepSpeed swapper's folder (``zero_stage_3/<kind>/rank<N>`` under ``nvme_path``),
+    which this rank's claim covers: its swap files are removed with the claim."""
+    folder = getattr(swapper, "swap_folder", None)
+    if folder and nvme_path:
+        with _lock:
+            _swap_folders[os.path.abspath(folder)] = os.path.abspath(os.fspath(nvme_path))
+
+
 def release_claims() -> None:
-    """Gives back every swap-folder claim of this process (also done at exit and by uninstall())."""
+    """Gives back every swap-folder claim of this process (also done at exit and by uninstall()):
+    removes this rank's DeepSpeed swap folders (their files are of no use once the process ends:
+    DeepSpeed empties them at its next start, and a checkpoint keeps its own copy), the folders
+    the claims made, and says so when DeepSpeed swapped nothing through pyinfinity."""
+    from pyinfinity.integrations.deepspeed.ops import stats
+    from pyinfinity.swap.directories import remove_created_dirs
+
     with _lock:
+        if _claims and not stats().writes:
+            log.warning("pyinfinity: DeepSpeed wrote nothing to its swap folders under %s: every parameter "
+                        "partition was below its swap threshold (max(1 MiB, aio.block_size) bytes) and no "
+                        "optimizer state went to NVMe, so the run kept everything in memory",
+                        ", ".join(sorted({p for p, _ in _claims})))
+        for folder, root in _swap_folders.items():
+            shutil.rmtree(folder, ignore_errors=True)
+            parent = os.path.dirname(folder)
+            while parent.startswith(root + os.sep):  # zero_stage_3/<kind>, zero_stage_3 when left empty
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
+        _swap_folders.clear()
         for own in _claims.values():
             own.release()
         _claims.clear()
+        remove_created_dirs(list(_made))
+        _made.clear()
 
 
 def patch_param_swapper(supported: Tuple[Tuple[int, int], ...] = SUPPORTED_SERIES) -> None:
@@ -257,12 +300,16 @@ def patch_param_swapper(supported: Tuple[Tuple[int, int], ...] = SUPPORTED_SERIE
                 _protected.ids = outer if outer is not None else set()
 
         def configure_aio(self: Any, ds_config: Any) -> Any:
-            _claim_swap_space(ds_config.zero_config.offload_param.nvme_path)
-            return orig_configure(self, ds_config)
+            nvme_path = ds_config.zero_config.offload_param.nvme_path
+            _claim_swap_space(nvme_path)
+            out = orig_configure(self, ds_config)
+            _note_swap_folder(self, nvme_path)
+            return out
 
         def optimizer_swapper_init(self: Any, swap_config: Any, *args: Any, **kwargs: Any) -> None:
             _claim_swap_space(getattr(swap_config, "nvme_path", None))
             orig_opt_init(self, swap_config, *args, **kwargs)
+            _note_swap_folder(self, getattr(swap_config, "nvme_path", None))
 
         patched = {"swap_in": swap_in, "swappable_tensor": swappable_tensor,
                    "_ensure_availability_of_partitioned_params": ensure_availability,
