@@ -80,7 +80,6 @@ def write(state: "TrainingState", out_dir: str, *, tokenizer_dir: Union[str, os.
     return files
 
 
-<<<<<<< HEAD
 def state_dict(state: "TrainingState", *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The trained weights as one state dict in memory (the whole model: what DeepSpeed's
     ``_zero3_consolidated_16bit_state_dict`` returns), each in its parameter's original dtype, the
@@ -96,7 +95,8 @@ def state_dict(state: "TrainingState", *, trainable_only: bool = False) -> dict[
     if not trainable_only:
         out.update(buffers)
     return out
-=======
+
+
 def _dtype_note(state: "TrainingState", adapters_only: bool) -> str:
     """What dtype the weights were written in, said where it is not the one the run computed in
     (a model built in fp32 and trained in bf16 is exported in fp32, as its own parameters are)."""
@@ -110,7 +110,6 @@ def _dtype_note(state: "TrainingState", adapters_only: bool) -> str:
         return f" (weights in {', '.join(written)})" if written else ""
     return (f" (weights in {', '.join(written)}, each parameter's own dtype, from the fp32 masters; the run computed "
             f"in {compute}: cast them, e.g. model.to(torch.bfloat16), for {compute} files)")
->>>>>>> newcomer
 
 
 def _names(state: "TrainingState") -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:
