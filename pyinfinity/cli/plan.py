@@ -14,12 +14,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("plan", help="plan placement and buffers for a model and budgets",
+def add_parser(subparsers: Any, summary: str) -> None:
+    p = subparsers.add_parser("plan", help=summary,
                               description=__doc__)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="CONFIG", help="a transformers config.json (or a directory holding one)")
-    from pyinfinity.bench.train import SIZES
+    from pyinfinity.bench.train_matrix import SIZES
 
     which.add_argument("--model-size", choices=list(SIZES), metavar="SIZE",
                        help="a Llama shape from the `pyinfinity bench train --sizes` preset table (vocab 32000 but "
@@ -57,7 +57,7 @@ def add_parser(subparsers: Any) -> None:
                    help="measured rates: `pyinfinity bench io --json`, `pyinfinity tune -o` (aio settings "
                         "for the probe) or a file from --save-rates")
     p.add_argument("--save-rates", metavar="JSON", help="write the rates used here")
-    from pyinfinity.plan.rates import DISK_PRESETS, LINK_PRESETS
+    from pyinfinity.plan.hardware import DISK_PRESETS, LINK_PRESETS
 
     p.add_argument("--link", choices=sorted(LINK_PRESETS), default=None,
                    help="host<->device link of the target machine, for figures --rates does not give: "
@@ -209,6 +209,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.nvme_free is not None and not args.nvme:
         raise UsageError("--nvme-free: the free space of the target's swap drive needs the swap directory it "
                          "will be used as: pass --nvme DIR too")
+    for flag, path in (("--model", args.model), ("--config", args.config), ("--rates", args.rates)):
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"{flag}: {path}: no such file")
 
 
 def target_budgets(args: argparse.Namespace, cfg: Any, dev: Any) -> Any:
@@ -284,6 +287,7 @@ def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any
 
 
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)  # before the planner (and torch) is imported
     from pyinfinity.config import ConfigError, load_config
     from pyinfinity.plan import resolve_auto
     from pyinfinity.plan.rates import measure_rates
@@ -292,7 +296,6 @@ def run(args: argparse.Namespace) -> int:
 
     from pyinfinity.plan.rates import device_is_here
 
-    check_arguments(args)
     cfg_dict = template(args)
     cfg = load_config(json.loads(json.dumps(cfg_dict)))
     dev = planned_device(cfg, None)

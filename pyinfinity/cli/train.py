@@ -23,8 +23,8 @@ BOS, EOS = 256, 257
 
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("train", help="train a Llama model on the stdlib's sources, offloaded",
+def add_parser(subparsers: Any, summary: str) -> None:
+    p = subparsers.add_parser("train", help=summary,
                               description=__doc__)
     add_arguments(p)
     p.set_defaults(func=run)
@@ -96,6 +96,7 @@ def llama_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    resume_dir, resume_tag = check_arguments(args)  # every flag, before anything is built, read or imported
     import torch
     from tqdm import tqdm
     from transformers import LlamaForCausalLM
@@ -103,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
     import pyinfinity
     from pyinfinity.config import format_size, parse_size
 
-    resume_dir, resume_tag = check_arguments(args)  # every flag, before anything is built or read
     if args.model or args.data:
         from pyinfinity.cli.finetune import run_finetune
 

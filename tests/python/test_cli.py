@@ -415,3 +415,54 @@ def test_the_30b_and_70b_presets_are_llama_30b_and_llama_2_70b(size, billions):
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     assert {k: getattr(cfg, k) for k in keys} == {k: SIZES[size][k] for k in keys}
     assert round(llama_sizes(dict(SIZES[size], model_type="llama")).numel / 1e9, 1) == billions
+
+
+IMPORTS_PROBE = ("import runpy, sys\n"
+                 "try:\n"
+                 "    runpy.run_module('pyinfinity', run_name='__main__', alter_sys=True)\n"
+                 "finally:\n"
+                 "    print('IMPORTED:', *sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)\n")
+
+
+def cli_imports(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`pyinfinity ARGS` run as the command runs, and the heavy packages it imported on the way."""
+    p = subprocess.run([sys.executable, "-c", IMPORTS_PROBE, *args], capture_output=True, text=True, timeout=300)
+    line = next(ln for ln in p.stderr.splitlines() if ln.startswith("IMPORTED:"))
+    p.stderr = p.stderr.replace(line + "\n", "")
+    return p, line.split()[1:]
+
+
+@pytest.mark.parametrize("args", [
+    ["--version"], ["--help"], ["train", "--help"], ["plan", "--help"], ["--bogus"], ["trian"],
+    ["train", "--stpes", "3"], ["train", "--steps", "many"], ["plan", "--bogus"], ["plan", "--model-size", "nope"],
+    ["plan", "--model-size", "7b", "--link", "pcie9"], ["plan", "--model", "/no/such/config.json"],
+    ["train", "--model", "/no/such/model", "--data", "/no/such/data.txt"], ["train", "--config", "/no/such.json"],
+    ["train", "--resume", "/no/such/run"], ["train", "--batch", "0"],
+], ids=" ".join)
+def test_a_one_line_answer_imports_neither_torch_nor_transformers(args):
+    p, heavy = cli_imports(*args)
+    assert p.returncode in (0, 2), p.stderr[-3000:]
+    assert heavy == [], (args, heavy)
+
+
+def test_a_missing_data_file_is_answered_before_torch_is_imported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    p, heavy = cli_imports("train", "--model", str(tmp_path), "--data", str(tmp_path / "nope.txt"))
+    assert_one_line_user_error(p, "--data", "no such file")
+    assert heavy == []
+
+
+def test_a_misspelt_flag_is_the_subcommands_error_with_the_flag_it_resembles():
+    """argparse's usage, then its error line, by the subcommand's name, with the nearest flag."""
+    for args, prog, needle in ((["train", "--stpes", "3"], "pyinfinity train", "(--stpes: did you mean --steps?)"),
+                               (["train", "--lr=1e-3", "--warmpu", "2"], "pyinfinity train",
+                                "(--warmpu: did you mean --warmup?)"),
+                               (["plan", "--model-size", "tiny", "--cpu-memroy", "8GiB"], "pyinfinity plan",
+                                "(--cpu-memroy: did you mean --cpu-memory?)")):
+        p = cli(*args)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and last.startswith(f"{prog}: error: unrecognized arguments: "), p.stderr
+        assert last.endswith(needle), last
+    p = cli("train", "--zzzzzz")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last == "pyinfinity train: error: unrecognized arguments: --zzzzzz", p.stderr
