@@ -14,7 +14,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli.train_args import PRESETS, add_arguments, check_arguments, engine_config, mean
+from pyinfinity.cli.train_args import (PRESETS, add_arguments, check_arguments, engine_config, mean,
+                                       resume_status)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,10 @@ def llama_config(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     resume_dir, resume_tag = check_arguments(args)  # every flag, before anything is built, read or imported
+    done = resume_status(args, resume_dir, resume_tag) if resume_dir is not None else None
+    if done:
+        print(done)
+        return 0
     import torch
     from tqdm import tqdm
     from transformers import LlamaForCausalLM

@@ -135,6 +135,29 @@ def test_resume_with_other_data_or_schedule_flags_is_refused(tmp_path):
         assert flag in last, last
 
 
+def test_a_finished_run_resumed_says_it_is_complete_and_another_steps_is_refused_unless_rescheduled(tmp_path):
+    """A resume of a run at its last step trains nothing and says so (not "0 steps: loss nan");
+    a resume with another --steps would move the lr to another schedule's value: one line naming
+    the schedules and the lr's jump, unless --resume-reschedule, which trains on the new one."""
+    common = [*TRAIN[:3], "--seq", "32", "--batch", "2", "--device", "cpu", "--corpus-bytes", "64KB",
+              "--offload", "cpu", "--warmup", "1", "--lr", "1e-3", "--no-progress"]
+    saved = cli(*common, "--steps", "2", "--save", str(tmp_path / "ck"))
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    again = cli(*common, "--steps", "2", "--resume", str(tmp_path / "ck"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already complete: at step 2, --steps 2" in again.stdout, again.stdout
+    assert "nan" not in again.stdout + again.stderr and "0 tokens/s" not in again.stdout
+    more = cli(*common, "--steps", "4", "--resume", str(tmp_path / "ck"))
+    assert_one_line_user_error(more, "--resume", "another learning-rate schedule", "total_num_steps 2, this run's 4",
+                               "the lr of step 3 would go from", "--resume-reschedule")
+    more = cli(*common, "--steps", "4", "--resume", str(tmp_path / "ck"), "--resume-reschedule",
+               "--json", str(tmp_path / "more.json"))
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "--resume-reschedule: the new schedule is used from step 3" in more.stderr
+    assert [s["step"] for s in json.loads((tmp_path / "more.json").read_text())["steps"]] == [3, 4]
+    assert_one_line_user_error(cli(*common, "--resume-reschedule"), "--resume-reschedule", "needs --resume")
+
+
 # ------------------------------------------------------------------ what a new user meets first
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
