@@ -98,7 +98,6 @@ def template(args: argparse.Namespace) -> dict:
         cfg = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {
                 "stage": 3,
                 "offload_param": {**auto_sec, "max_in_cpu": "auto", "pin_memory": True},

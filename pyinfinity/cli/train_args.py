@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 from typing import Any, Optional
 
@@ -337,7 +338,6 @@ def resume_status(args: argparse.Namespace, save_dir: str, tag: Optional[str]) -
     complete (its step is at --steps: nothing to train), else None. A run whose learning-rate
     schedule (``scheduler`` as its checkpoint records it) is not the one this run would make is
     refused without --resume-reschedule (with it, a warning): the lr would jump at the first step."""
-    import logging
     import types
 
     from pyinfinity.config import _parse_scheduler
@@ -443,8 +443,10 @@ def read_config_file(path: str) -> dict:
 
 def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
     """(the engine config, the compute device) of a run: the flags' config, or with --config the
-    file's, the flags given on the command line overriding it. ``args.batch`` and
-    ``args.grad_accum`` follow the result (the data is drawn to its micro-batch)."""
+    file's, the flags given on the command line overriding it (an optimizer or scheduler the file
+    lacks is the flags'; one INFO line names each value of the file that replaces a default of
+    train's). ``args.batch`` and ``args.grad_accum`` follow the result (the data is drawn to its
+    micro-batch)."""
     apply_defaults(args)
     if not args.config:
         device = resolve_device(args.device)
@@ -457,13 +459,18 @@ def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
     given = set(args.given)
     if "offload" in given and "offload_optimizer" not in given:
         given.add("offload_optimizer")  # --offload places both, as without --config
-    if "scheduler" not in cfg:
-        given.add("steps")
+    for section in ("optimizer", "scheduler"):  # what the file leaves out is train's own, as without --config
+        if section not in cfg:
+            cfg[section] = copy.deepcopy(flag_cfg[section])
     for dest in given:
         for key in FLAG_KEYS.get(dest, ()):
             _put(cfg, key, _get(flag_cfg, key))
     if given & {"batch", "grad_accum"}:
         cfg.pop("train_batch_size", None)
+    overrides = config_overrides(file_cfg, flag_cfg, given)
+    if overrides:
+        logging.getLogger(__name__).info("--config %s sets, instead of train's defaults (a flag given on the command "
+                                         "line would win): %s", args.config, "; ".join(overrides))
     _put(cfg, "pyinfinity.device", device)
     if _get(cfg, "pyinfinity.log_every") is None:
         _put(cfg, "pyinfinity.log_every", _get(flag_cfg, "pyinfinity.log_every"))
@@ -473,6 +480,28 @@ def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
     args.batch = int(cfg.get("train_micro_batch_size_per_gpu") or args.batch)
     args.grad_accum = gas
     return cfg, device
+
+
+def config_overrides(file_cfg: dict, flag_cfg: dict, given: set) -> list[str]:
+    """The values of a --config file that replace what train's flags, left at their defaults,
+    would set: one "key value (--flag default: value)" each."""
+    out, seen = [], set()
+    for dest, keys in FLAG_KEYS.items():
+        if dest in given:
+            continue
+        for key in keys:
+            mine, theirs = _get(flag_cfg, key), _get(file_cfg, key)
+            if key in seen or theirs is None or theirs == mine:
+                continue
+            seen.add(key)
+            flag, default = f"--{dest.replace('_', '-')}", DEFAULTS.get(dest)
+            if default is not None and mine == default:
+                was = f"{flag} {default}"
+            else:
+                was = f"{flag + ' ' + str(default) + ': ' if default is not None else ''}" \
+                      f"{'not set' if mine is None else json.dumps(mine)}"
+            out.append(f"{key} {json.dumps(theirs)} (train's {was})")
+    return out
 
 
 def mean(xs: list) -> Optional[float]:

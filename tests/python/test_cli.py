@@ -259,6 +259,30 @@ def test_train_accepts_the_config_plan_writes_and_the_flags_given_override_it(tm
     assert_one_line_user_error(cli("train", "--config", str(tmp_path / "bad.json")), "--config", "not valid JSON")
 
 
+def test_a_plan_writes_only_what_it_decides_and_train_says_what_the_file_replaces(tmp_path):
+    """`plan -o` writes no learning rate (not the planner's), so `train --config` keeps its own
+    optimizer and schedule; every value of the file that replaces one of train's defaults (the
+    planned micro-batch, placement, dtype) is named in one line."""
+    (tmp_path / "model.json").write_text(json.dumps(TINY_TRAIN_MODEL))
+    cfg = tmp_path / "plan.json"
+    p = cli("plan", "--model", str(tmp_path / "model.json"), "--device", "cpu", "--seq-len", "32",
+            "--cpu-memory", "3GiB", "-o", str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    planned = json.loads(cfg.read_text())
+    assert "optimizer" not in planned and "scheduler" not in planned, planned
+    p = cli("train", "--config", str(cfg), "--model-size", "tiny", "--steps", "1", "--seq", "32", "--corpus-bytes",
+            "64KB", "--no-progress", "--json", str(tmp_path / "run.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    used = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert used["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+    assert used["scheduler"] == {"type": "WarmupCosineLR",  # --steps 1 and the default --warmup 5
+                                 "params": {"total_num_steps": 5, "warmup_num_steps": 5, "warmup_type": "linear"}}
+    said = [ln for ln in p.stderr.splitlines() if f"--config {cfg} sets, instead of train's defaults" in ln]
+    assert len(said) == 1, p.stderr[-3000:]
+    assert f"train_micro_batch_size_per_gpu {planned['train_micro_batch_size_per_gpu']} (train's --batch 4)" in said[0]
+    assert "bf16.enabled true (train's --dtype auto: not set)" in said[0]
+    assert "optimizer.params" not in said[0] and "scheduler" not in said[0]
+
 def test_v_works_anywhere_on_the_line(tmp_path):
     p = cli(*TRAIN[:-2], "--batch", "-4", "-v")
     assert p.returncode == 2 and "Traceback" in p.stderr and "--batch" in p.stderr.splitlines()[-1], p.stderr
