@@ -13,6 +13,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+ASSUMED_TARGET_CORES = 16
+"""CPU cores assumed for a GPU machine that is not this one when no --cpu-cores is given (a GPU
+server's share of cores per GPU): this machine's Adam rate is scaled to them, and the plan says so."""
+
 
 def add_parser(subparsers: Any, summary: str) -> None:
     p = subparsers.add_parser("plan", help=summary,
@@ -31,7 +35,9 @@ def add_parser(subparsers: Any, summary: str) -> None:
                    help="device memory budget, e.g. 8GiB (default: measured); without --device it means "
                         "--device cuda")
     p.add_argument("--cpu-memory", dest="host_memory", default=None,
-                   help="host RAM budget, e.g. 64GiB (default: 80%% of what is available)")
+                   help="host RAM budget the plan may fill, e.g. 51GiB for a machine with 64 GiB of RAM (default: "
+                        "80%% of what is available here, leaving the rest to the system; give the target machine "
+                        "the same headroom)")
     p.add_argument("--nvme", action="append", metavar="DIR", default=None,
                    help="swap directory (repeat to stripe over several drives); the plan never creates it")
     p.add_argument("--nvme-free", metavar="SIZE", default=None,
@@ -39,7 +45,8 @@ def add_parser(subparsers: Any, summary: str) -> None:
                         "measured here)")
     p.add_argument("--cpu-cores", type=int, metavar="N", default=None,
                    help="CPU cores of the target machine: the optimizer's threads, and this machine's Adam rate "
-                        "scaled to them (default: this machine's; a --rates file made on the target is better)")
+                        "scaled to them (default: this machine's; for a GPU not on this machine an assumed "
+                        f"{ASSUMED_TARGET_CORES}, said so; a --rates file made on the target is better)")
     p.add_argument("--device", default=None,
                    help="compute device: cpu, cuda, cuda:N (default: cuda if present, or when --gpu-memory is "
                         "given); a GPU that is not on this machine is planned for from presets, never touched")
@@ -263,8 +270,9 @@ def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any
                           replace(rates, h2d=lp.h2d, d2h=lp.d2h, h2d_pageable=lp.h2d_pageable), budgets))
     elif bound == "compute":
         tries.append(("a device twice as fast (--tflops)", replace(rates, matmul=2 * rates.matmul), budgets))
-    tries.append(("twice the device memory (--gpu-memory)", rates,
-                  replace(budgets, device_memory=2 * budgets.device_memory)))
+    if not budgets.device_is_host:  # on the CPU device, its "device memory" is a share of the same RAM
+        tries.append(("twice the device memory (--gpu-memory)", rates,
+                      replace(budgets, device_memory=2 * budgets.device_memory)))
     now = placement.predicted.total
     lines = [f"what would change this plan (bound by {bound}, {now:.3f} s/step):"]
     quiet = logging.getLogger("pyinfinity")  # the what-if plans' own INFO lines are not the user's plan
@@ -309,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--measure: trains on {dev}, which is not on this machine")
     model = model_source(args)
     sizes = lora_sizes(model, args) if args.lora is not None else sizes_from_config(model, args.dtype)
+    cores = args.cpu_cores or (None if here else ASSUMED_TARGET_CORES)  # the target's, when it is not this one
     tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
     m = sizes.hidden or 1024
     rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
@@ -317,14 +326,16 @@ def run(args: argparse.Namespace) -> int:
                           disk=args.disk, matmul=args.tflops * 1e12 if args.tflops else None,
                           # the engine's optimizer threads here; every core when scaled to --cpu-cores
                           optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev)
-                          if here and not args.cpu_cores else None,
+                          if here and not cores else None,
                           optimizer_state=cfg.optimizer_state_format)
     for key in ("adam", "adam_8bit", "adam_bf16"):
-        if args.cpu_cores and getattr(rates, key) and rates.source.get(key, "").startswith("probe"):
+        if cores and getattr(rates, key) and rates.source.get(key, "").startswith("probe"):
             here_cores = _this_cpu_count()
-            setattr(rates, key, getattr(rates, key) * args.cpu_cores / here_cores)
-            rates.source[key] = (f"probe on this machine's {here_cores} cores, scaled to --cpu-cores "
-                                 f"{args.cpu_cores} (linear: an estimate; a --rates file made on the target replaces it)")
+            setattr(rates, key, getattr(rates, key) * cores / here_cores)
+            to = (f"--cpu-cores {cores}" if args.cpu_cores else
+                  f"an assumed {cores} cores of the target (no --cpu-cores given)")
+            rates.source[key] = (f"probe on this machine's {here_cores} cores, scaled to {to} (linear: an estimate; "
+                                 "a --rates file made on the target replaces it)")
     if not rates.shard_overhead:
         rates.shard_overhead, rates.shard_step_overhead = measure_engine_overhead(dev if here else "cpu")
         rates.source["shard_overhead"] = rates.source["shard_step_overhead"] = (
@@ -346,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
     resolved, placement = resolve_auto(cfg_dict, sizes, budgets=budgets, rates=rates, seq_len=args.seq_len,
                                        checkpointing=args.checkpointing, fill_absent=True,
                                        compute_seconds=compute_s, activation_bytes=acts)
+    if cores and not args.cpu_cores and resolved.get("pyinfinity", {}).get("optimizer_threads") is not None:
+        resolved["pyinfinity"]["optimizer_threads"] = "auto"  # every CPU of the target, not this machine's count
     if "buffer_size" not in (cfg_dict.get("zero_optimization", {}).get("offload_param") or {}):
         # a DeepSpeed knob pyinfinity does not use: not written unless the given config had it
         (resolved.get("zero_optimization", {}).get("offload_param") or {}).pop("buffer_size", None)
@@ -361,6 +374,16 @@ def run(args: argparse.Namespace) -> int:
               f"`pyinfinity plan {'--model CONFIG' if args.model else f'--model-size {args.model_size}'} "
               "--nvme DIR --save-rates rates.json` and pass --rates rates.json here")
     print(placement.table())
+    if cores and not args.cpu_cores:
+        print(f"  note: the target's CPU cores are assumed ({cores}; pass --cpu-cores N): they set its Adam rate, "
+              "and the config leaves pyinfinity.optimizer_threads \"auto\" (every CPU there)")
+    if args.host_memory:
+        from pyinfinity.config import format_size
+        from pyinfinity.plan.budgets import HOST_FRACTION
+
+        print(f"  note: --cpu-memory {args.host_memory} is the host RAM budget the plan may fill, all of it; the "
+              f"default keeps {1 - HOST_FRACTION:.0%} of the available RAM for the system: for a machine with "
+              f"{args.host_memory} of RAM, plan with --cpu-memory {format_size(budgets.host_memory * HOST_FRACTION)}")
     text = json.dumps(resolved, indent=2) + "\n"
     if args.out:
         tmp = args.out + ".tmp"

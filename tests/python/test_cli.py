@@ -333,6 +333,29 @@ def test_plan_for_a_target_machine_and_what_would_change_it(tmp_path):
     assert_one_line_user_error(cli("plan", "--model-size", "7b", "--nvme-free", "1TB"), "--nvme-free", "--nvme")
 
 
+def test_a_plan_for_another_machine_assumes_its_cores_aloud_and_calls_cpu_memory_a_budget(tmp_path):
+    """Without --cpu-cores a GPU machine elsewhere gets an assumed core count, named in the rates
+    and the notes, and its config leaves the optimizer's threads to the target ("auto"), not this
+    machine's count; --cpu-memory is said to be a budget the plan fills, with the figure that
+    keeps the default's headroom; a CPU plan offers no "twice the device memory"."""
+    from pyinfinity.cli.plan import ASSUMED_TARGET_CORES
+
+    out = tmp_path / "cfg.json"
+    p = cli("plan", "--model-size", "7b", "--gpu-memory", "8GiB", "--cpu-memory", "128GiB", "--seq-len", "256",
+            "-o", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(out.read_text())["pyinfinity"]["optimizer_threads"] == "auto"
+    adam = next(line for line in p.stdout.splitlines() if line.startswith("  adam "))
+    assert f"scaled to an assumed {ASSUMED_TARGET_CORES} cores of the target (no --cpu-cores given)" in adam, adam
+    assert f"the target's CPU cores are assumed ({ASSUMED_TARGET_CORES}; pass --cpu-cores N)" in p.stdout
+    assert ("--cpu-memory 128GiB is the host RAM budget the plan may fill, all of it; the default keeps 20% of the "
+            "available RAM for the system: for a machine with 128GiB of RAM, plan with --cpu-memory 102.40 GiB") in p.stdout
+    (tmp_path / "m.json").write_text(json.dumps(TINY_TRAIN_MODEL))
+    p = cli("plan", "--model", str(tmp_path / "m.json"), "--device", "cpu", "--seq-len", "32", "--cpu-memory", "3GiB")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "what would change this plan" in p.stderr and "device memory" not in p.stderr.split("what would change")[1]
+    assert "cores are assumed" not in p.stdout  # this machine: its own cores
+
 def test_plan_and_train_take_the_optimizer_state(tmp_path):
     """`plan --optimizer-state 8bit` places the 13B preset where the fp32 state is refused (8 GiB GPU,
     100 GiB of RAM, a 64 GiB disk) and writes the key; a bf16 master needs bf16 compute (`train
