@@ -183,8 +183,11 @@ def lora_sizes(model: Any, args: argparse.Namespace) -> Any:
     targets = args.lora_targets
     if targets is not None and targets != "all-linear":
         targets = [t.strip() for t in targets.split(",")]
+    from pyinfinity.adapters import check_lora_targets
+
     with torch.device("meta"):  # the frozen base in --dtype, the adapters fp32 as PEFT makes them
         base = transformers.AutoModelForCausalLM.from_config(mcfg).to(parse_dtype(args.dtype))
+        check_lora_targets(base, targets, "--lora-targets")
         wrapped = get_peft_model(base, LoraConfig(r=args.lora, target_modules=targets, task_type="CAUSAL_LM"))
     sizes = sizes_from_module(wrapped)  # each shard in its own dtype, as a LoRA run computes
     sizes.source = f"{type(base).__name__} + LoRA r={args.lora} (meta)"
