@@ -236,6 +236,18 @@ def _keeps_rng(fn: Callable) -> Callable:
     return probe
 
 
+def _times(fn: Callable[[], None], reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn()``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Callable[[], None] = lambda: None,
                  min_seconds: float = 0.0) -> float:
     """Median seconds of one ``fn()``; with ``min_seconds``, each repetition loops ``fn`` often enough
@@ -452,6 +464,12 @@ class DiskProbe(NamedTuple):
     write: float  # bytes/s
     latency: float  # seconds per I/O piece
     duplex: float  # seconds of a read and a write at once over the two one after the other
+    spread: float = 1.0  # the slowest read or write sample's time over the fastest's (DISK_SPREAD_LIMIT)
+
+
+DISK_SPREAD_LIMIT = 2.0
+"""A disk probe whose read or write samples differ by more than this factor timed something else
+besides the disk (another process's I/O, a busy CPU): its rates are named uncertain."""
 
 
 def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
@@ -497,21 +515,24 @@ def _measure_disk(directory: str, nbytes: int, reps: int, aio: dict) -> DiskProb
     try:
         for off in (0, nbytes):  # allocate the file's blocks before timing
             eng.write(buf, path, off).wait()
-        w = _median_time(lambda: eng.write(buf, path, 0).wait(), reps, warmup=0)
-        r = _median_time(lambda: eng.read(buf, path, 0).wait(), reps, warmup=1)
+        ws = _times(lambda: eng.write(buf, path, 0).wait(), reps, warmup=0)
+        rs = _times(lambda: eng.read(buf, path, 0).wait(), reps, warmup=1)
         rw = _median_time(both, reps, warmup=1)
-        lat = _median_time(lambda: eng.read(page, path, nbytes // 2).wait(), max(5, reps), warmup=1)
+        # the fastest one-page read: the device's cost of a piece; a slower sample is the scheduler's delay
+        lat = min(_times(lambda: eng.read(page, path, nbytes // 2).wait(), max(5, reps), warmup=1))
     finally:
         eng.close()
         try:
             os.unlink(path)
         except OSError:
             pass
+    r, w = statistics.median(rs), statistics.median(ws)
     block = int(aio.get("block_size") or eng_block)
     n = -(-nbytes // block)
-    lat = min(lat, 0.95 * min(r, w) / n)
+    lat = min(lat, 0.5 * min(r, w) / n)  # the pieces' cost is at most half a transfer: a rate at most 2x the timed one
     duplex = min(1.0, max(rw, r, w) / (r + w))
-    return DiskProbe(nbytes / (r - n * lat), nbytes / (w - n * lat), lat, duplex)
+    spread = max(max(rs) / min(rs), max(ws) / min(ws))
+    return DiskProbe(nbytes / (r - n * lat), nbytes / (w - n * lat), lat, duplex, spread)
 
 
 def disk_probe_size(directory: str, nbytes: int) -> int:
@@ -764,6 +785,12 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                 vals.setdefault("disk_read", probe.read)
                 vals.setdefault("disk_write", probe.write)
                 vals.setdefault("disk_duplex", probe.duplex)
+                if probe.spread > DISK_SPREAD_LIMIT:
+                    note = (f"probe, uncertain: its samples differ {probe.spread:.1f}x (other I/O or a busy CPU "
+                            "while it ran; probe again on a quiet machine, or pass --rates)")
+                    log.warning("disk probe of %s: %s", swap_dir, note)
+                    for key in ("disk_read", "disk_write", "disk_latency"):
+                        source.setdefault(key, note)
         else:
             vals.setdefault("disk_read", 0.0)
             vals.setdefault("disk_write", 0.0)
