@@ -57,8 +57,8 @@ def add_parser(subparsers: Any, summary: str) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
     p.add_argument("--optimizer-state", choices=["fp32", "8bit", "bf16"], default=None,
                    help="the optimizer state's format (default: the config's, else fp32): fp32 (exact, 12 bytes a "
-                        "parameter beside the weights), 8bit (fp32 master, 8-bit moments: 6.03), bf16 (the bf16 "
-                        "weights as master, bf16 moments: 4; needs --dtype bf16); docs/optimizer_state.md")
+                        "parameter beside the weights), 8bit (fp32 master, 8-bit moments: 6.03), bf16 (bf16 master "
+                        "and moments: 6, as README and docs/optimizer_state.md count it; needs --dtype bf16)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--rates", metavar="JSON",
                    help="measured rates: `pyinfinity bench io --json`, `pyinfinity tune -o` (aio settings "

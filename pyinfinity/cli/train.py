@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli.train_args import (PRESETS, add_arguments, check_arguments, engine_config, mean,
-                                       resume_status)
+from pyinfinity.cli.train_args import (PRESETS, add_arguments, check_arguments, engine_config, exported_line,
+                                       mean, resume_status)
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         if args.save:
             engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn, "flags": _run_flags(args)})
         if args.export:
-            engine.export(args.export)
+            print(exported_line(args.export, engine.export(args.export), cfg))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg,

@@ -504,6 +504,25 @@ def config_overrides(file_cfg: dict, flag_cfg: dict, given: set) -> list[str]:
     return out
 
 
+def exported_line(out_dir: str, files: list, cfg: dict) -> str:
+    """What an export wrote: its directory and the dtypes of its safetensors (read from their
+    headers), and when they are not the run's compute dtype, that they are the model's own."""
+    dtypes: set[str] = set()
+    for path in files:
+        if str(path).endswith(".safetensors"):
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    names = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+    written = sorted(names.get(d, d.lower()) for d in dtypes)
+    compute = "bf16" if _get(cfg, "bf16.enabled") else "fp16" if _get(cfg, "fp16.enabled") else "fp32"
+    line = f"exported {out_dir}: safetensors in {', '.join(written) or 'no tensors'}"
+    if written and written != [compute]:
+        line += (f" (the model's own dtype, from the fp32 masters; the run computed in {compute}; a --model run "
+                 "exports in --model-dtype)")
+    return line
+
+
 def mean(xs: list) -> Optional[float]:
     """The mean of the values that are not None (None when there are none)."""
     xs = [x for x in xs if x is not None]

@@ -536,3 +536,15 @@ def test_a_misspelt_flag_is_the_subcommands_error_with_the_flag_it_resembles():
     p = cli("train", "--zzzzzz")
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and last == "pyinfinity train: error: unrecognized arguments: --zzzzzz", p.stderr
+
+
+def test_plan_help_counts_the_bf16_state_as_readme_does_and_an_export_names_its_dtype(tmp_path):
+    """`plan --help` and README give the bf16 optimizer state's bytes alike; an export of a bf16
+    run says its safetensors are fp32 (the model's own dtype), not silently."""
+    h = cli("plan", "--help")
+    assert h.returncode == 0 and "bf16 (bf16 master and moments: 6," in " ".join(h.stdout.split()), h.stdout
+    assert "(6 bytes of state beside the weights in the engine)" in " ".join(read("README.md").split())
+    p = cli(*TRAIN, "--dtype", "bf16", "--export", str(tmp_path / "out"), "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (f"exported {tmp_path / 'out'}: safetensors in fp32 (the model's own dtype, from the fp32 masters; the "
+            "run computed in bf16") in p.stdout, p.stdout
