@@ -50,8 +50,7 @@ $(VENV)/.built: $(VENV)/.bootstrapped $(EXT_SOURCES)
 
 build: $(VENV)/.built
 
-train: build
-	mkdir -p $(SWAP_DIR)
+train: build  # the run creates SWAP_DIR when it is missing and removes it at the end
 	$(PY) -m pyinfinity train $(TRAIN_ARGS)
 
 test: build test-cpp test-asan test-tsan test-python

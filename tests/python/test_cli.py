@@ -548,3 +548,13 @@ def test_plan_help_counts_the_bf16_state_as_readme_does_and_an_export_names_its_
     assert p.returncode == 0, p.stderr[-3000:]
     assert (f"exported {tmp_path / 'out'}: safetensors in fp32 (the model's own dtype, from the fp32 masters; the "
             "run computed in bf16") in p.stdout, p.stdout
+
+
+def test_make_train_leaves_the_swap_directory_to_the_run_which_removes_it():
+    """`make train` does not make SWAP_DIR itself: `train --nvme` creates a missing one and removes
+    it at the end, so no empty .swap/ stays in the checkout."""
+    p = subprocess.run(["make", "-n", "train"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    run = [line for line in p.stdout.splitlines() if "-m pyinfinity train" in line]
+    assert run and "--nvme .swap" in run[-1], p.stdout
+    assert not any("mkdir" in line and ".swap" in line for line in p.stdout.splitlines()), p.stdout
