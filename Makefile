@@ -50,10 +50,8 @@ $(VENV)/.built: $(VENV)/.bootstrapped $(EXT_SOURCES)
 
 build: $(VENV)/.built
 
-# SWAP_DIR is removed after the run when it is left empty (the engine removes its swap files at close).
-train: build
-	mkdir -p $(SWAP_DIR)
-	$(PY) -m pyinfinity train $(TRAIN_ARGS); rc=$$?; rmdir $(SWAP_DIR) 2>/dev/null; exit $$rc
+train: build  # the run creates SWAP_DIR when it is missing and removes it at the end
+	$(PY) -m pyinfinity train $(TRAIN_ARGS)
 
 TEST_TIME_NOTE = "make test: the C++ suites (plain, ASan+UBSan, TSan builds; about 8 min on 2 cores), then pytest's \
 	1,150 tests: about 17 min in all on a quiet 2-core machine, 50 on a busy one. For a first check: make test-quick"

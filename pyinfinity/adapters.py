@@ -185,11 +185,29 @@ def get_peft_model(base: nn.Module, peft_config: Any) -> nn.Module:
     if peft_config.init_lora_weights not in LORA_INITS:
         raise AdapterError(f"peft_config: init_lora_weights={peft_config.init_lora_weights!r} reads the base weights, "
                            f"which are not in memory here; use one of {list(LORA_INITS)}")
+    check_lora_targets(base, peft_config.target_modules, "peft_config.target_modules (--lora-targets)")
     rng = torch.random.get_rng_state()
     model = peft.get_peft_model(base, peft_config)
     check_lora(model, "peft_config")
     _init_adapters(model, rng)
     return model
+
+
+def check_lora_targets(base: nn.Module, targets: Any, what: str) -> None:
+    """AdapterError naming the layers LoRA can adapt in ``base`` when a name of ``targets`` (a list
+    of module names, matched as PEFT does: the whole name or its last dotted parts) matches none of
+    them; PEFT's own message does not say which names there are. A regex string or "all-linear" is
+    PEFT's to match."""
+    if targets is None or isinstance(targets, str):
+        return
+    adaptable = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    names = [n for n, m in base.named_modules() if n and (isinstance(m, adaptable) or type(m).__name__ == "Conv1D")]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise AdapterError(f"{what}: {', '.join(missing)}: no such layer in "
+                           f"{type(base).__name__}; the layers LoRA can adapt there: {', '.join(leaves)} "
+                           "(or all-linear)")
 
 
 def _give_copies_storage(model: nn.Module) -> None:
@@ -346,7 +364,7 @@ def base_config(model: nn.Module) -> Any:
 
 
 __all__ = ["AdapterError", "require_peft", "is_peft_model", "lora_layers", "check_lora_config", "check_lora",
-           "init_new_adapters",
+           "init_new_adapters", "check_lora_targets",
            "check_adapters_materialized", "checkpoint_keys", "saved_copies", "replaced_originals",
            "build_peft_model", "get_peft_model",
            "merged_key", "lora_owner", "merge_weight", "base_config", "training_identity", "PEFT_PREFIX",

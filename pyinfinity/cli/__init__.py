@@ -6,40 +6,63 @@ Each subcommand module exposes ``add_parser(subparsers)`` which registers its pa
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 from pyinfinity.cli.errors import EXIT_USER_ERROR, UsageError, is_user_error, one_line, system_exit_message
 
-# name -> module under pyinfinity.cli; imported lazily so a broken optional dependency of one
-# subcommand never breaks the others.
+# name -> its one line in `pyinfinity --help`; each is the module pyinfinity.cli.<name>, imported
+# only when its command is run (or its help asked for): a one-line answer (--version, --help, a
+# flag's mistake) never waits for torch, and a broken optional dependency of one subcommand never
+# breaks the others.
 SUBCOMMANDS = {
-    "report": "report",
-    "bench": "bench",
-    "tune": "tune",
-    "plan": "plan",
-    "train": "train",
+    "report": "check the environment (OK/WARN/FAIL with fixes)",
+    "bench": "microbenchmarks: `bench io` (default), `bench train`",
+    "tune": "find the best aio settings for a swap directory",
+    "plan": "plan placement and buffers for a model and budgets",
+    "train": "train a Llama model on the stdlib's sources, offloaded",
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:
+    """The command line's parser: the subcommands in ``commands`` (default all) with their flags,
+    the others named with their one line only (enough for `pyinfinity --help` and a misspelt
+    command)."""
+    full = set(SUBCOMMANDS) if commands is None else set(commands)
     parser = argparse.ArgumentParser(prog="pyinfinity", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at DEBUG level, and a user error's traceback (anywhere on the line)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in SUBCOMMANDS.items():
+    for name, summary in SUBCOMMANDS.items():
+        if name not in full:
+            sub.add_parser(name, help=summary, add_help=False)
+            continue
         try:
-            mod = importlib.import_module(f"pyinfinity.cli.{module}")
+            mod = importlib.import_module(f"pyinfinity.cli.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name == f"pyinfinity.cli.{module}":
+            if exc.name == f"pyinfinity.cli.{name}":
                 continue  # subcommand not built yet
             raise
-        mod.add_parser(sub)
+        mod.add_parser(sub, summary)
     return parser
+
+
+def unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" message, with the nearest flag of ``parser`` for each
+    misspelt one ("--stpes: did you mean --steps?")."""
+    names = [s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        near = difflib.get_close_matches(flag[2:], names, n=1, cutoff=0.6) if flag.startswith("--") else []
+        if near:
+            hints.append(f"{flag}: did you mean --{near[0]}?")
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
 def _version() -> str:
@@ -59,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         from pyinfinity.cli import bench_train
 
         return _guarded(lambda: bench_train.main(rest[2:] + (["-v"] if verbose else [])), "bench train", verbose)
-    parser = build_parser()
-    args = parser.parse_args(rest)  # argparse's own errors: usage, one line, exit 2
+    parser = build_parser([command] if command in SUBCOMMANDS else [])
+    args, extra = parser.parse_known_args(rest)  # argparse's own errors: usage, one line, exit 2
+    if extra:  # said by the subcommand's parser: `pyinfinity train: error: ...`, its usage
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        owner = subparsers.choices.get(args.command, parser) if args.command else parser
+        owner.error(unrecognized(extra, owner))
     args.verbose = verbose  # -v anywhere: before the subcommand or among its flags
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -98,8 +98,8 @@ SWEEP_HELP = ("Full sweep (no --quick): 1 GiB file, block 256K/1M/4M x queue dep
               "is present: about 15 minutes at 2 GB/s. GB/s = 1e9 bytes/s.")
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("bench", help="microbenchmarks: `bench io` (default), `bench train`",
+def add_parser(subparsers: Any, summary: str) -> None:
+    p = subparsers.add_parser("bench", help=summary,
                               description=__doc__, epilog=SWEEP_HELP)
     add_io_options(p)
     p.set_defaults(func=run_io, dir=None)

@@ -10,7 +10,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli.train_args import add_arguments, check_arguments, engine_config, lora_config, mean
+from pyinfinity.cli.train_args import (add_arguments, check_arguments, engine_config, exported_line,
+                                       lora_config, mean)
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
         if args.save:
             engine.save_checkpoint(args.save, client_state={"data": data.state_dict()})
         if args.export:
-            engine.export(args.export, merge_adapters=args.merge_adapters)
+            print(exported_line(args.export, engine.export(args.export, merge_adapters=args.merge_adapters), cfg))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg}, f, indent=1,

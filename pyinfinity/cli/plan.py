@@ -13,9 +13,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+ASSUMED_TARGET_CORES = 16
+"""CPU cores assumed for a GPU machine that is not this one when no --cpu-cores is given (a GPU
+server's share of cores per GPU): this machine's Adam rate is scaled to them, and the plan says so."""
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("plan", help="plan placement and buffers for a model and budgets",
+
+def add_parser(subparsers: Any, summary: str) -> None:
+    p = subparsers.add_parser("plan", help=summary,
                               description=__doc__)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="CONFIG", help="a transformers config.json (or a directory holding one)")
@@ -31,7 +35,9 @@ def add_parser(subparsers: Any) -> None:
                    help="device memory budget, e.g. 8GiB (default: measured); without --device it means "
                         "--device cuda")
     p.add_argument("--cpu-memory", dest="host_memory", default=None,
-                   help="host RAM budget, e.g. 64GiB (default: 80%% of what is available)")
+                   help="host RAM budget the plan may fill, e.g. 51GiB for a machine with 64 GiB of RAM (default: "
+                        "80%% of what is available here, leaving the rest to the system; give the target machine "
+                        "the same headroom)")
     p.add_argument("--nvme", action="append", metavar="DIR", default=None,
                    help="swap directory (repeat to stripe over several drives); the plan never creates it")
     p.add_argument("--nvme-free", metavar="SIZE", default=None,
@@ -39,7 +45,8 @@ def add_parser(subparsers: Any) -> None:
                         "measured here)")
     p.add_argument("--cpu-cores", type=int, metavar="N", default=None,
                    help="CPU cores of the target machine: the optimizer's threads, and this machine's Adam rate "
-                        "scaled to them (default: this machine's; a --rates file made on the target is better)")
+                        "scaled to them (default: this machine's; for a GPU not on this machine an assumed "
+                        f"{ASSUMED_TARGET_CORES}, said so; a --rates file made on the target is better)")
     p.add_argument("--device", default=None,
                    help="compute device: cpu, cuda, cuda:N (default: cuda if present, or when --gpu-memory is "
                         "given); a GPU that is not on this machine is planned for from presets, never touched")
@@ -50,14 +57,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
     p.add_argument("--optimizer-state", choices=["fp32", "8bit", "bf16"], default=None,
                    help="the optimizer state's format (default: the config's, else fp32): fp32 (exact, 12 bytes a "
-                        "parameter beside the weights), 8bit (fp32 master, 8-bit moments: 6.03), bf16 (the bf16 "
-                        "weights as master, bf16 moments: 4; needs --dtype bf16); docs/optimizer_state.md")
+                        "parameter beside the weights), 8bit (fp32 master, 8-bit moments: 6.03), bf16 (bf16 master "
+                        "and moments: 6, as README and docs/optimizer_state.md count it; needs --dtype bf16)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--rates", metavar="JSON",
                    help="measured rates: `pyinfinity bench io --json`, `pyinfinity tune -o` (aio settings "
                         "for the probe) or a file from --save-rates")
     p.add_argument("--save-rates", metavar="JSON", help="write the rates used here")
-    from pyinfinity.plan.rates import DISK_PRESETS, LINK_PRESETS
+    from pyinfinity.plan.hardware import DISK_PRESETS, LINK_PRESETS
 
     p.add_argument("--link", choices=sorted(LINK_PRESETS), default=None,
                    help="host<->device link of the target machine, for figures --rates does not give: "
@@ -98,7 +105,6 @@ def template(args: argparse.Namespace) -> dict:
         cfg = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {
                 "stage": 3,
                 "offload_param": {**auto_sec, "max_in_cpu": "auto", "pin_memory": True},
@@ -178,8 +184,11 @@ def lora_sizes(model: Any, args: argparse.Namespace) -> Any:
     targets = args.lora_targets
     if targets is not None and targets != "all-linear":
         targets = [t.strip() for t in targets.split(",")]
+    from pyinfinity.adapters import check_lora_targets
+
     with torch.device("meta"):  # the frozen base in --dtype, the adapters fp32 as PEFT makes them
         base = transformers.AutoModelForCausalLM.from_config(mcfg).to(parse_dtype(args.dtype))
+        check_lora_targets(base, targets, "--lora-targets")
         wrapped = get_peft_model(base, LoraConfig(r=args.lora, target_modules=targets, task_type="CAUSAL_LM"))
     sizes = sizes_from_module(wrapped)  # each shard in its own dtype, as a LoRA run computes
     sizes.source = f"{type(base).__name__} + LoRA r={args.lora} (meta)"
@@ -210,6 +219,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.nvme_free is not None and not args.nvme:
         raise UsageError("--nvme-free: the free space of the target's swap drive needs the swap directory it "
                          "will be used as: pass --nvme DIR too")
+    for flag, path in (("--model", args.model), ("--config", args.config), ("--rates", args.rates)):
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"{flag}: {path}: no such file")
 
 
 def target_budgets(args: argparse.Namespace, cfg: Any, dev: Any) -> Any:
@@ -262,8 +274,9 @@ def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any
                           replace(rates, h2d=lp.h2d, d2h=lp.d2h, h2d_pageable=lp.h2d_pageable), budgets))
     elif bound == "compute":
         tries.append(("a device twice as fast (--tflops)", replace(rates, matmul=2 * rates.matmul), budgets))
-    tries.append(("twice the device memory (--gpu-memory)", rates,
-                  replace(budgets, device_memory=2 * budgets.device_memory)))
+    if not budgets.device_is_host:  # on the CPU device, its "device memory" is a share of the same RAM
+        tries.append(("twice the device memory (--gpu-memory)", rates,
+                      replace(budgets, device_memory=2 * budgets.device_memory)))
     now = placement.predicted.total
     lines = [f"what would change this plan (bound by {bound}, {now:.3f} s/step):"]
     quiet = logging.getLogger("pyinfinity")  # the what-if plans' own INFO lines are not the user's plan
@@ -285,6 +298,7 @@ def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any
 
 
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)  # before the planner (and torch) is imported
     from pyinfinity.config import ConfigError, load_config
     from pyinfinity.plan import resolve_auto
     from pyinfinity.plan.rates import measure_rates
@@ -293,7 +307,6 @@ def run(args: argparse.Namespace) -> int:
 
     from pyinfinity.plan.rates import device_is_here
 
-    check_arguments(args)
     cfg_dict = template(args)
     cfg = load_config(json.loads(json.dumps(cfg_dict)))
     dev = planned_device(cfg, None)
@@ -308,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--measure: trains on {dev}, which is not on this machine")
     model = model_source(args)
     sizes = lora_sizes(model, args) if args.lora is not None else sizes_from_config(model, args.dtype)
+    cores = args.cpu_cores or (None if here else ASSUMED_TARGET_CORES)  # the target's, when it is not this one
     tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
     m = sizes.hidden or 1024
     rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=args.rates,
@@ -316,14 +330,16 @@ def run(args: argparse.Namespace) -> int:
                           disk=args.disk, matmul=args.tflops * 1e12 if args.tflops else None,
                           # the engine's optimizer threads here; every core when scaled to --cpu-cores
                           optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev)
-                          if here and not args.cpu_cores else None,
+                          if here and not cores else None,
                           optimizer_state=cfg.optimizer_state_format)
     for key in ("adam", "adam_8bit", "adam_bf16"):
-        if args.cpu_cores and getattr(rates, key) and rates.source.get(key, "").startswith("probe"):
+        if cores and getattr(rates, key) and rates.source.get(key, "").startswith("probe"):
             here_cores = _this_cpu_count()
-            setattr(rates, key, getattr(rates, key) * args.cpu_cores / here_cores)
-            rates.source[key] = (f"probe on this machine's {here_cores} cores, scaled to --cpu-cores "
-                                 f"{args.cpu_cores} (linear: an estimate; a --rates file made on the target replaces it)")
+            setattr(rates, key, getattr(rates, key) * cores / here_cores)
+            to = (f"--cpu-cores {cores}" if args.cpu_cores else
+                  f"an assumed {cores} cores of the target (no --cpu-cores given)")
+            rates.source[key] = (f"probe on this machine's {here_cores} cores, scaled to {to} (linear: an estimate; "
+                                 "a --rates file made on the target replaces it)")
     if not rates.shard_overhead:
         rates.shard_overhead, rates.shard_step_overhead = measure_engine_overhead(dev if here else "cpu")
         rates.source["shard_overhead"] = rates.source["shard_step_overhead"] = (
@@ -346,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
     resolved, placement = resolve_auto(cfg_dict, sizes, budgets=budgets, rates=rates, seq_len=args.seq_len,
                                        checkpointing=args.checkpointing, fill_absent=True,
                                        compute_seconds=compute_s, activation_bytes=acts)
+    if cores and not args.cpu_cores and resolved.get("pyinfinity", {}).get("optimizer_threads") is not None:
+        resolved["pyinfinity"]["optimizer_threads"] = "auto"  # every CPU of the target, not this machine's count
     if "buffer_size" not in (cfg_dict.get("zero_optimization", {}).get("offload_param") or {}):
         # a DeepSpeed knob pyinfinity does not use: not written unless the given config had it
         (resolved.get("zero_optimization", {}).get("offload_param") or {}).pop("buffer_size", None)
@@ -361,6 +379,16 @@ def run(args: argparse.Namespace) -> int:
               f"`pyinfinity plan {'--model CONFIG' if args.model else f'--model-size {args.model_size}'} "
               "--nvme DIR --save-rates rates.json` and pass --rates rates.json here")
     print(placement.table())
+    if cores and not args.cpu_cores:
+        print(f"  note: the target's CPU cores are assumed ({cores}; pass --cpu-cores N): they set its Adam rate, "
+              "and the config leaves pyinfinity.optimizer_threads \"auto\" (every CPU there)")
+    if args.host_memory:
+        from pyinfinity.config import format_size
+        from pyinfinity.plan.budgets import HOST_FRACTION
+
+        print(f"  note: --cpu-memory {args.host_memory} is the host RAM budget the plan may fill, all of it; the "
+              f"default keeps {1 - HOST_FRACTION:.0%} of the available RAM for the system: for a machine with "
+              f"{args.host_memory} of RAM, plan with --cpu-memory {format_size(budgets.host_memory * HOST_FRACTION)}")
     text = json.dumps(resolved, indent=2) + "\n"
     if args.out:
         tmp = args.out + ".tmp"

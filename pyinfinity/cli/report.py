@@ -9,8 +9,8 @@ from dataclasses import asdict
 from typing import Any
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("report", help="check the environment (OK/WARN/FAIL with fixes)",
+def add_parser(subparsers: Any, summary: str) -> None:
+    p = subparsers.add_parser("report", help=summary,
                               description=__doc__)
     p.add_argument("--path", default=None,
                    help="swap directory to check (default: $PYINFINITY_SWAP_DIR or the temp dir)")

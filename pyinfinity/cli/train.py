@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli.train_args import add_arguments, check_arguments, engine_config, mean
+from pyinfinity.cli.train_args import add_arguments, check_arguments, engine_config, exported_line, mean, resume_status
 from pyinfinity.presets import preset
 
 log = logging.getLogger(__name__)
@@ -24,8 +24,8 @@ BOS, EOS = 256, 257
 
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("train", help="train a Llama model on the stdlib's sources, offloaded",
+def add_parser(subparsers: Any, summary: str) -> None:
+    p = subparsers.add_parser("train", help=summary,
                               description=__doc__)
     add_arguments(p)
     p.set_defaults(func=run)
@@ -99,6 +99,11 @@ def llama_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    resume_dir, resume_tag = check_arguments(args)  # every flag, before anything is built, read or imported
+    done = resume_status(args, resume_dir, resume_tag) if resume_dir is not None else None
+    if done:
+        print(done)
+        return 0
     import torch
     from tqdm import tqdm
     from transformers import LlamaForCausalLM
@@ -106,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
     import pyinfinity
     from pyinfinity.config import format_size, parse_size
 
-    resume_dir, resume_tag = check_arguments(args)  # every flag, before anything is built or read
     if args.model or args.data:
         from pyinfinity.cli.finetune import run_finetune
 
@@ -195,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         if args.save:
             engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn, "flags": _run_flags(args)})
         if args.export:
-            engine.export(args.export)
+            print(exported_line(args.export, engine.export(args.export), cfg))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 from typing import Any, Optional
 
@@ -103,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --resume: convert a checkpoint whose optimizer state is of another format than "
                         "this run's (--optimizer-state) into this run's (decoded to fp32, encoded again); without "
                         "it such a resume is refused")
+    p.add_argument("--resume-reschedule", action="store_true",
+                   help="with --resume: continue a run under another learning-rate schedule than it was saved with "
+                        "(a --steps or --warmup of its own, or another --config scheduler): the lr moves to the new "
+                        "schedule's value at the checkpoint's step; without it such a resume is refused")
     p.add_argument("--export", metavar="DIR", help="export the trained weights (safetensors) there")
     p.add_argument("--json", metavar="FILE", help="write the run's telemetry as JSON")
     p.add_argument("--no-progress", action="store_true",
@@ -220,6 +225,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
         raise UsageError(f"--eval-fraction: {args.eval_fraction} must be in [0, 1)")
     if args.resume_convert and not args.resume:
         raise UsageError("--resume-convert: needs --resume DIR (the checkpoint to convert)")
+    if args.resume_reschedule and not args.resume:
+        raise UsageError("--resume-reschedule: needs --resume DIR (the run to continue on a new schedule)")
     if args.save_every and not args.save:
         raise UsageError("--save-every: needs --save DIR (where to write the checkpoints)")
     if bool(args.model) != bool(args.data):
@@ -282,9 +289,7 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
         "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": args.clip,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": max(args.steps, args.warmup),
-                                                           "warmup_num_steps": args.warmup,
-                                                           "warmup_type": "linear"}},
+        "scheduler": flag_schedule(args),
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": args.offload, "max_in_cpu": 0},
@@ -305,6 +310,74 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
         cfg["fp16"] = {"enabled": True}
     set_optimizer_state(cfg, args.optimizer_state, "--optimizer-state")
     return cfg
+
+
+def flag_schedule(args: argparse.Namespace) -> dict:
+    """The learning-rate schedule --steps and --warmup make (a config's ``scheduler``)."""
+    return {"type": "WarmupCosineLR", "params": {"total_num_steps": max(args.steps, args.warmup),
+                                                 "warmup_num_steps": args.warmup, "warmup_type": "linear"}}
+
+
+def resume_status(args: argparse.Namespace, save_dir: str, tag: Optional[str]) -> Optional[str]:
+    """What --resume's checkpoint says before anything is built: a line saying the run is already
+    complete (its step is at --steps: nothing to train), else None. A run whose learning-rate
+    schedule (``scheduler`` as its checkpoint records it) is not the one this run would make is
+    refused without --resume-reschedule (with it, a warning): the lr would jump at the first step."""
+    import types
+
+    from pyinfinity.config import _parse_scheduler
+    from pyinfinity.zero.lr_schedules import build_scheduler
+
+    try:
+        if tag is None:
+            with open(os.path.join(save_dir, "latest")) as f:
+                tag = f.read().strip()
+        with open(os.path.join(save_dir, tag, "meta.json")) as f:
+            meta = json.load(f)
+        step, saved = int(meta["global_steps"]), (meta.get("hyperparameters") or {})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the engine's load says what is wrong with it
+    where = os.path.join(save_dir, tag)
+    if step >= args.steps:
+        return (f"--resume: the run saved in {where} is already complete: at step {step}, --steps {args.steps}; "
+                "nothing to train (to train it further: a larger --steps with --resume-reschedule)")
+    file_cfg = read_config_file(args.config) if args.config else {}
+    mine = (file_cfg["scheduler"] if "scheduler" in file_cfg and not args.given & {"steps", "warmup"}
+            else flag_schedule(args))
+    lr = args.lr if "lr" in args.given or not file_cfg else (_get(file_cfg, "optimizer.params.lr") or args.lr)
+    old = saved.get("scheduler")
+    try:
+        new = _parse_scheduler(mine)
+    except ValueError:
+        return None  # the engine's config check names it
+    if not isinstance(old, dict) or (old.get("type"), old.get("params")) == (new.type, new.params):
+        return None
+    flags = (meta.get("client_state") or {}).get("flags")
+    if isinstance(flags, dict) and any(getattr(args, k, None) != v for k, v in flags.items()):
+        return None  # other data or schedule flags: refused after the load, each named
+
+    def next_lr(sched_type: str, params: dict, peak: float) -> float:
+        group = types.SimpleNamespace(param_groups=[{"lr": peak}])
+        return build_scheduler(sched_type, group, {**params, "last_batch_iteration": step - 1}).get_last_lr()[0]
+
+    try:
+        was, now = next_lr(old["type"], old["params"], float(saved.get("lr", lr))), next_lr(new.type, new.params, lr)
+    except (TypeError, ValueError, KeyError):
+        was = now = None
+    if old.get("type") != new.type:
+        change = f"{old.get('type')}, this run's {new.type}"
+    else:
+        was_p = old.get("params") or {}
+        change = f"{new.type} " + ", ".join(f"{k} {was_p.get(k)}, this run's {v}" for k, v in new.params.items()
+                                            if was_p.get(k) != v)
+    jump = "" if was is None else f"; the lr of step {step + 1} would go from {was:.3g} to {now:.3g}"
+    what = f"--resume: {where} was saved by a run with another learning-rate schedule ({change}){jump}"
+    if not args.resume_reschedule:
+        raise UsageError(f"{what}: give the first run's --steps/--warmup to finish it on its schedule, or "
+                         "--resume-reschedule to continue on the new one")
+    logging.getLogger(__name__).warning("%s (--resume-reschedule: the new schedule is used from step %d)",
+                                        what, step + 1)
+    return None
 
 
 def set_optimizer_state(cfg: dict, state: str, flag: str) -> None:
@@ -355,8 +428,10 @@ def read_config_file(path: str) -> dict:
 
 def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
     """(the engine config, the compute device) of a run: the flags' config, or with --config the
-    file's, the flags given on the command line overriding it. ``args.batch`` and
-    ``args.grad_accum`` follow the result (the data is drawn to its micro-batch)."""
+    file's, the flags given on the command line overriding it (an optimizer or scheduler the file
+    lacks is the flags'; one INFO line names each value of the file that replaces a default of
+    train's). ``args.batch`` and ``args.grad_accum`` follow the result (the data is drawn to its
+    micro-batch)."""
     apply_defaults(args)
     if not args.config:
         device = resolve_device(args.device)
@@ -369,13 +444,18 @@ def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
     given = set(args.given)
     if "offload" in given and "offload_optimizer" not in given:
         given.add("offload_optimizer")  # --offload places both, as without --config
-    if "scheduler" not in cfg:
-        given.add("steps")
+    for section in ("optimizer", "scheduler"):  # what the file leaves out is train's own, as without --config
+        if section not in cfg:
+            cfg[section] = copy.deepcopy(flag_cfg[section])
     for dest in given:
         for key in FLAG_KEYS.get(dest, ()):
             _put(cfg, key, _get(flag_cfg, key))
     if given & {"batch", "grad_accum"}:
         cfg.pop("train_batch_size", None)
+    overrides = config_overrides(file_cfg, flag_cfg, given)
+    if overrides:
+        logging.getLogger(__name__).info("--config %s sets, instead of train's defaults (a flag given on the command "
+                                         "line would win): %s", args.config, "; ".join(overrides))
     _put(cfg, "pyinfinity.device", device)
     if _get(cfg, "pyinfinity.log_every") is None:
         _put(cfg, "pyinfinity.log_every", _get(flag_cfg, "pyinfinity.log_every"))
@@ -385,6 +465,47 @@ def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
     args.batch = int(cfg.get("train_micro_batch_size_per_gpu") or args.batch)
     args.grad_accum = gas
     return cfg, device
+
+
+def config_overrides(file_cfg: dict, flag_cfg: dict, given: set) -> list[str]:
+    """The values of a --config file that replace what train's flags, left at their defaults,
+    would set: one "key value (--flag default: value)" each."""
+    out, seen = [], set()
+    for dest, keys in FLAG_KEYS.items():
+        if dest in given:
+            continue
+        for key in keys:
+            mine, theirs = _get(flag_cfg, key), _get(file_cfg, key)
+            if key in seen or theirs is None or theirs == mine:
+                continue
+            seen.add(key)
+            flag, default = f"--{dest.replace('_', '-')}", DEFAULTS.get(dest)
+            if default is not None and mine == default:
+                was = f"{flag} {default}"
+            else:
+                was = f"{flag + ' ' + str(default) + ': ' if default is not None else ''}" \
+                      f"{'not set' if mine is None else json.dumps(mine)}"
+            out.append(f"{key} {json.dumps(theirs)} (train's {was})")
+    return out
+
+
+def exported_line(out_dir: str, files: list, cfg: dict) -> str:
+    """What an export wrote: its directory and the dtypes of its safetensors (read from their
+    headers), and when they are not the run's compute dtype, that they are the model's own."""
+    dtypes: set[str] = set()
+    for path in files:
+        if str(path).endswith(".safetensors"):
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    names = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+    written = sorted(names.get(d, d.lower()) for d in dtypes)
+    compute = "bf16" if _get(cfg, "bf16.enabled") else "fp16" if _get(cfg, "fp16.enabled") else "fp32"
+    line = f"exported {out_dir}: safetensors in {', '.join(written) or 'no tensors'}"
+    if written and written != [compute]:
+        line += (f" (the model's own dtype, from the fp32 masters; the run computed in {compute}; a --model run "
+                 "exports in --model-dtype)")
+    return line
 
 
 def mean(xs: list) -> Optional[float]:

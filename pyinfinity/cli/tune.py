@@ -10,10 +10,10 @@ import sys
 from typing import Any
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Any, summary: str) -> None:
     from pyinfinity.cli.bench import comma_list, size_arg
 
-    p = subparsers.add_parser("tune", help="find the best aio settings for a swap directory",
+    p = subparsers.add_parser("tune", help=summary,
                               description=__doc__)
     p.add_argument("path", help="the swap directory (on the NVMe drive that will hold swap files)")
     p.add_argument("-o", "--output", metavar="FILE", default=None,

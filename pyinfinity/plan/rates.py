@@ -15,8 +15,9 @@ work does). ``measure_decoder_compute`` times one micro-batch of the model itsel
 layers) where a figure from FLOPs and the matmul rate would miss the small kernels around them.
 Figures are medians of a few repetitions.
 
-The record, the probes, the rates files and the named presets all fill the same fields and name
-each one's source, so a figure's every origin reads in one place.
+The record, the probes, the rates files and the named presets (their tables in
+:mod:`pyinfinity.plan.hardware`, which the command line's help reads without torch) all fill the
+same fields and name each one's source, so a figure's every origin reads in one place.
 """
 from __future__ import annotations
 
@@ -33,55 +34,11 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
+from pyinfinity.plan.hardware import DEFAULT_DISK, DEFAULT_GPU_MATMUL, DEFAULT_LINK, DISK_PRESETS, LINK_PRESETS
+
 log = logging.getLogger(__name__)
 
 SCHEMA = "pyinfinity.plan.rates/1"
-
-
-@dataclass(frozen=True)
-class LinkPreset:
-    """Host<->device copy rates of a named link (bytes/s): pinned both ways, and from pageable memory."""
-
-    h2d: float
-    d2h: float
-    h2d_pageable: float
-    note: str
-
-
-@dataclass(frozen=True)
-class DiskPreset:
-    """Sustained 1 MiB O_DIRECT read/write of a named drive class (bytes/s) and the cost of one I/O piece (s)."""
-
-    read: float
-    write: float
-    latency: float
-    note: str
-
-
-GB = 1e9
-
-LINK_PRESETS: dict[str, LinkPreset] = {
-    "pcie3x16": LinkPreset(12 * GB, 12 * GB, 6 * GB, "PCIe 3.0 x16: 15.8 GB/s raw, ~12 GB/s pinned copies"),
-    "pcie4x16": LinkPreset(24 * GB, 24 * GB, 10 * GB, "PCIe 4.0 x16: 31.5 GB/s raw, ~24 GB/s pinned copies"),
-    "pcie5x16": LinkPreset(48 * GB, 48 * GB, 16 * GB, "PCIe 5.0 x16: 63 GB/s raw, ~48 GB/s pinned copies"),
-    "h200-sxm": LinkPreset(55 * GB, 55 * GB, 20 * GB, "H200 SXM host link, 55 GB/s pinned as measured"),
-}
-"""Named host<->device links for planning a GPU machine from another one (``plan --link``)."""
-
-DISK_PRESETS: dict[str, DiskPreset] = {
-    "sata-ssd": DiskPreset(0.5 * GB, 0.45 * GB, 200e-6, "SATA 6 Gb/s SSD"),
-    "nvme-gen3": DiskPreset(3.0 * GB, 2.0 * GB, 100e-6, "PCIe 3.0 x4 NVMe SSD"),
-    "nvme-gen4": DiskPreset(6.0 * GB, 4.0 * GB, 80e-6, "PCIe 4.0 x4 NVMe SSD"),
-    "nvme-gen5": DiskPreset(11.0 * GB, 8.0 * GB, 60e-6, "PCIe 5.0 x4 NVMe SSD"),
-}
-"""Named drive classes (``plan --disk``): sustained figures a little under the vendors' sequential
-peaks, since swap traffic is 1 MiB pieces at a moderate queue depth."""
-
-DEFAULT_LINK = "pcie4x16"
-DEFAULT_DISK = "nvme-gen4"
-DEFAULT_GPU_MATMUL = 100e12
-"""FLOP/s assumed for a GPU that is not on this machine when no ``--tflops`` is given (a mid-range
-data-center GPU's sustained bf16 matmul); the plan names it as an assumption."""
 
 ADAM_PROBE_NUMEL = 64_000_000
 """Parameters of the CPU Adam probe, quick or not. The engine steps whole shards (tens to hundreds of
@@ -276,6 +233,18 @@ def _keeps_rng(fn: Callable) -> Callable:
         with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
             return fn(*args, **kwargs)
     return probe
+
+
+def _times(fn: Callable[[], None], reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn()``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Callable[[], None] = lambda: None,
@@ -494,6 +463,12 @@ class DiskProbe(NamedTuple):
     write: float  # bytes/s
     latency: float  # seconds per I/O piece
     duplex: float  # seconds of a read and a write at once over the two one after the other
+    spread: float = 1.0  # the slowest read or write sample's time over the fastest's (DISK_SPREAD_LIMIT)
+
+
+DISK_SPREAD_LIMIT = 2.0
+"""A disk probe whose read or write samples differ by more than this factor timed something else
+besides the disk (another process's I/O, a busy CPU): its rates are named uncertain."""
 
 
 def measure_disk(directory: str, nbytes: int = 64 << 20, reps: int = 3,
@@ -539,21 +514,24 @@ def _measure_disk(directory: str, nbytes: int, reps: int, aio: dict) -> DiskProb
     try:
         for off in (0, nbytes):  # allocate the file's blocks before timing
             eng.write(buf, path, off).wait()
-        w = _median_time(lambda: eng.write(buf, path, 0).wait(), reps, warmup=0)
-        r = _median_time(lambda: eng.read(buf, path, 0).wait(), reps, warmup=1)
+        ws = _times(lambda: eng.write(buf, path, 0).wait(), reps, warmup=0)
+        rs = _times(lambda: eng.read(buf, path, 0).wait(), reps, warmup=1)
         rw = _median_time(both, reps, warmup=1)
-        lat = _median_time(lambda: eng.read(page, path, nbytes // 2).wait(), max(5, reps), warmup=1)
+        # the fastest one-page read: the device's cost of a piece; a slower sample is the scheduler's delay
+        lat = min(_times(lambda: eng.read(page, path, nbytes // 2).wait(), max(5, reps), warmup=1))
     finally:
         eng.close()
         try:
             os.unlink(path)
         except OSError:
             pass
+    r, w = statistics.median(rs), statistics.median(ws)
     block = int(aio.get("block_size") or eng_block)
     n = -(-nbytes // block)
-    lat = min(lat, 0.95 * min(r, w) / n)
+    lat = min(lat, 0.5 * min(r, w) / n)  # the pieces' cost is at most half a transfer: a rate at most 2x the timed one
     duplex = min(1.0, max(rw, r, w) / (r + w))
-    return DiskProbe(nbytes / (r - n * lat), nbytes / (w - n * lat), lat, duplex)
+    spread = max(max(rs) / min(rs), max(ws) / min(ws))
+    return DiskProbe(nbytes / (r - n * lat), nbytes / (w - n * lat), lat, duplex, spread)
 
 
 def disk_probe_size(directory: str, nbytes: int) -> int:
@@ -806,6 +784,12 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
                 vals.setdefault("disk_read", probe.read)
                 vals.setdefault("disk_write", probe.write)
                 vals.setdefault("disk_duplex", probe.duplex)
+                if probe.spread > DISK_SPREAD_LIMIT:
+                    note = (f"probe, uncertain: its samples differ {probe.spread:.1f}x (other I/O or a busy CPU "
+                            "while it ran; probe again on a quiet machine, or pass --rates)")
+                    log.warning("disk probe of %s: %s", swap_dir, note)
+                    for key in ("disk_read", "disk_write", "disk_latency"):
+                        source.setdefault(key, note)
         else:
             vals.setdefault("disk_read", 0.0)
             vals.setdefault("disk_write", 0.0)
@@ -868,8 +852,8 @@ def preset_rates(device: Union[str, torch.device] = "cuda", link: Optional[str] 
                  h2d_pageable=vals["h2d_pageable"], device=str(dev), source=source)
 
 
-__all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRESETS", "DISK_PRESETS", "LinkPreset",
-           "DiskPreset", "disk_probe_size", "all_cpus", "ADAM_PROBE_NUMEL", "MEMCPY_PROBE_BYTES",
+__all__ = ["Rates", "measure_rates", "preset_rates", "device_is_here", "LINK_PRESETS", "DISK_PRESETS",
+           "disk_probe_size", "all_cpus", "ADAM_PROBE_NUMEL", "MEMCPY_PROBE_BYTES",
            "measure_decoder_compute", "decoder_probe_bytes", "measure_accumulate", "ACCUMULATE_PROBE_NUMEL",
            "measure_adam", "measure_device_adam", "DEVICE_ADAM_PROBE_NUMEL", "DEVICE_ADAM_ASSUMED", "device_adam_key",
            "measure_memcpy",

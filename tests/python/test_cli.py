@@ -135,6 +135,29 @@ def test_resume_with_other_data_or_schedule_flags_is_refused(tmp_path):
         assert flag in last, last
 
 
+def test_a_finished_run_resumed_says_it_is_complete_and_another_steps_is_refused_unless_rescheduled(tmp_path):
+    """A resume of a run at its last step trains nothing and says so (not "0 steps: loss nan");
+    a resume with another --steps would move the lr to another schedule's value: one line naming
+    the schedules and the lr's jump, unless --resume-reschedule, which trains on the new one."""
+    common = [*TRAIN[:3], "--seq", "32", "--batch", "2", "--device", "cpu", "--corpus-bytes", "64KB",
+              "--offload", "cpu", "--warmup", "1", "--lr", "1e-3", "--no-progress"]
+    saved = cli(*common, "--steps", "2", "--save", str(tmp_path / "ck"))
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    again = cli(*common, "--steps", "2", "--resume", str(tmp_path / "ck"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already complete: at step 2, --steps 2" in again.stdout, again.stdout
+    assert "nan" not in again.stdout + again.stderr and "0 tokens/s" not in again.stdout
+    more = cli(*common, "--steps", "4", "--resume", str(tmp_path / "ck"))
+    assert_one_line_user_error(more, "--resume", "another learning-rate schedule", "total_num_steps 2, this run's 4",
+                               "the lr of step 3 would go from", "--resume-reschedule")
+    more = cli(*common, "--steps", "4", "--resume", str(tmp_path / "ck"), "--resume-reschedule",
+               "--json", str(tmp_path / "more.json"))
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "--resume-reschedule: the new schedule is used from step 3" in more.stderr
+    assert [s["step"] for s in json.loads((tmp_path / "more.json").read_text())["steps"]] == [3, 4]
+    assert_one_line_user_error(cli(*common, "--resume-reschedule"), "--resume-reschedule", "needs --resume")
+
+
 # ------------------------------------------------------------------ what a new user meets first
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -236,6 +259,30 @@ def test_train_accepts_the_config_plan_writes_and_the_flags_given_override_it(tm
     assert_one_line_user_error(cli("train", "--config", str(tmp_path / "bad.json")), "--config", "not valid JSON")
 
 
+def test_a_plan_writes_only_what_it_decides_and_train_says_what_the_file_replaces(tmp_path):
+    """`plan -o` writes no learning rate (not the planner's), so `train --config` keeps its own
+    optimizer and schedule; every value of the file that replaces one of train's defaults (the
+    planned micro-batch, placement, dtype) is named in one line."""
+    (tmp_path / "model.json").write_text(json.dumps(TINY_TRAIN_MODEL))
+    cfg = tmp_path / "plan.json"
+    p = cli("plan", "--model", str(tmp_path / "model.json"), "--device", "cpu", "--seq-len", "32",
+            "--cpu-memory", "3GiB", "-o", str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    planned = json.loads(cfg.read_text())
+    assert "optimizer" not in planned and "scheduler" not in planned, planned
+    p = cli("train", "--config", str(cfg), "--model-size", "tiny", "--steps", "1", "--seq", "32", "--corpus-bytes",
+            "64KB", "--no-progress", "--json", str(tmp_path / "run.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    used = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert used["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+    assert used["scheduler"] == {"type": "WarmupCosineLR",  # --steps 1 and the default --warmup 5
+                                 "params": {"total_num_steps": 5, "warmup_num_steps": 5, "warmup_type": "linear"}}
+    said = [ln for ln in p.stderr.splitlines() if f"--config {cfg} sets, instead of train's defaults" in ln]
+    assert len(said) == 1, p.stderr[-3000:]
+    assert f"train_micro_batch_size_per_gpu {planned['train_micro_batch_size_per_gpu']} (train's --batch 4)" in said[0]
+    assert "bf16.enabled true (train's --dtype auto: not set)" in said[0]
+    assert "optimizer.params" not in said[0] and "scheduler" not in said[0]
+
 def test_v_works_anywhere_on_the_line(tmp_path):
     p = cli(*TRAIN[:-2], "--batch", "-4", "-v")
     assert p.returncode == 2 and "Traceback" in p.stderr and "--batch" in p.stderr.splitlines()[-1], p.stderr
@@ -285,6 +332,29 @@ def test_plan_for_a_target_machine_and_what_would_change_it(tmp_path):
     assert_one_line_user_error(small, "swap", "free")
     assert_one_line_user_error(cli("plan", "--model-size", "7b", "--nvme-free", "1TB"), "--nvme-free", "--nvme")
 
+
+def test_a_plan_for_another_machine_assumes_its_cores_aloud_and_calls_cpu_memory_a_budget(tmp_path):
+    """Without --cpu-cores a GPU machine elsewhere gets an assumed core count, named in the rates
+    and the notes, and its config leaves the optimizer's threads to the target ("auto"), not this
+    machine's count; --cpu-memory is said to be a budget the plan fills, with the figure that
+    keeps the default's headroom; a CPU plan offers no "twice the device memory"."""
+    from pyinfinity.cli.plan import ASSUMED_TARGET_CORES
+
+    out = tmp_path / "cfg.json"
+    p = cli("plan", "--model-size", "7b", "--gpu-memory", "8GiB", "--cpu-memory", "128GiB", "--seq-len", "256",
+            "-o", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(out.read_text())["pyinfinity"]["optimizer_threads"] == "auto"
+    adam = next(line for line in p.stdout.splitlines() if line.startswith("  adam "))
+    assert f"scaled to an assumed {ASSUMED_TARGET_CORES} cores of the target (no --cpu-cores given)" in adam, adam
+    assert f"the target's CPU cores are assumed ({ASSUMED_TARGET_CORES}; pass --cpu-cores N)" in p.stdout
+    assert ("--cpu-memory 128GiB is the host RAM budget the plan may fill, all of it; the default keeps 20% of the "
+            "available RAM for the system: for a machine with 128GiB of RAM, plan with --cpu-memory 102.40 GiB") in p.stdout
+    (tmp_path / "m.json").write_text(json.dumps(TINY_TRAIN_MODEL))
+    p = cli("plan", "--model", str(tmp_path / "m.json"), "--device", "cpu", "--seq-len", "32", "--cpu-memory", "3GiB")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "what would change this plan" in p.stderr and "device memory" not in p.stderr.split("what would change")[1]
+    assert "cores are assumed" not in p.stdout  # this machine: its own cores
 
 def test_plan_and_train_take_the_optimizer_state(tmp_path):
     """`plan --optimizer-state 8bit` places the 13B preset where the fp32 state is refused (8 GiB GPU,
@@ -415,3 +485,76 @@ def test_the_30b_and_70b_presets_are_llama_30b_and_llama_2_70b(size, billions):
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     assert {k: getattr(cfg, k) for k in keys} == {k: SIZES[size][k] for k in keys}
     assert round(llama_sizes(dict(SIZES[size], model_type="llama")).numel / 1e9, 1) == billions
+
+
+IMPORTS_PROBE = ("import runpy, sys\n"
+                 "try:\n"
+                 "    runpy.run_module('pyinfinity', run_name='__main__', alter_sys=True)\n"
+                 "finally:\n"
+                 "    print('IMPORTED:', *sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)\n")
+
+
+def cli_imports(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`pyinfinity ARGS` run as the command runs, and the heavy packages it imported on the way."""
+    p = subprocess.run([sys.executable, "-c", IMPORTS_PROBE, *args], capture_output=True, text=True, timeout=300)
+    line = next(ln for ln in p.stderr.splitlines() if ln.startswith("IMPORTED:"))
+    p.stderr = p.stderr.replace(line + "\n", "")
+    return p, line.split()[1:]
+
+
+@pytest.mark.parametrize("args", [
+    ["--version"], ["--help"], ["train", "--help"], ["plan", "--help"], ["--bogus"], ["trian"],
+    ["train", "--stpes", "3"], ["train", "--steps", "many"], ["plan", "--bogus"], ["plan", "--model-size", "nope"],
+    ["plan", "--model-size", "7b", "--link", "pcie9"], ["plan", "--model", "/no/such/config.json"],
+    ["train", "--model", "/no/such/model", "--data", "/no/such/data.txt"], ["train", "--config", "/no/such.json"],
+    ["train", "--resume", "/no/such/run"], ["train", "--batch", "0"],
+], ids=" ".join)
+def test_a_one_line_answer_imports_neither_torch_nor_transformers(args):
+    p, heavy = cli_imports(*args)
+    assert p.returncode in (0, 2), p.stderr[-3000:]
+    assert heavy == [], (args, heavy)
+
+
+def test_a_missing_data_file_is_answered_before_torch_is_imported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    p, heavy = cli_imports("train", "--model", str(tmp_path), "--data", str(tmp_path / "nope.txt"))
+    assert_one_line_user_error(p, "--data", "no such file")
+    assert heavy == []
+
+
+def test_a_misspelt_flag_is_the_subcommands_error_with_the_flag_it_resembles():
+    """argparse's usage, then its error line, by the subcommand's name, with the nearest flag."""
+    for args, prog, needle in ((["train", "--stpes", "3"], "pyinfinity train", "(--stpes: did you mean --steps?)"),
+                               (["train", "--lr=1e-3", "--warmpu", "2"], "pyinfinity train",
+                                "(--warmpu: did you mean --warmup?)"),
+                               (["plan", "--model-size", "tiny", "--cpu-memroy", "8GiB"], "pyinfinity plan",
+                                "(--cpu-memroy: did you mean --cpu-memory?)")):
+        p = cli(*args)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and last.startswith(f"{prog}: error: unrecognized arguments: "), p.stderr
+        assert last.endswith(needle), last
+    p = cli("train", "--zzzzzz")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last == "pyinfinity train: error: unrecognized arguments: --zzzzzz", p.stderr
+
+
+def test_plan_help_counts_the_bf16_state_as_readme_does_and_an_export_names_its_dtype(tmp_path):
+    """`plan --help` and README give the bf16 optimizer state's bytes alike; an export of a bf16
+    run says its safetensors are fp32 (the model's own dtype), not silently."""
+    h = cli("plan", "--help")
+    assert h.returncode == 0 and "bf16 (bf16 master and moments: 6," in " ".join(h.stdout.split()), h.stdout
+    assert "(6 bytes of state beside the weights in the engine)" in " ".join(read("README.md").split())
+    p = cli(*TRAIN, "--dtype", "bf16", "--export", str(tmp_path / "out"), "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (f"exported {tmp_path / 'out'}: safetensors in fp32 (the model's own dtype, from the fp32 masters; the "
+            "run computed in bf16") in p.stdout, p.stdout
+
+
+def test_make_train_leaves_the_swap_directory_to_the_run_which_removes_it():
+    """`make train` does not make SWAP_DIR itself: `train --nvme` creates a missing one and removes
+    it at the end, so no empty .swap/ stays in the checkout."""
+    p = subprocess.run(["make", "-n", "train"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    run = [line for line in p.stdout.splitlines() if "-m pyinfinity train" in line]
+    assert run and "--nvme .swap" in run[-1], p.stdout
+    assert not any("mkdir" in line and ".swap" in line for line in p.stdout.splitlines()), p.stdout

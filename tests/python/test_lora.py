@@ -346,6 +346,23 @@ def test_cli_bad_lora_flags_are_one_line(model_dirs, data_file, tmp_path, flags,
     assert "Traceback" not in p.stderr and len(lines) == 1 and needle in lines[0], p.stderr
 
 
+def test_an_unknown_lora_target_is_one_line_naming_the_layers_there(model_dirs, data_file, tmp_path):
+    """`--lora-targets q_prj` (train and plan): the layers of that model LoRA can adapt, not PEFT's
+    "not found in the base model"."""
+    p = _cli("train", "--model", model_dirs["llama"], "--data", data_file, "--device", "cpu", "--lora", "4",
+             "--lora-targets", "q_prj,v_proj", "--steps", "1", "--seq", "32", "--no-progress")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert "--lora-targets" in last and "q_prj: no such layer in LlamaForCausalLM" in last, last
+    assert "q_proj, up_proj, v_proj" in last and "(or all-linear)" in last and "v_proj:" not in last, last
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps(PLAN_MODEL))
+    p = _cli("plan", "--model", str(cfg), "--device", "cpu", "--lora", "4", "--lora-targets", "q_prj")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert last.startswith("pyinfinity plan: error: --lora-targets: q_prj: no such layer in LlamaForCausalLM"), last
+    assert "q_proj" in last, last
+
 def test_cli_lora_needs_a_model(tmp_path):
     p = _cli("train", "--lora", "4", "--device", "cpu")
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith(

@@ -825,6 +825,55 @@ def test_the_disk_probe_times_a_read_and_a_write_together(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+
+class _TimedSwapEngine:
+    """A SwapEngine stand-in whose transfers take set times: ``plan[kind]`` is a list of seconds,
+    one per call, cycled (kind: "page" for a one-page read, else "read" or "write")."""
+
+    plan: dict = {}
+
+    def __init__(self, **kw):
+        self.block_size = 64 << 10
+        self.calls = {k: 0 for k in self.plan}
+
+    def _wait(self, kind):
+        import time
+
+        times = self.plan[kind]
+        seconds = times[self.calls[kind] % len(times)]
+        self.calls[kind] += 1
+        return type("Handle", (), {"wait": lambda _self: time.sleep(seconds)})()
+
+    def read(self, tensor, path, offset):
+        return self._wait("page" if tensor.numel() == 4096 else "read")
+
+    def write(self, tensor, path, offset):
+        return self._wait("write")
+
+    def close(self):
+        pass
+
+
+def test_a_disk_probe_on_a_busy_machine_is_never_many_times_the_transfer_it_timed(tmp_path, monkeypatch):
+    """A one-page read delayed by the scheduler is not the disk's cost of a piece: the fastest page
+    read is taken, and the pieces' cost is at most half a transfer, so the rate is at most twice
+    the one timed (subtracting 64 delayed page reads made it up to 20x); samples that differ more
+    than DISK_SPREAD_LIMIT name the probe uncertain in the rates table."""
+    import pyinfinity.swap
+    from pyinfinity.plan import rates as rates_mod
+
+    nbytes = 4 << 20
+    monkeypatch.setattr(pyinfinity.swap, "SwapEngine", _TimedSwapEngine)
+    monkeypatch.setattr(_TimedSwapEngine, "plan", {"read": [0.04], "write": [0.04], "page": [0.005]})
+    probe = rates_mod.measure_disk(str(tmp_path), nbytes, reps=3, aio={"block_size": 64 << 10})
+    assert probe.read <= 2 * nbytes / 0.04 and probe.write <= 2 * nbytes / 0.04, probe
+    assert probe.spread < rates_mod.DISK_SPREAD_LIMIT
+    monkeypatch.setattr(_TimedSwapEngine, "plan", {"read": [0.04], "write": [0.03, 0.12], "page": [0.005, 1e-5]})
+    probe = rates_mod.measure_disk(str(tmp_path), nbytes, reps=3, aio={"block_size": 64 << 10})
+    assert probe.latency < 0.001 and probe.spread > rates_mod.DISK_SPREAD_LIMIT, probe
+    r = rates_mod.measure_rates("cpu", str(tmp_path), matmul=1e12, aio={"block_size": 64 << 10})
+    assert "uncertain: its samples differ" in r.source["disk_write"], r.source
+
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_the_pipelined_optimizers_disk_term_takes_the_disks_duplex_share(pipeline):
     """With the optimizer's disk pipeline (reads of shard k+1 beside writes of k-1) the disk part
