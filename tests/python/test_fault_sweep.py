@@ -1,6 +1,7 @@
 """Faults over the background optimizer step: no accepted checkpoint resumes differently from an
 uninterrupted run (the short form of ``tests/python/fault_sweep.py``), and the late failures that
-once slipped through are refused."""
+once slipped through are refused; a fine-tune SIGKILLed mid-run resumes from its --save-every
+checkpoint with the uninterrupted run's losses."""
 from __future__ import annotations
 
 import errno
@@ -21,6 +22,11 @@ def test_every_accepted_checkpoint_resumes_like_an_uninterrupted_run(tmp_path):
     assert {c.surfaced for c in injected} >= {"forward", "step", "synchronize"}, fault_sweep.summary(cases)
     wrong = [c for c in injected if not c.held]
     assert not wrong, fault_sweep.summary(cases) + "\n" + "\n".join(map(str, wrong))
+
+
+def test_a_fine_tune_killed_mid_run_resumes_from_its_save_every_checkpoint_bit_exact(tmp_path):
+    held, what = fault_sweep.finetune_killed(str(tmp_path))
+    assert held, what
 
 
 def test_a_late_write_back_failure_with_clipping_refuses_the_save(tmp_path):
