@@ -10,9 +10,12 @@ entry failing its checksum (or an I/O error) can stop a load part-way: the engin
 train, save or export until a load succeeds.
 
 A run whose frozen shards all hold pretrained weights unchanged (a LoRA run's base model) saves
-only the trainable shards' state and records the weights' identity under ``base`` (config.json,
-and each safetensors file's name, size and a CRC-32 of its start); a load checks that identity
-against the weights its engine was built from and refuses another base in one line.
+only the trainable shards' state and records the weights' identity under ``base``: config.json,
+each safetensors file's name and size, and the CRC-32C of every byte of every tensor the run read
+(``WeightLoader.identity``: taken while the engine streamed the weights in, so a load compares
+without reading the base again). A load checks that identity against the weights its engine was
+built from and refuses another base in one line naming the tensor that differs. A version-3
+checkpoint recorded only a CRC-32 of each file's first MiB: it loads with that check and a warning.
 
 ``save`` and ``load`` work on the engine's training state (``zero.state.TrainingState``, what
 ``Engine.save_checkpoint`` and ``load_checkpoint`` hand over) through its public methods."""
@@ -48,7 +51,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this engine: the message names the checkpoint, the
     file (and the key) and what is wrong."""
 
-CHECKPOINT_VERSION = 3  # 3: "base"; 2: checksums.json; versions 1 (no checksums.json) and 2 still load
+CHECKPOINT_VERSION = 4  # 4: "base" with every tensor's CRC-32C; 3: "base"; 2: checksums.json; 1-3 still load
 CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
@@ -240,10 +243,12 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
     if sums is None and version != 1:
         raise CheckpointError(f"checkpoint {path!r}: {CHECKSUMS_NAME} missing (a version {version!r} checkpoint "
                               "has one: the save was cut short or the file was removed); nothing was loaded")
-    if sums is not None and version not in (2, CHECKPOINT_VERSION):
-        raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected 2 or {CHECKPOINT_VERSION})")
+    if sums is not None and version not in range(2, CHECKPOINT_VERSION + 1):
+        raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected 2 to "
+                              f"{CHECKPOINT_VERSION})")
+    _check_adapters(path, meta.get("base"), base)  # before the shards: another rank changes them too
     entries = _validate_meta(state, path, meta)
-    _check_base(path, meta.get("base"), base)
+    _check_base(path, meta.get("base"), base, version)
     saved_format = _saved_format(state, meta)
     if saved_format.name != state.optimizer.format.name and not convert_optimizer_state:
         raise CheckpointError(f"checkpoint {path!r} holds the {saved_format.name} optimizer state, this engine keeps "
@@ -298,17 +303,12 @@ def _saved_format(state: "TrainingState", meta: dict) -> Optional[OptimStateForm
     return make_state_format(name, True) if name in STATE_FORMATS else None  # adam_w: only a step reads it
 
 
-def _check_base(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
-    """A checkpoint without its frozen shards loads only over the pretrained weights it was saved
-    over (the same config.json, the same safetensors files by name and size)."""
-    if saved is None:
+def _check_adapters(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
+    """The adapters a LoRA checkpoint trained must be those this engine trains (rank, targets,
+    alpha, dropout, ...): checked before the shards, since another rank or other targets change
+    them too and "another adapter config" is the cause to name."""
+    if not isinstance(saved, dict) or mine is None or "adapters" not in saved:  # recorded since version 3
         return
-    if mine is None:
-        raise CheckpointError(f"checkpoint {path!r} holds the trained parameters only (its frozen base is the pretrained "
-                              f"weights {sorted(saved.get('files', {}))}): load it into an engine built from those "
-                              "weights (from_pretrained of the same model directory)")
-    if "adapters" not in saved:  # recorded since version 3 checkpoints check them
-        mine = {k: v for k, v in mine.items() if k != "adapters"}
     if saved.get("adapters") != mine.get("adapters"):
         theirs, here = saved.get("adapters") or {}, mine.get("adapters") or {}
         diff = [f"adapter {n!r} {k} {(here.get(n) or {}).get(k)!r} here, {(theirs.get(n) or {}).get(k)!r} then"
@@ -317,11 +317,46 @@ def _check_base(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
                 if (theirs.get(n) or {}).get(k) != (here.get(n) or {}).get(k)]
         raise CheckpointError(f"checkpoint {path!r} trained its adapters with another config: {'; '.join(diff[:4])}; "
                               "resume with the adapter config it was saved with")
-    if saved != mine:
-        what = ("config.json" if saved.get("config") != mine.get("config")
-                else "safetensors files (names, sizes, first bytes)")
-        raise CheckpointError(f"checkpoint {path!r} was saved over other base weights than this engine's: their "
-                              f"{what} differ; load it into an engine built from the model directory it was trained on")
+
+
+def _check_base(path: str, saved: Optional[dict], mine: Optional[dict], version: Any = CHECKPOINT_VERSION) -> None:
+    """A checkpoint without its frozen shards loads only over the pretrained weights it was saved
+    over: the same config.json, safetensors files by name and size, and every tensor's CRC-32C
+    (a version-3 checkpoint: each file's first MiB, with a warning); the adapters as
+    ``_check_adapters``."""
+    if saved is None:
+        return
+    if mine is None:
+        raise CheckpointError(f"checkpoint {path!r} holds the trained parameters only (its frozen base is the pretrained "
+                              f"weights {sorted(saved.get('files', {}))}): load it into an engine built from those "
+                              "weights (from_pretrained of the same model directory)")
+    _check_adapters(path, saved, mine)
+    saved, mine = ({k: v for k, v in d.items() if k != "adapters"} for d in (saved, mine))
+    if "tensors" not in saved:
+        log.warning("checkpoint %s: version %s: its base weights are checked by config.json, file sizes and each "
+                    "file's first MiB only (a change past that is not seen); a save from this run records every "
+                    "tensor's checksum", path, version)
+        mine = {k: v for k, v in mine.items() if k != "tensors"}
+    else:  # the first MiB is recorded too, but every byte is compared: the tensors say which differs
+        mine = {**mine, "files": {n: {k: v for k, v in f.items() if k != "crc32"} for n, f in mine["files"].items()}}
+        saved = {**saved, "files": {n: {k: v for k, v in f.items() if k != "crc32"}
+                                    for n, f in (saved.get("files") or {}).items()}}
+    if saved == mine:
+        return
+    if saved.get("config") != mine.get("config"):
+        what = "their config.json differs"
+    elif saved.get("files") != mine.get("files"):
+        what = (f"their safetensors files differ (names, sizes{'' if 'tensors' in saved else ', first bytes'}: "
+                f"{sorted(saved.get('files') or {})} then, {sorted(mine.get('files') or {})} here)")
+    else:
+        theirs, here = saved.get("tensors") or {}, mine.get("tensors") or {}
+        changed = sorted(k for k in set(theirs) | set(here) if theirs.get(k) != here.get(k))
+        what = (f"their safetensors files hold other values: {len(changed)} tensor(s) differ (CRC-32C of every "
+                f"byte), e.g. {changed[0]!r}"
+                + (f" ({theirs[changed[0]]:#010x} then, {here[changed[0]]:#010x} here)"
+                   if changed[0] in theirs and changed[0] in here else " (read by one run only)"))
+    raise CheckpointError(f"checkpoint {path!r} was saved over other base weights than this engine's: {what}; load "
+                          "it into an engine built from the model directory it was trained on")
 
 
 def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: list[dict],

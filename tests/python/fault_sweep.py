@@ -12,7 +12,8 @@ engine resumed from B gives them. Anything else is silently wrong.
 
 Whole runs of the command line: ``finetune_killed`` SIGKILLs `pyinfinity train --model DIR --data
 FILE --save-every 2` mid-run and resumes it (the losses must be the uninterrupted run's, bit for
-bit, in fp32).
+bit, in fp32); ``changed_base_refused`` resumes a LoRA run over its base with one byte changed at
+97% of a shard (past the first MiB) and must be refused.
 
 CI runs a short form (``tests/python/test_fault_sweep.py``); the long form, every piece::
 
@@ -234,6 +235,39 @@ def finetune_killed(root: str, steps: int = 8, lora: Optional[int] = None) -> tu
     return True, f"killed with {tag} saved, resumed steps {start}-{steps} bit-exact"
 
 
+def changed_base_refused(root: str) -> tuple[bool, str]:
+    """Trains LoRA adapters 2 steps over a small model directory (shards of a few MiB) and saves,
+    flips one byte at 97% of its largest shard, then --resume: (held, what happened). Held: the
+    resume is refused in one line (exit status 2) naming the changed base."""
+    from tests.python.pretrained_dirs import CORPUS, make_model_dir
+
+    model = make_model_dir(os.path.join(root, "model"), hidden=256, shard="3MB")
+    data = os.path.join(root, "data.txt")
+    with open(data, "w") as f:
+        f.write(CORPUS * 2)
+    ckpt = os.path.join(root, "ckpt")
+    run = ["train", "--model", model, "--data", data, "--lora", "4", "--steps", "3", "--seq", "16", "--batch", "2",
+           "--device", "cpu", "--offload", "cpu", "--no-progress"]
+    first = subprocess.run(_cli(*run, "--stop-after", "2", "--save", ckpt), capture_output=True, text=True,
+                           timeout=600, cwd=REPO, env=_env())
+    if first.returncode:
+        return False, f"the first run failed: {first.stderr[-2000:]}"
+    shard = max((os.path.join(model, n) for n in os.listdir(model) if n.endswith(".safetensors")),
+                key=os.path.getsize)
+    at = int(os.path.getsize(shard) * 0.97)
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    res = subprocess.run(_cli(*run, "--resume", ckpt), capture_output=True, text=True, timeout=600, cwd=REPO,
+                         env=_env())
+    last = (res.stderr.strip().splitlines() or [""])[-1]
+    if res.returncode != 2 or "Traceback" in res.stderr or "other base weights" not in last:
+        return False, f"--resume over a base changed at byte {at} of {shard}: exit {res.returncode}: {last}"
+    return True, f"refused: {last}"
+
+
 def summary(cases: list[Case]) -> str:
     rows = collections.Counter((c.mode, c.op, c.surfaced, c.save, c.held) for c in cases if c.injected)
     lines = ["mode     op     surfaced in   save      held  cases"]
@@ -254,13 +288,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as root:
         cases = sweep(root, range(1, args.max_nth + 1, 1 if args.long else 7))
         held, what = finetune_killed(tempfile.mkdtemp(dir=root))
+        refused, why = changed_base_refused(tempfile.mkdtemp(dir=root))
     print(summary(cases))
     for c in cases:
         if c.injected and not c.held:
             print("NOT HELD:", c)
     print(f"fine-tune killed with --save-every, resumed: {'held' if held else 'NOT HELD'}: {what}")
+    print(f"LoRA resume over a base changed at 97% of a shard: {'refused' if refused else 'NOT REFUSED'}: {why}")
     print(f"{time.perf_counter() - t0:.0f} s")
-    return 0 if held and all(c.held for c in cases if c.injected) else 1
+    return 0 if held and refused and all(c.held for c in cases if c.injected) else 1
 
 
 if __name__ == "__main__":
