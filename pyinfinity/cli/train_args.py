@@ -241,8 +241,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
         raise UsageError("--model and --data go together: a model directory to start from and the data to train on")
     if args.model:
         check_model_dir(args.model)
-        if not os.path.isfile(args.data):
-            raise UsageError(f"--data: {args.data}: no such file")
+        from pyinfinity.data import check_data_file
+
+        check_data_file(args.data)  # a directory, a device or a FIFO is named as such
     if args.config and not os.path.isfile(args.config):
         raise UsageError(f"--config: {args.config}: no such file")
     check_lora_arguments(args)
