@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import json
 import logging
 import math
@@ -164,8 +165,8 @@ def checkpoint_tensors(path: Union[str, os.PathLike]) -> dict[str, TensorInfo]:
         for fname, keys in files.items():
             fpath = os.path.join(path, fname)
             if not os.path.exists(fpath):
-                raise FileNotFoundError(f"{fpath}: missing shard of {index} (it holds {len(keys)} tensors, e.g. "
-                                        f"{keys[0]!r}); copy the whole checkpoint directory")
+                raise FileNotFoundError(errno.ENOENT, f"{fpath}: missing shard of {index} (it holds {len(keys)} "
+                                        f"tensors, e.g. {keys[0]!r}); copy the whole checkpoint directory", fpath)
             tensors = read_header(fpath)
             for key in tensors:
                 if key in holder:  # loaders disagree on which copy wins: refuse rather than pick one
@@ -181,9 +182,11 @@ def checkpoint_tensors(path: Union[str, os.PathLike]) -> dict[str, TensorInfo]:
     if os.path.exists(single):
         return read_header(single)
     found = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".safetensors")))
-    raise FileNotFoundError(f"weights: no {SINGLE_FILE} or {INDEX_FILE} in {path}"
-                            + (f" (found {found}; pyinfinity reads safetensors only: save the model with "
-                               "save_pretrained(..., safe_serialization=True))" if found else ""))
+    shards = [f for f in found if f.endswith(".safetensors")]
+    raise FileNotFoundError(errno.ENOENT, f"weights: no {SINGLE_FILE} or {INDEX_FILE} in {path}"
+                            + (f" (found the shards {shards} without their index: copy {INDEX_FILE} too)" if shards
+                               else f" (found {found}; pyinfinity reads safetensors only: save the model with "
+                               "save_pretrained(..., safe_serialization=True))" if found else ""), path)
 
 
 @dataclass
