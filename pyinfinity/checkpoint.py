@@ -247,7 +247,7 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
         raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected 2 to "
                               f"{CHECKPOINT_VERSION})")
     _check_adapters(path, meta.get("base"), base)  # before the shards: another rank changes them too
-    entries = _validate_meta(state, path, meta)
+    entries = _validate_meta(state, path, meta, convert_optimizer_state)
     _check_base(path, meta.get("base"), base, version)
     saved_format = _saved_format(state, meta)
     if saved_format.name != state.optimizer.format.name and not convert_optimizer_state:
@@ -359,6 +359,12 @@ def _check_base(path: str, saved: Optional[dict], mine: Optional[dict], version:
                           "it into an engine built from the model directory it was trained on")
 
 
+def _dtype_named(name: Any) -> Optional[torch.dtype]:
+    """The torch dtype ``str(dtype)`` named (e.g. "torch.bfloat16"), None for anything else."""
+    d = getattr(torch, name[len("torch."):], None) if isinstance(name, str) and name.startswith("torch.") else None
+    return d if isinstance(d, torch.dtype) else None
+
+
 def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: list[dict],
                   saved_format: OptimStateFormat) -> None:
     io = state.checkpoint_io()
@@ -374,9 +380,14 @@ def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: li
             state.optimizer.load_shard_state(sh, data, e["step"])
             state.write_param(sh, fmt.master(data, sh.numel)).wait()
         else:
-            buf = aligned_empty(sh.numel, sh.dtype)
+            dtype = _dtype_named(e["dtype"]) or sh.dtype
+            buf = aligned_empty(sh.numel, dtype)
             io.read(buf, data_path, e["offset"]).wait()
             _check_entry(path, e, buf)
+            if dtype != sh.dtype:  # converting to this engine's compute dtype
+                cast = aligned_empty(sh.numel, sh.dtype)
+                cast.copy_(buf)
+                buf = cast
             state.param_swapper.write(sh.home, buf).wait()
 
 
@@ -417,9 +428,11 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
+def _validate_meta(state: "TrainingState", path: str, meta: dict, convert: bool = False) -> list[dict]:
     """Every key of meta.json checked against this engine before anything is loaded; returns the
-    entries (one per shard) in file order."""
+    entries (one per shard) in file order. A checkpoint whose shards differ from this engine's in
+    their compute dtype only is refused naming the dtype, or with ``convert`` accepted (its frozen
+    shards' values are cast on load, its optimizer state converted as between formats)."""
     where = f"checkpoint {path!r}: meta.json"
 
     def bad(key: str, what: str) -> CheckpointError:
@@ -451,6 +464,17 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
                                   and isinstance(s.get("dtype"), str) and isinstance(s.get("module"), str)):
             raise bad(f"shards[{i}]", f"expected {{index, module, numel, dtype}}, got {s!r}")
         m = mine[i] if i < len(mine) else None
+        if s is not None and m is not None and (s["index"], s["numel"], s["module"]) == (m.index, m.numel,
+                                                                                         m.module_name):
+            if s["dtype"] != str(m.dtype) and not convert:
+                bf16 = ("; the bf16 optimizer state keeps bf16 masters, so it needs bf16 compute (--dtype bf16)"
+                        if "bf16" in (meta.get("optimizer_state"), state.optimizer.format.name) else "")
+                raise CheckpointError(f"checkpoint {path!r}: was saved by a run computing in {s['dtype']}, this "
+                                      f"engine computes in {m.dtype} (shard {i}, {s['module']!r}): the compute dtype "
+                                      f"differs, not the model{bf16}; resume with the same dtype, or convert with "
+                                      "load_checkpoint(..., convert_optimizer_state=True) (pyinfinity train "
+                                      "--resume-convert)")
+            continue
         if s is None or m is None or (s["index"], s["numel"], s["dtype"]) != (m.index, m.numel, str(m.dtype)):
             theirs = (f"shard {s['index']} of module {s['module']!r}: {s['numel']} elements of {s['dtype']}"
                       if s is not None else "no such shard")
@@ -488,11 +512,16 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
         if e["kind"] not in ("optim", "param") or (e["kind"] == "optim") != trainable:
             raise bad(f"{k}.kind", f"{e['kind']!r}, but shard {sh.index} ({sh.module_name!r}) is "
                       f"{'trainable: expected optim' if trainable else 'frozen: expected param'}")
-        nbytes = saved_format.nbytes(sh.numel) if trainable else sh.numel * sh.dtype.itemsize
+        saved_dtype = sh.dtype
+        if not trainable and convert and e.get("dtype") != str(sh.dtype):  # cast on load
+            saved_dtype = _dtype_named(e.get("dtype"))
+            if saved_dtype is None:
+                raise bad(f"{k}.dtype", f"{e.get('dtype')!r} is not a torch dtype")
+        nbytes = saved_format.nbytes(sh.numel) if trainable else sh.numel * saved_dtype.itemsize
         if e["numel"] != sh.numel or e["nbytes"] != nbytes:
             raise bad(k, f"numel {e['numel']}, nbytes {e['nbytes']}; shard {sh.index} needs numel {sh.numel}, "
                       f"nbytes {nbytes}")
-        if not trainable and e["dtype"] != str(sh.dtype):
+        if not trainable and e["dtype"] != str(saved_dtype):
             raise bad(f"{k}.dtype", f"{e['dtype']!r}, shard {sh.index} is {sh.dtype}")
         if trainable and e["step"] > meta["global_steps"]:
             raise bad(f"{k}.step", f"{e['step']} is above global_steps ({meta['global_steps']})")

@@ -112,3 +112,34 @@ def test_a_broken_adapter_directory_is_one_line_naming_the_file(damage, needles,
         _damage_header(str(adapter / ADAPTER_WEIGHTS), damage)
     last = _one_line(_train(dirs["model"], dirs["data"], "--adapter", str(adapter)), str(adapter), *needles)
     assert "HFValidationError" not in last and "SafetensorError" not in last
+
+
+def _corpus_run(*extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyinfinity", "train", "--model-size", "tiny", "--hidden", "32",
+                           "--layers", "2", "--corpus-bytes", "64KB", "--seq", "16", "--batch", "2", "--device", "cpu",
+                           "--offload", "cpu", "--no-progress", *extra], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+
+
+def test_a_resume_across_compute_dtypes_names_the_dtype_and_resume_convert_converts(tmp_path):
+    """A CPU fp32-compute run resumed into the bf16 optimizer state (which needs bf16 compute): the
+    refusal names the compute dtype (it said "a different model/partition"); --resume-convert
+    converts it and trains on; a bf16 run resumed in fp32 the same way round."""
+    import json
+
+    ck, back = str(tmp_path / "ck"), str(tmp_path / "back")
+    p = _corpus_run("--steps", "2", "--dtype", "fp32", "--save", ck)
+    assert p.returncode == 0, p.stderr[-3000:]
+    to_bf16 = ["--steps", "4", "--dtype", "bf16", "--optimizer-state", "bf16", "--resume", ck]
+    last = _one_line(_corpus_run(*to_bf16), "computing in torch.float32", "computes in torch.bfloat16",
+                     "bf16 optimizer state", "--resume-convert")
+    assert "partition" not in last
+    p = _corpus_run(*to_bf16, "--resume-convert", "--save", back, "--json", str(tmp_path / "b.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(tmp_path / "b.json") as f:
+        steps = json.load(f)["steps"]
+    assert [s["step"] for s in steps] == [3, 4] and all(s["loss"] == s["loss"] for s in steps)
+    to_fp32 = ["--steps", "6", "--dtype", "fp32", "--optimizer-state", "fp32", "--resume", back]
+    _one_line(_corpus_run(*to_fp32), "computing in torch.bfloat16", "computes in torch.float32")
+    p = _corpus_run(*to_fp32, "--resume-convert")
+    assert p.returncode == 0, p.stderr[-3000:]
