@@ -14,7 +14,6 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli import train_loop
 from pyinfinity.cli.train_args import PRESETS, add_arguments, check_arguments, engine_config, mean
 
 log = logging.getLogger(__name__)
@@ -121,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import LlamaForCausalLM
 
     import pyinfinity
+    from pyinfinity.cli import train_loop
     from pyinfinity.config import format_size, parse_size
 
     resume_dir, resume_tag = check_arguments(args)  # every flag, before anything is built or read
