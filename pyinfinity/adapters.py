@@ -155,10 +155,7 @@ def build_peft_model(path: Union[str, os.PathLike], config: Any, dtype: Optional
     peft = require_peft()
     if adapter is not None:
         adapter = os.fspath(adapter)
-        if not os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG)):
-            raise FileNotFoundError(f"adapter: no {ADAPTER_CONFIG} in {adapter} (save one with "
-                                    "PeftModel.save_pretrained(DIR) or engine.export(DIR))")
-        peft_config = peft.PeftConfig.from_pretrained(adapter)
+        peft_config = _read_adapter_dir(adapter)
         peft_config.inference_mode = False
     elif not isinstance(peft_config, peft.PeftConfig):
         raise TypeError(f"peft_config: a peft.LoraConfig, got {type(peft_config).__name__}")
@@ -260,12 +257,53 @@ def _init_adapters(model: nn.Module, rng: torch.Tensor, replay_check: bool = Tru
                            f"(peft {require_peft().__version__}); this version is not supported")
 
 
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what PEFT saves, the first preferred
+
+
+def _read_adapter_dir(adapter: str) -> Any:
+    """The ``PeftConfig`` of an adapter directory, checked with its weights file before anything is
+    built: a missing or torn file is an AdapterError naming it (PEFT would take a local directory
+    without weights for a Hub repository name, and report a torn file without its path)."""
+    import errno
+    import json
+
+    from pyinfinity.pretrained import WeightsError, read_header
+
+    cfg_path = os.path.join(adapter, ADAPTER_CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(errno.ENOENT, f"adapter: no {ADAPTER_CONFIG} in {adapter} (save one with "
+                                "PeftModel.save_pretrained(DIR) or engine.export(DIR))", cfg_path)
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"adapter {cfg_path}: not valid JSON ({exc}): torn or not a PEFT adapter config") from None
+    if not isinstance(raw, dict) or "peft_type" not in raw:
+        raise AdapterError(f"adapter {cfg_path}: not a PEFT adapter config (no peft_type)")
+    weights = [os.path.join(adapter, n) for n in ADAPTER_WEIGHTS if os.path.isfile(os.path.join(adapter, n))]
+    if not weights:
+        raise AdapterError(f"adapter {adapter}: no {' or '.join(ADAPTER_WEIGHTS)}: the adapter's weights are missing "
+                           "(copy the whole directory PeftModel.save_pretrained or engine.export wrote)")
+    if weights[0].endswith(".safetensors"):
+        try:
+            read_header(weights[0])  # the whole header: dtypes, shapes, offsets, file length
+        except WeightsError as exc:
+            raise AdapterError(f"adapter {exc}") from None
+    try:
+        return require_peft().PeftConfig.from_pretrained(adapter)
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        raise AdapterError(f"adapter {cfg_path}: PEFT cannot read it ({exc})") from exc
+
+
 def _load_adapter(model: nn.Module, adapter: str) -> None:
     """Loads an adapter directory's weights into ``model``'s (CPU) LoRA weights, every one checked."""
     peft = require_peft()
     from peft.utils import load_peft_weights
 
-    weights = load_peft_weights(adapter, device="cpu")
+    try:
+        weights = load_peft_weights(adapter, device="cpu")
+    except Exception as exc:  # noqa: BLE001 - the file's own errors (safetensors, torch) carry no path
+        raise AdapterError(f"adapter {adapter}: its weights cannot be read ({type(exc).__name__}: {exc})") from exc
     try:
         result = peft.set_peft_model_state_dict(model, weights, adapter_name="default")
     except RuntimeError as exc:  # load_state_dict's shape mismatches, one per line

@@ -10,12 +10,18 @@ entry failing its checksum (or an I/O error) can stop a load part-way: the engin
 train, save or export until a load succeeds.
 
 A run whose frozen shards all hold pretrained weights unchanged (a LoRA run's base model) saves
-only the trainable shards' state and records the weights' identity under ``base`` (config.json,
-and each safetensors file's name, size and a CRC-32 of its start); a load checks that identity
-against the weights its engine was built from and refuses another base in one line.
+only the trainable shards' state and records the weights' identity under ``base``: config.json,
+each safetensors file's name and size, and the CRC-32C of every byte of every tensor the run read
+(``WeightLoader.identity``: taken while the engine streamed the weights in, so a load compares
+without reading the base again). A load checks that identity against the weights its engine was
+built from and refuses another base in one line naming the tensor that differs. A version-3
+checkpoint recorded only a CRC-32 of each file's first MiB: it loads with that check and a warning.
 
 ``save`` and ``load`` work on the engine's training state (``zero.state.TrainingState``, what
-``Engine.save_checkpoint`` and ``load_checkpoint`` hand over) through its public methods."""
+``Engine.save_checkpoint`` and ``load_checkpoint`` hand over) through its public methods.
+
+One module for the format (about 640 lines): the writer, the reader and the check of every
+metadata key against the engine follow one format's rules, kept in one place."""
 
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this engine: the message names the checkpoint, the
     file (and the key) and what is wrong."""
 
-CHECKPOINT_VERSION = 3  # 3: "base"; 2: checksums.json; versions 1 (no checksums.json) and 2 still load
+CHECKPOINT_VERSION = 4  # 4: "base" with every tensor's CRC-32C; 3: "base"; 2: checksums.json; 1-3 still load
 CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
@@ -240,10 +246,12 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
     if sums is None and version != 1:
         raise CheckpointError(f"checkpoint {path!r}: {CHECKSUMS_NAME} missing (a version {version!r} checkpoint "
                               "has one: the save was cut short or the file was removed); nothing was loaded")
-    if sums is not None and version not in (2, CHECKPOINT_VERSION):
-        raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected 2 or {CHECKPOINT_VERSION})")
-    entries = _validate_meta(state, path, meta)
-    _check_base(path, meta.get("base"), base)
+    if sums is not None and version not in range(2, CHECKPOINT_VERSION + 1):
+        raise CheckpointError(f"checkpoint {path!r}: meta.json: version {version!r} (expected 2 to "
+                              f"{CHECKPOINT_VERSION})")
+    _check_adapters(path, meta.get("base"), base)  # before the shards: another rank changes them too
+    entries = _validate_meta(state, path, meta, convert_optimizer_state)
+    _check_base(path, meta.get("base"), base, version)
     saved_format = _saved_format(state, meta)
     if saved_format.name != state.optimizer.format.name and not convert_optimizer_state:
         raise CheckpointError(f"checkpoint {path!r} holds the {saved_format.name} optimizer state, this engine keeps "
@@ -298,17 +306,12 @@ def _saved_format(state: "TrainingState", meta: dict) -> Optional[OptimStateForm
     return make_state_format(name, True) if name in STATE_FORMATS else None  # adam_w: only a step reads it
 
 
-def _check_base(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
-    """A checkpoint without its frozen shards loads only over the pretrained weights it was saved
-    over (the same config.json, the same safetensors files by name and size)."""
-    if saved is None:
+def _check_adapters(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
+    """The adapters a LoRA checkpoint trained must be those this engine trains (rank, targets,
+    alpha, dropout, ...): checked before the shards, since another rank or other targets change
+    them too and "another adapter config" is the cause to name."""
+    if not isinstance(saved, dict) or mine is None or "adapters" not in saved:  # recorded since version 3
         return
-    if mine is None:
-        raise CheckpointError(f"checkpoint {path!r} holds the trained parameters only (its frozen base is the pretrained "
-                              f"weights {sorted(saved.get('files', {}))}): load it into an engine built from those "
-                              "weights (from_pretrained of the same model directory)")
-    if "adapters" not in saved:  # recorded since version 3 checkpoints check them
-        mine = {k: v for k, v in mine.items() if k != "adapters"}
     if saved.get("adapters") != mine.get("adapters"):
         theirs, here = saved.get("adapters") or {}, mine.get("adapters") or {}
         diff = [f"adapter {n!r} {k} {(here.get(n) or {}).get(k)!r} here, {(theirs.get(n) or {}).get(k)!r} then"
@@ -317,11 +320,52 @@ def _check_base(path: str, saved: Optional[dict], mine: Optional[dict]) -> None:
                 if (theirs.get(n) or {}).get(k) != (here.get(n) or {}).get(k)]
         raise CheckpointError(f"checkpoint {path!r} trained its adapters with another config: {'; '.join(diff[:4])}; "
                               "resume with the adapter config it was saved with")
-    if saved != mine:
-        what = ("config.json" if saved.get("config") != mine.get("config")
-                else "safetensors files (names, sizes, first bytes)")
-        raise CheckpointError(f"checkpoint {path!r} was saved over other base weights than this engine's: their "
-                              f"{what} differ; load it into an engine built from the model directory it was trained on")
+
+
+def _check_base(path: str, saved: Optional[dict], mine: Optional[dict], version: Any = CHECKPOINT_VERSION) -> None:
+    """A checkpoint without its frozen shards loads only over the pretrained weights it was saved
+    over: the same config.json, safetensors files by name and size, and every tensor's CRC-32C
+    (a version-3 checkpoint: each file's first MiB, with a warning); the adapters as
+    ``_check_adapters``."""
+    if saved is None:
+        return
+    if mine is None:
+        raise CheckpointError(f"checkpoint {path!r} holds the trained parameters only (its frozen base is the pretrained "
+                              f"weights {sorted(saved.get('files', {}))}): load it into an engine built from those "
+                              "weights (from_pretrained of the same model directory)")
+    _check_adapters(path, saved, mine)
+    saved, mine = ({k: v for k, v in d.items() if k != "adapters"} for d in (saved, mine))
+    if "tensors" not in saved:
+        log.warning("checkpoint %s: version %s: its base weights are checked by config.json, file sizes and each "
+                    "file's first MiB only (a change past that is not seen); a save from this run records every "
+                    "tensor's checksum", path, version)
+        mine = {k: v for k, v in mine.items() if k != "tensors"}
+    else:  # the first MiB is recorded too, but every byte is compared: the tensors say which differs
+        mine = {**mine, "files": {n: {k: v for k, v in f.items() if k != "crc32"} for n, f in mine["files"].items()}}
+        saved = {**saved, "files": {n: {k: v for k, v in f.items() if k != "crc32"}
+                                    for n, f in (saved.get("files") or {}).items()}}
+    if saved == mine:
+        return
+    if saved.get("config") != mine.get("config"):
+        what = "their config.json differs"
+    elif saved.get("files") != mine.get("files"):
+        what = (f"their safetensors files differ (names, sizes{'' if 'tensors' in saved else ', first bytes'}: "
+                f"{sorted(saved.get('files') or {})} then, {sorted(mine.get('files') or {})} here)")
+    else:
+        theirs, here = saved.get("tensors") or {}, mine.get("tensors") or {}
+        changed = sorted(k for k in set(theirs) | set(here) if theirs.get(k) != here.get(k))
+        what = (f"their safetensors files hold other values: {len(changed)} tensor(s) differ (CRC-32C of every "
+                f"byte), e.g. {changed[0]!r}"
+                + (f" ({theirs[changed[0]]:#010x} then, {here[changed[0]]:#010x} here)"
+                   if changed[0] in theirs and changed[0] in here else " (read by one run only)"))
+    raise CheckpointError(f"checkpoint {path!r} was saved over other base weights than this engine's: {what}; load "
+                          "it into an engine built from the model directory it was trained on")
+
+
+def _dtype_named(name: Any) -> Optional[torch.dtype]:
+    """The torch dtype ``str(dtype)`` named (e.g. "torch.bfloat16"), None for anything else."""
+    d = getattr(torch, name[len("torch."):], None) if isinstance(name, str) and name.startswith("torch.") else None
+    return d if isinstance(d, torch.dtype) else None
 
 
 def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: list[dict],
@@ -339,9 +383,14 @@ def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: li
             state.optimizer.load_shard_state(sh, data, e["step"])
             state.write_param(sh, fmt.master(data, sh.numel)).wait()
         else:
-            buf = aligned_empty(sh.numel, sh.dtype)
+            dtype = _dtype_named(e["dtype"]) or sh.dtype
+            buf = aligned_empty(sh.numel, dtype)
             io.read(buf, data_path, e["offset"]).wait()
             _check_entry(path, e, buf)
+            if dtype != sh.dtype:  # converting to this engine's compute dtype
+                cast = aligned_empty(sh.numel, sh.dtype)
+                cast.copy_(buf)
+                buf = cast
             state.param_swapper.write(sh.home, buf).wait()
 
 
@@ -382,9 +431,11 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
+def _validate_meta(state: "TrainingState", path: str, meta: dict, convert: bool = False) -> list[dict]:
     """Every key of meta.json checked against this engine before anything is loaded; returns the
-    entries (one per shard) in file order."""
+    entries (one per shard) in file order. A checkpoint whose shards differ from this engine's in
+    their compute dtype only is refused naming the dtype, or with ``convert`` accepted (its frozen
+    shards' values are cast on load, its optimizer state converted as between formats)."""
     where = f"checkpoint {path!r}: meta.json"
 
     def bad(key: str, what: str) -> CheckpointError:
@@ -416,6 +467,17 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
                                   and isinstance(s.get("dtype"), str) and isinstance(s.get("module"), str)):
             raise bad(f"shards[{i}]", f"expected {{index, module, numel, dtype}}, got {s!r}")
         m = mine[i] if i < len(mine) else None
+        if s is not None and m is not None and (s["index"], s["numel"], s["module"]) == (m.index, m.numel,
+                                                                                         m.module_name):
+            if s["dtype"] != str(m.dtype) and not convert:
+                bf16 = ("; the bf16 optimizer state keeps bf16 masters, so it needs bf16 compute (--dtype bf16)"
+                        if "bf16" in (meta.get("optimizer_state"), state.optimizer.format.name) else "")
+                raise CheckpointError(f"checkpoint {path!r}: was saved by a run computing in {s['dtype']}, this "
+                                      f"engine computes in {m.dtype} (shard {i}, {s['module']!r}): the compute dtype "
+                                      f"differs, not the model{bf16}; resume with the same dtype, or convert with "
+                                      "load_checkpoint(..., convert_optimizer_state=True) (pyinfinity train "
+                                      "--resume-convert)")
+            continue
         if s is None or m is None or (s["index"], s["numel"], s["dtype"]) != (m.index, m.numel, str(m.dtype)):
             theirs = (f"shard {s['index']} of module {s['module']!r}: {s['numel']} elements of {s['dtype']}"
                       if s is not None else "no such shard")
@@ -453,11 +515,16 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict) -> list[dict]:
         if e["kind"] not in ("optim", "param") or (e["kind"] == "optim") != trainable:
             raise bad(f"{k}.kind", f"{e['kind']!r}, but shard {sh.index} ({sh.module_name!r}) is "
                       f"{'trainable: expected optim' if trainable else 'frozen: expected param'}")
-        nbytes = saved_format.nbytes(sh.numel) if trainable else sh.numel * sh.dtype.itemsize
+        saved_dtype = sh.dtype
+        if not trainable and convert and e.get("dtype") != str(sh.dtype):  # cast on load
+            saved_dtype = _dtype_named(e.get("dtype"))
+            if saved_dtype is None:
+                raise bad(f"{k}.dtype", f"{e.get('dtype')!r} is not a torch dtype")
+        nbytes = saved_format.nbytes(sh.numel) if trainable else sh.numel * saved_dtype.itemsize
         if e["numel"] != sh.numel or e["nbytes"] != nbytes:
             raise bad(k, f"numel {e['numel']}, nbytes {e['nbytes']}; shard {sh.index} needs numel {sh.numel}, "
                       f"nbytes {nbytes}")
-        if not trainable and e["dtype"] != str(sh.dtype):
+        if not trainable and e["dtype"] != str(saved_dtype):
             raise bad(f"{k}.dtype", f"{e['dtype']!r}, shard {sh.index} is {sh.dtype}")
         if trainable and e["step"] > meta["global_steps"]:
             raise bad(f"{k}.step", f"{e['step']} is above global_steps ({meta['global_steps']})")

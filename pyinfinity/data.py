@@ -6,9 +6,11 @@ is two integers: saved with a checkpoint and restored, a resumed run sees the sa
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
@@ -17,7 +19,10 @@ import torch
 log = logging.getLogger(__name__)
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-TEXT_CHUNK_CHARS = 1 << 20  # plain text is tokenised in line-aligned chunks of about this many characters
+TEXT_CHUNK_CHARS = 1 << 20  # plain text is read in line-aligned chunks of about this many characters
+PIECE_CHARS = 1 << 14  # a document is tokenised in pieces of about this many characters, cut at spaces
+BATCH_CHARS = 1 << 18  # pieces handed to the tokenizer in one batched call
+PROGRESS_S = 2.0  # tokenising a file logs its progress this often
 
 
 class DataError(ValueError):
@@ -53,6 +58,28 @@ def _text_lines(path: str) -> Iterator[tuple[int, str]]:
             yield lineno, line
 
 
+def check_data_file(path: str) -> None:
+    """DataError unless ``path`` is a regular file (a directory, a device such as /dev/zero, or a
+    named pipe is said to be one: reading it would fail late, never end, or block)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DataError(f"--data: {path}: no such file") from None
+    kinds = ((stat.S_ISDIR, "a directory (give a text or JSON-lines file in it)"),
+             (stat.S_ISFIFO, "a named pipe (FIFO), not a regular file: the data is read whole and measured first; "
+                             "write it to a file"),
+             (stat.S_ISCHR, "a character device, not a regular file"),
+             (stat.S_ISBLK, "a block device, not a regular file"),
+             (stat.S_ISSOCK, "a socket, not a regular file"))
+    for test, what in kinds:
+        if test(mode):
+            raise DataError(f"--data: {path} is {what}")
+    if not stat.S_ISREG(mode):
+        raise DataError(f"--data: {path} is not a regular file")
+
+
 def read_documents(path: Union[str, os.PathLike], field: str = "text") -> Iterator[str]:
     """The documents of ``path``: one per line of a JSON-lines file (its ``field``), or the
     text file in line-aligned chunks. Errors name the file and line."""
@@ -86,23 +113,102 @@ def read_documents(path: Union[str, os.PathLike], field: str = "text") -> Iterat
         yield "".join(chunk)
 
 
+def split_at_spaces(text: str, size: Optional[int] = None) -> list[str]:
+    """``text`` in pieces of about ``size`` characters (default ``PIECE_CHARS``; a stretch without a
+    cut point stays whole),
+    each cut just before a space that follows a non-space and precedes a non-space: where
+    byte-level BPE's and Metaspace's pre-tokenizers start a new word, so tokenising the pieces one
+    by one gives the ids of the whole (``_pieces_are_exact`` checks the tokenizer agrees)."""
+    size = PIECE_CHARS if size is None else size
+    out: list[str] = []
+    start, n = 0, len(text)
+    while n - start > size:
+        cut = text.find(" ", start + size)
+        while cut != -1 and (text[cut - 1].isspace() or cut + 1 >= n or text[cut + 1].isspace()):
+            cut = text.find(" ", cut + 1)
+        if cut == -1:
+            break
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
+def _pieces_are_exact(tokenizer: Any) -> bool:
+    """Whether this tokenizer gives a text's ids when fed the text's ``split_at_spaces`` pieces (a
+    normalizer that prepends to every sequence, for one, does not)."""
+    probe = "The cat,  sat on\n the mat;\tit's 12 345 d\u00e9j\u00e0 vu!  Yes ."
+    whole = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    pieces = split_at_spaces(probe, 1)
+    return list(itertools.chain.from_iterable(tokenizer(pieces, add_special_tokens=False)["input_ids"])) == whole
+
+
+def _special_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a sequence when it adds its special tokens."""
+    bare = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x", add_special_tokens=True)["input_ids"]
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    return [], []
+
+
 def tokenize_file(path: Union[str, os.PathLike], tokenizer: Any, field: str = "text") -> torch.Tensor:
     """All documents of ``path`` as one 1-D int64 tensor of token ids, each JSON-lines document
-    followed by the tokenizer's EOS token (when it has one)."""
+    with the tokenizer's special tokens and followed by its EOS token (when it has one).
+
+    Documents are cut into pieces at spaces (``split_at_spaces``: a line of many MB among them)
+    and the pieces tokenised in batched calls; a tokenizer for which pieces would give other ids
+    gets each document whole. Progress is logged every ``PROGRESS_S`` seconds."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data: {path} does not exist")
+    check_data_file(path)
     jsonl = path.endswith(JSONL_SUFFIXES)
     eos = tokenizer.eos_token_id
+    exact = _pieces_are_exact(tokenizer)
+    if not exact:
+        log.warning("data: %s: this tokenizer gives other ids for text cut at spaces: each document is tokenised "
+                    "whole (slow for very long lines)", path)
+    before, after = _special_ids(tokenizer) if jsonl else ([], [])
+    total = os.path.getsize(path)
     parts: list[torch.Tensor] = []
-    docs = 0
+    docs, done_chars, t_start = 0, 0, time.monotonic()
+    t_log = t_start + PROGRESS_S
+    batch: list[tuple[str, bool]] = []  # (piece, whether it ends its document) waiting for the tokenizer
+    batch_chars = 0
+    current: list[int] = []  # the ids of the document being tokenised
+
+    def flush() -> None:
+        nonlocal batch, batch_chars, current, t_log
+        if not batch:
+            return
+        ids = tokenizer([p for p, _ in batch], add_special_tokens=False)["input_ids"]
+        for piece_ids, (_, last) in zip(ids, batch):
+            current.extend(piece_ids)
+            if not last:
+                continue
+            doc = before + current + after if jsonl else current
+            if jsonl and eos is not None and (not doc or doc[-1] != eos):
+                doc.append(eos)
+            if doc:
+                parts.append(torch.tensor(doc, dtype=torch.int64))
+            current = []
+        batch, batch_chars = [], 0
+        now = time.monotonic()
+        if now >= t_log:
+            t_log = now + PROGRESS_S
+            log.info("data: tokenising %s: %.1f of %.1f MB (%.0f s)", path, done_chars / 1e6, total / 1e6,
+                     now - t_start)
+
     for doc in read_documents(path, field):
-        ids = tokenizer(doc, add_special_tokens=jsonl)["input_ids"]
-        if jsonl and eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-        if ids:
-            parts.append(torch.tensor(ids, dtype=torch.int64))
+        pieces = split_at_spaces(doc) if exact else [doc]
+        for i, piece in enumerate(pieces):
+            batch.append((piece, i == len(pieces) - 1))
+            batch_chars += len(piece)
+            done_chars += len(piece)
+            if batch_chars >= BATCH_CHARS:
+                flush()
         docs += 1
+    flush()
     if not parts:
         raise DataError(f"{path}: no text in it ({docs} documents, 0 tokens)")
     return torch.cat(parts)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import json
 import logging
 import math
@@ -38,7 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
                    "spiece.model", "sentencepiece.bpe.model")
 
-IDENTITY_SAMPLE = 1 << 20  # bytes of each safetensors file a checkpoint's base identity samples
+IDENTITY_SAMPLE = 1 << 20  # bytes of each safetensors file a version-3 checkpoint's base identity sampled
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -164,8 +165,8 @@ def checkpoint_tensors(path: Union[str, os.PathLike]) -> dict[str, TensorInfo]:
         for fname, keys in files.items():
             fpath = os.path.join(path, fname)
             if not os.path.exists(fpath):
-                raise FileNotFoundError(f"{fpath}: missing shard of {index} (it holds {len(keys)} tensors, e.g. "
-                                        f"{keys[0]!r}); copy the whole checkpoint directory")
+                raise FileNotFoundError(errno.ENOENT, f"{fpath}: missing shard of {index} (it holds {len(keys)} "
+                                        f"tensors, e.g. {keys[0]!r}); copy the whole checkpoint directory", fpath)
             tensors = read_header(fpath)
             for key in tensors:
                 if key in holder:  # loaders disagree on which copy wins: refuse rather than pick one
@@ -181,9 +182,11 @@ def checkpoint_tensors(path: Union[str, os.PathLike]) -> dict[str, TensorInfo]:
     if os.path.exists(single):
         return read_header(single)
     found = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".safetensors")))
-    raise FileNotFoundError(f"weights: no {SINGLE_FILE} or {INDEX_FILE} in {path}"
-                            + (f" (found {found}; pyinfinity reads safetensors only: save the model with "
-                               "save_pretrained(..., safe_serialization=True))" if found else ""))
+    shards = [f for f in found if f.endswith(".safetensors")]
+    raise FileNotFoundError(errno.ENOENT, f"weights: no {SINGLE_FILE} or {INDEX_FILE} in {path}"
+                            + (f" (found the shards {shards} without their index: copy {INDEX_FILE} too)" if shards
+                               else f" (found {found}; pyinfinity reads safetensors only: save the model with "
+                               "save_pretrained(..., safe_serialization=True))" if found else ""), path)
 
 
 @dataclass
@@ -218,6 +221,15 @@ def _same_values(a: TensorInfo, b: TensorInfo, chunk_bytes: int = 64 << 20) -> b
     return True
 
 
+def _tensor_crc32c(t: torch.Tensor) -> int:
+    """CRC-32C of a CPU tensor's bytes (the C++ core's, hardware-accelerated where the CPU has it)."""
+    from pyinfinity import _C
+
+    if t.numel() == 0:
+        return 0
+    return int(_C.crc32c(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
 def _has_initializer(module: nn.Module, root: Optional[nn.Module]) -> bool:
     return callable(getattr(module, "reset_parameters", None)) or (
         root is not None and callable(getattr(root, "_init_weights", None)))
@@ -244,6 +256,7 @@ class WeightLoader:
         self._buffer_source: dict[str, TensorInfo] = {}  # qualified buffer name -> where its values are
         self._missing_params: set[int] = set()
         self._loaded: set[int] = set()
+        self.checksums: dict[str, int] = {}  # file key -> CRC-32C of the tensor's bytes, taken as it is read
         self._trim = _malloc_trim()
         # module -> qualified name in ``model`` (buffers are named from here: the engine may be given a
         # model that wraps this one, e.g. a PEFT model over the base the checkpoint belongs to)
@@ -266,9 +279,11 @@ class WeightLoader:
         return not self._missing_params
 
     def identity(self) -> dict:
-        """What identifies the checkpoint without reading it whole: its config.json (when the path
-        is a model directory) and every safetensors file it reads by name, size and the CRC-32 of
-        its first ``IDENTITY_SAMPLE`` bytes (the header and the first tensors' values)."""
+        """What identifies the checkpoint: its config.json (when the path is a model directory),
+        every safetensors file it reads by name, size and the CRC-32 of its first
+        ``IDENTITY_SAMPLE`` bytes (what a version-3 checkpoint recorded), and under ``tensors``
+        the CRC-32C of every byte of every tensor read, taken while the load streamed it in (so a
+        later load compares without reading the checkpoint again)."""
         import zlib
 
         files = sorted({info.file for info in self.tensors.values()})
@@ -277,6 +292,7 @@ class WeightLoader:
             with open(fpath, "rb") as f:
                 head = f.read(IDENTITY_SAMPLE)
             out["files"][os.path.basename(fpath)] = {"nbytes": os.path.getsize(fpath), "crc32": zlib.crc32(head)}
+        out["tensors"] = dict(sorted(self.checksums.items()))
         cfg = os.path.join(self.path, "config.json")
         if os.path.isfile(cfg):
             with open(cfg) as f:
@@ -446,6 +462,8 @@ class WeightLoader:
                 with safe_open(fpath, framework="pt", device="cpu") as f, torch.no_grad():
                     for dst, info in items:
                         src = f.get_tensor(info.key)
+                        if info.key not in self.checksums:  # every byte, as read (the base's identity)
+                            self.checksums[info.key] = _tensor_crc32c(src)
                         dst.copy_(src.to(dst.device))  # a copy: nothing keeps the mapping alive
                         self.report.loaded += 1
                         self.report.bytes_read += src.numel() * src.element_size()

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
+from pyinfinity.cli import train_loop
 from pyinfinity.cli.train_args import (add_arguments, check_arguments, engine_config, exported_line,
                                        lora_config, mean)
 
@@ -40,6 +41,26 @@ def _peak_rss() -> int:
     return 0
 
 
+class TextBatches:
+    """``TextData`` as the training loop's ``Batches`` (the labels are the inputs: the model shifts
+    them); the position is the data's epoch and index."""
+
+    def __init__(self, data: Any, batch: int) -> None:
+        self.data, self.batch = data, batch
+
+    def next(self) -> tuple[Any, Any]:
+        x = self.data.next_batch(self.batch)
+        return x, x
+
+    def state(self) -> dict:
+        return {"data": self.data.state_dict()}
+
+    def restore(self, client: dict, origin: str, global_steps: int) -> None:
+        if "data" not in client:
+            raise SystemExit(f"--resume: {origin} has no data position (it was not saved by a --model/--data run)")
+        self.data.load_state_dict(client["data"], origin=origin)
+
+
 def eval_loss(engine: Any, data: Any, batch: int) -> Optional[float]:
     """Mean loss over the held-out blocks (no gradients)."""
     import torch
@@ -64,7 +85,6 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
     import pyinfinity
     from pyinfinity.config import format_size
     from pyinfinity.data import TextData, load_tokenizer
-    from pyinfinity.engine import retry_micro_batch
     from pyinfinity.pretrained import build_empty_model
 
     if resume is None:
@@ -76,7 +96,7 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
                               eval_fraction=args.eval_fraction, seed=args.seed)
     rss_before = _peak_rss()
     t0 = time.perf_counter()
-    records, evals = [], []
+    evals: list[dict] = []
     lora = args.lora is not None or args.adapter is not None
     dtype = _model_dtype(args.model, args.model_dtype, lora)
     if lora:
@@ -92,30 +112,19 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
     peak_load = _peak_rss()
     log.info("loaded %s in %.1fs (%s of weights), peak RSS %s", args.model, load_s,
              format_size(engine.partition.nbytes), format_size(peak_load))
+    batches = TextBatches(data, args.batch)
     with engine:
         engine.train()
         if resume[0] is not None:
-            path, client = engine.load_checkpoint(*resume, convert_optimizer_state=args.resume_convert)
-            if "data" not in client:
-                raise SystemExit(f"--resume: {path} has no data position (it was not saved by a --model/--data run)")
-            data.load_state_dict(client["data"], origin=path)
-        done = 0
-        timed: list[tuple[int, float]] = []  # (tokens, seconds) of each step, eval excluded
-        t_step, tokens = time.perf_counter(), 0
-        while engine.global_steps < args.steps and (args.stop_after is None or done < args.stop_after):
-            x = data.next_batch(args.batch).to(engine.device)
-            tokens += x.numel()
-            retry_micro_batch(lambda: engine.backward(engine(input_ids=x, labels=x).loss))
-            rec = engine.step()
-            if rec is None:
-                continue
-            timed.append((tokens, time.perf_counter() - t_step))
-            records.append(rec)
-            done += 1
+            train_loop.resume(engine, args, batches, *resume)
+
+        def after_step(rec: Any) -> None:
             if args.eval_every and engine.global_steps % args.eval_every == 0:
                 evals.append({"step": engine.global_steps, "loss": eval_loss(engine, data, args.batch)})
                 log.info("step %d eval loss %.4f", engine.global_steps, evals[-1]["loss"])
-            t_step, tokens = time.perf_counter(), 0
+
+        result = train_loop.train(engine, args, batches, after_step)
+        records, timed = result.records, result.timed
         if not evals or evals[-1]["step"] != engine.global_steps:
             evals.append({"step": engine.global_steps, "loss": eval_loss(engine, data, args.batch)})
         steady = timed[1:] or timed
@@ -137,7 +146,7 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
               f"{'n/a' if summary['eval_loss'] is None else format(summary['eval_loss'], '.3f')}, "
               f"{summary['tokens_per_s']:.0f} tokens/s")
         if args.save:
-            engine.save_checkpoint(args.save, client_state={"data": data.state_dict()})
+            train_loop.save(engine, args, batches)
         if args.export:
             print(exported_line(args.export, engine.export(args.export, merge_adapters=args.merge_adapters), cfg))
     if args.json:

@@ -78,6 +78,26 @@ class ByteBatches:
         return self
 
 
+class CorpusBatches:
+    """The built-in corpus as the training loop's ``Batches``: the position is the number of
+    batches drawn, and a resume draws as many again."""
+
+    def __init__(self, batches: ByteBatches, grad_accum: int) -> None:
+        self.batches, self.grad_accum = batches, grad_accum
+
+    def next(self) -> tuple[Any, Any]:
+        return next(self.batches)
+
+    def state(self) -> dict:
+        return {"batches_drawn": self.batches.drawn}
+
+    def restore(self, client: dict, origin: str, global_steps: int) -> None:
+        drawn = int(client.get("batches_drawn", global_steps * self.grad_accum))
+        for _ in range(drawn):  # the data position of the saved run: the same windows come next
+            next(self.batches)
+        self.batches.drawn = drawn
+
+
 def llama_config(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig
 
@@ -105,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
         print(done)
         return 0
     import torch
-    from tqdm import tqdm
     from transformers import LlamaForCausalLM
 
     import pyinfinity
+    from pyinfinity.cli import train_loop
     from pyinfinity.config import format_size, parse_size
 
     if args.model or args.data:
@@ -126,45 +146,16 @@ def run(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: Llama hidden %d, %d layers, %.1fM parameters", mcfg.hidden_size, mcfg.num_hidden_layers,
              n_params / 1e6)
-    data = ByteBatches(stdlib_corpus(parse_size(args.corpus_bytes, "--corpus-bytes")), args.seq, args.batch,
-                       args.seed)
-    records = []
+    data = CorpusBatches(ByteBatches(stdlib_corpus(parse_size(args.corpus_bytes, "--corpus-bytes")), args.seq,
+                                     args.batch, args.seed), args.grad_accum)
     from tqdm.contrib.logging import logging_redirect_tqdm
-
-    from pyinfinity.engine import retry_micro_batch
 
     with pyinfinity.initialize(model, cfg, seq_len=args.seq) as engine, logging_redirect_tqdm():
         engine.train()
         log.info("engine built in %.1fs", time.perf_counter() - t0)
         if resume_dir is not None:
-            path, client = engine.load_checkpoint(resume_dir, resume_tag,
-                                                 convert_optimizer_state=args.resume_convert)
-            _check_resume_flags(path, client, args)
-            drawn = int(client.get("batches_drawn", engine.global_steps * args.grad_accum))
-            for _ in range(drawn):  # the data position of the saved run: the same windows come next
-                next(data)
-            data.drawn = drawn
-            log.info("resumed %s at step %d of %d", path, engine.global_steps, args.steps)
-            if engine.global_steps >= args.steps:
-                log.warning("--resume: the checkpoint is at step %d, --steps is %d: nothing to train",
-                            engine.global_steps, args.steps)
-        # disable=None: no bar when stderr is not a terminal (a log file gets the log lines only)
-        bar = tqdm(total=args.steps, initial=engine.global_steps, unit="step",
-                   disable=True if args.no_progress else None, file=sys.stderr, dynamic_ncols=True)
-        while engine.global_steps < args.steps:
-            x, y = next(data)
-            x, y = x.to(engine.device), y.to(engine.device)
-            retry_micro_batch(lambda: engine.backward(engine(input_ids=x, labels=y).loss))
-            rec = engine.step()
-            if rec is not None:
-                records.append(rec)
-                bar.update(1)
-                bar.set_postfix(loss=f"{rec.loss:.3f}", tok_s=f"{rec.tokens_per_s:.0f}",
-                                peak=format_size(rec.peak_device_allocated or rec.peak_device_bytes),
-                                overlap="n/a" if rec.overlap_fraction is None else f"{rec.overlap_fraction:.2f}")
-                if args.save_every and engine.global_steps % args.save_every == 0 and engine.global_steps < args.steps:
-                    engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn, "flags": _run_flags(args)})
-        bar.close()
+            train_loop.resume(engine, args, data, resume_dir, resume_tag)
+        records = train_loop.train(engine, args, data).records
         report = engine.memory_report()
         steady = records[1:] or records
         summary = {
@@ -197,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             print(moved)
         print(report.table())
         if args.save:
-            engine.save_checkpoint(args.save, client_state={"batches_drawn": data.drawn, "flags": _run_flags(args)})
+            train_loop.save(engine, args, data)
         if args.export:
             print(exported_line(args.export, engine.export(args.export), cfg))
     if args.json:
@@ -205,32 +196,6 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg,
                        "memory": asdict(report)}, f, indent=1, default=str)
     return 0
-
-
-RESUME_FLAGS = ("seed", "lr", "batch", "seq", "grad_accum", "warmup")  # what the data and schedule follow
-
-
-def _run_flags(args: argparse.Namespace) -> dict:
-    """The flags a --resume must repeat, as a checkpoint's client state records them."""
-    return {k: getattr(args, k) for k in RESUME_FLAGS}
-
-
-def _check_resume_flags(path: str, client: dict, args: argparse.Namespace) -> None:
-    """A --resume with other data or schedule flags than the saved run would train on silently
-    different batches and learning rates: refused, naming each flag."""
-    from pyinfinity.cli.errors import UsageError
-
-    saved = client.get("flags")
-    if not isinstance(saved, dict):
-        log.warning("--resume: %s does not record the run's flags; give the same --seed/--lr/--batch/--seq/"
-                    "--grad-accum/--warmup as the first run", path)
-        return
-    now = _run_flags(args)
-    diff = [f"--{k.replace('_', '-')} {now[k]} (the checkpoint's run: {saved.get(k)})"
-            for k in RESUME_FLAGS if saved.get(k) != now[k]]
-    if diff:
-        raise UsageError(f"--resume: {path} was saved by a run with other flags: {'; '.join(diff)}; resume with "
-                         "the same flags (a new run: leave out --resume)")
 
 
 def bytes_moved_line(records: list) -> str:

@@ -233,8 +233,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
         raise UsageError("--model and --data go together: a model directory to start from and the data to train on")
     if args.model:
         check_model_dir(args.model)
-        if not os.path.isfile(args.data):
-            raise UsageError(f"--data: {args.data}: no such file")
+        from pyinfinity.data import check_data_file
+
+        check_data_file(args.data)  # a directory, a device or a FIFO is named as such
     if args.config and not os.path.isfile(args.config):
         raise UsageError(f"--config: {args.config}: no such file")
     check_lora_arguments(args)
@@ -248,9 +249,18 @@ def check_model_dir(path: str) -> None:
         raise UsageError(f"--model: {path}: {what} (a local transformers model directory with config.json, "
                          "safetensors and tokenizer files is needed; nothing is downloaded: fetch a Hub model "
                          "first, e.g. `huggingface-cli download REPO --local-dir DIR`)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
         raise UsageError(f"--model: {path} is not a transformers model directory: no config.json (save one with "
                          "model.save_pretrained(DIR))")
+    try:
+        with open(cfg, "rb") as f:
+            parsed = json.loads(f.read())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise UsageError(f"--model: {cfg}: the model's config is not valid JSON ({exc}): damaged or not a "
+                         "transformers config") from None
+    if not isinstance(parsed, dict):
+        raise UsageError(f"--model: {cfg}: the model's config is a JSON {type(parsed).__name__}, not an object")
 
 
 def checkpoint_location(path: str) -> tuple[str, Optional[str]]:

@@ -334,6 +334,8 @@ class TrainingState:
         reads the whole training state); a failure there marks the state partly stepped."""
         try:
             self.optimizer.drain()
+        except KeyboardInterrupt:  # the user's Ctrl-C, not a failure: the worker goes on, a later wait finds it done
+            raise
         except BaseException as exc:
             self.mark_partly_stepped(f"the background optimizer step failed: {exc!r}")
             self.optimizer.cancel()
@@ -347,6 +349,8 @@ class TrainingState:
             raise self.partly_stepped_error(f"fetching {shard.module_name or '<root>'}")
         try:
             return self.optimizer.wait_shard(shard)
+        except KeyboardInterrupt:  # the wait was interrupted; the step goes on in the background
+            raise
         except BaseException as exc:
             if self._partly_stepped is not None:
                 raise self.partly_stepped_error(f"fetching {shard.module_name or '<root>'}") from exc

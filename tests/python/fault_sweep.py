@@ -10,6 +10,11 @@ case saves checkpoint B. A refused save ("partly stepped") counts as held when l
 training on gives the uninterrupted run's losses; an accepted save counts as held when a fresh
 engine resumed from B gives them. Anything else is silently wrong.
 
+Whole runs of the command line: ``finetune_killed`` SIGKILLs `pyinfinity train --model DIR --data
+FILE --save-every 2` mid-run and resumes it (the losses must be the uninterrupted run's, bit for
+bit, in fp32); ``changed_base_refused`` resumes a LoRA run over its base with one byte changed at
+97% of a shard (past the first MiB) and must be refused.
+
 CI runs a short form (``tests/python/test_fault_sweep.py``); the long form, every piece::
 
     python -m tests.python.fault_sweep --long
@@ -23,6 +28,9 @@ import errno
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Iterable, Optional
@@ -159,6 +167,107 @@ def sweep(root: str, nths: Iterable[int], modes: Iterable[str] = MODES, ops: Ite
     return out
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pyinfinity", *args]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def finetune_killed(root: str, steps: int = 8, lora: Optional[int] = None) -> tuple[bool, str]:
+    """Fine-tunes a small model directory ``steps`` steps uninterrupted, then again with
+    --save-every 2, SIGKILLed once its step-2 checkpoint is in place, then --resume: (held, what
+    happened). Held: the resumed run's losses are the uninterrupted run's, bit for bit."""
+    import json
+
+    from tests.python.pretrained_dirs import CORPUS, make_model_dir
+
+    model = make_model_dir(os.path.join(root, "model"))
+    data = os.path.join(root, "data.txt")
+    with open(data, "w") as f:
+        f.write(CORPUS * 2)
+    run = ["train", "--model", model, "--data", data, "--steps", str(steps), "--seq", "16", "--batch", "2",
+           "--device", "cpu", "--dtype", "fp32", "--offload", "nvme", "--nvme", os.path.join(root, "swap"),
+           "--no-progress", *(["--lora", str(lora)] if lora else [])]
+
+    def losses(name: str) -> dict[int, str]:
+        with open(os.path.join(root, name)) as f:
+            return {s["step"]: repr(s["loss"]) for s in json.load(f)["steps"]}
+
+    ref = subprocess.run(_cli(*run, "--json", os.path.join(root, "ref.json")), capture_output=True, text=True,
+                         timeout=600, cwd=REPO, env=_env())
+    if ref.returncode:
+        return False, f"uninterrupted run failed: {ref.stderr[-2000:]}"
+    ckpt = os.path.join(root, "ckpt")
+    proc = subprocess.Popen(_cli(*run, "--save", ckpt, "--save-every", "2"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env())
+    try:
+        latest = os.path.join(ckpt, "latest")
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            if os.path.isfile(latest):
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    if proc.returncode != -signal.SIGKILL:
+        return False, f"the run was not killed mid-run (exit status {proc.returncode}): {err[-2000:]}"
+    with open(os.path.join(ckpt, "latest")) as f:
+        tag = f.read().strip()
+    res = subprocess.run(_cli(*run, "--resume", ckpt, "--json", os.path.join(root, "res.json")),
+                         capture_output=True, text=True, timeout=600, cwd=REPO, env=_env())
+    if res.returncode:
+        return False, f"--resume {tag} failed: {res.stderr[-2000:]}"
+    want, got = losses("ref.json"), losses("res.json")
+    start = int(tag[len("global_step"):]) + 1
+    if not got or min(got) != start or got != {k: v for k, v in want.items() if k >= start}:
+        return False, f"resumed from {tag}: {got} != {want}"
+    return True, f"killed with {tag} saved, resumed steps {start}-{steps} bit-exact"
+
+
+def changed_base_refused(root: str) -> tuple[bool, str]:
+    """Trains LoRA adapters 2 steps over a small model directory (shards of a few MiB) and saves,
+    flips one byte at 97% of its largest shard, then --resume: (held, what happened). Held: the
+    resume is refused in one line (exit status 2) naming the changed base."""
+    from tests.python.pretrained_dirs import CORPUS, make_model_dir
+
+    model = make_model_dir(os.path.join(root, "model"), hidden=256, shard="3MB")
+    data = os.path.join(root, "data.txt")
+    with open(data, "w") as f:
+        f.write(CORPUS * 2)
+    ckpt = os.path.join(root, "ckpt")
+    run = ["train", "--model", model, "--data", data, "--lora", "4", "--steps", "3", "--seq", "16", "--batch", "2",
+           "--device", "cpu", "--offload", "cpu", "--no-progress"]
+    first = subprocess.run(_cli(*run, "--stop-after", "2", "--save", ckpt), capture_output=True, text=True,
+                           timeout=600, cwd=REPO, env=_env())
+    if first.returncode:
+        return False, f"the first run failed: {first.stderr[-2000:]}"
+    shard = max((os.path.join(model, n) for n in os.listdir(model) if n.endswith(".safetensors")),
+                key=os.path.getsize)
+    at = int(os.path.getsize(shard) * 0.97)
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    res = subprocess.run(_cli(*run, "--resume", ckpt), capture_output=True, text=True, timeout=600, cwd=REPO,
+                         env=_env())
+    last = (res.stderr.strip().splitlines() or [""])[-1]
+    if res.returncode != 2 or "Traceback" in res.stderr or "other base weights" not in last:
+        return False, f"--resume over a base changed at byte {at} of {shard}: exit {res.returncode}: {last}"
+    return True, f"refused: {last}"
+
+
 def summary(cases: list[Case]) -> str:
     rows = collections.Counter((c.mode, c.op, c.surfaced, c.save, c.held) for c in cases if c.injected)
     lines = ["mode     op     surfaced in   save      held  cases"]
@@ -178,12 +287,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         cases = sweep(root, range(1, args.max_nth + 1, 1 if args.long else 7))
+        held, what = finetune_killed(tempfile.mkdtemp(dir=root))
+        refused, why = changed_base_refused(tempfile.mkdtemp(dir=root))
     print(summary(cases))
     for c in cases:
         if c.injected and not c.held:
             print("NOT HELD:", c)
+    print(f"fine-tune killed with --save-every, resumed: {'held' if held else 'NOT HELD'}: {what}")
+    print(f"LoRA resume over a base changed at 97% of a shard: {'refused' if refused else 'NOT REFUSED'}: {why}")
     print(f"{time.perf_counter() - t0:.0f} s")
-    return 0 if all(c.held for c in cases if c.injected) else 1
+    return 0 if held and refused and all(c.held for c in cases if c.injected) else 1
 
 
 if __name__ == "__main__":

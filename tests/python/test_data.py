@@ -140,3 +140,60 @@ def test_cli_bad_data_fails_before_anything_is_written(model_dir, tmp_path, caps
     assert not swap.exists() or not any(swap.rglob("*"))
     assert main(["train", "--device", "cpu", "--model", model_dir]) == 2
     assert "--model and --data go together" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- long lines
+
+
+def test_a_long_line_is_tokenised_in_pieces_cut_at_spaces_with_the_ids_of_the_whole(tok_dir, tmp_path, monkeypatch,
+                                                                                    caplog):
+    """One line of text (no newline) is cut into pieces where the byte-level pre-tokenizer starts
+    a word, the pieces tokenised in batched calls: the ids are those of the line tokenised whole
+    (double spaces, tabs, punctuation, digits and non-ASCII letters across the cuts), for plain
+    text and for a JSON-lines document (its special tokens once, around the whole); progress is
+    logged while it runs."""
+    from pyinfinity import data
+
+    tok = load_tokenizer(tok_dir)
+    line = (CORPUS.replace("\n", " ") + "  double\tspace, déjà vu 12 345 !! ") * 3
+    monkeypatch.setattr(data, "PIECE_CHARS", 97)
+    monkeypatch.setattr(data, "BATCH_CHARS", 4096)
+    monkeypatch.setattr(data, "PROGRESS_S", 0.0, raising=False)
+    assert len(data.split_at_spaces(line)) > 100 and "".join(data.split_at_spaces(line)) == line
+    txt = tmp_path / "long.txt"
+    txt.write_text(line)
+    with caplog.at_level("INFO", logger="pyinfinity.data"):
+        ids = tokenize_file(str(txt), tok)
+    assert ids.tolist() == tok(line, add_special_tokens=False)["input_ids"]
+    progress = [r.message for r in caplog.records if "tokenising" in r.message]
+    assert len(progress) > 3 and "long.txt" in progress[0] and " MB" in progress[0], progress
+    jl = tmp_path / "long.jsonl"
+    jl.write_text(json.dumps({"text": line}) + "\n")
+    want = tok(line, add_special_tokens=True)["input_ids"]
+    assert tokenize_file(str(jl), tok).tolist() == want + ([tok.eos_token_id] if want[-1] != tok.eos_token_id else [])
+
+
+def test_a_stretch_without_a_cut_point_stays_whole():
+    from pyinfinity.data import split_at_spaces
+
+    assert split_at_spaces("x" * 50 + " y", 10) == ["x" * 50, " y"]
+    assert split_at_spaces("a  b" * 20, 5)[0].startswith("a  ba")  # never inside a run of spaces
+    assert split_at_spaces("z" * 40, 10) == ["z" * 40]
+
+
+@pytest.mark.parametrize("kind, needle", [("directory", "is a directory"), ("dev_zero", "is a character device"),
+                                          ("fifo", "is a named pipe (FIFO)")])
+def test_cli_data_that_is_not_a_regular_file_says_what_it_is(kind, needle, model_dir, tmp_path):
+    import subprocess
+    import sys as _sys
+
+    path = {"directory": str(tmp_path), "dev_zero": "/dev/zero", "fifo": str(tmp_path / "pipe")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([_sys.executable, "-m", "pyinfinity", "train", "--device", "cpu", "--model", model_dir,
+                        "--data", path], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert last.startswith("pyinfinity train: error: --data: " + path) and needle in last, last

@@ -1,6 +1,8 @@
 """Faults over the background optimizer step: no accepted checkpoint resumes differently from an
 uninterrupted run (the short form of ``tests/python/fault_sweep.py``), and the late failures that
-once slipped through are refused."""
+once slipped through are refused; a fine-tune SIGKILLed mid-run resumes from its --save-every
+checkpoint with the uninterrupted run's losses, and a LoRA resume over a base changed at the end
+of a shard is refused."""
 from __future__ import annotations
 
 import errno
@@ -21,6 +23,17 @@ def test_every_accepted_checkpoint_resumes_like_an_uninterrupted_run(tmp_path):
     assert {c.surfaced for c in injected} >= {"forward", "step", "synchronize"}, fault_sweep.summary(cases)
     wrong = [c for c in injected if not c.held]
     assert not wrong, fault_sweep.summary(cases) + "\n" + "\n".join(map(str, wrong))
+
+
+def test_a_fine_tune_killed_mid_run_resumes_from_its_save_every_checkpoint_bit_exact(tmp_path):
+    held, what = fault_sweep.finetune_killed(str(tmp_path))
+    assert held, what
+
+
+def test_a_lora_resume_over_a_base_changed_at_the_end_of_a_shard_is_refused(tmp_path):
+    refused, why = fault_sweep.changed_base_refused(str(tmp_path))
+    assert refused, why
+    assert "tensor(s) differ" in why, why
 
 
 def test_a_late_write_back_failure_with_clipping_refuses_the_save(tmp_path):

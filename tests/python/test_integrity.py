@@ -330,6 +330,62 @@ def test_ctrl_c_interrupts_a_stuck_wait_promptly(tmp_path):
     assert what == "interrupted" and float(seconds) < 0.5 + 1.0, out
 
 
+# A background step whose NVMe write stalls 4 s; synchronize() or save_checkpoint() waits on it
+_STALLED_STEP = textwrap.dedent("""
+    import os, sys, threading, time
+    from pyinfinity.swap.faults import fault_injection, faults_injected
+    from tests.python import fault_sweep
+
+    root, call = sys.argv[1], sys.argv[2]
+    eng = fault_sweep._engine(root, "clipped")
+    batches = fault_sweep._batches()
+    fault_sweep._train(eng, batches[:1])
+    eng.backward(eng(*batches[1]))
+    n0 = faults_injected()
+
+    def watch():
+        while faults_injected() == n0:
+            time.sleep(0.002)
+        print("stalled", flush=True)
+
+    threading.Thread(target=watch, daemon=True).start()
+    with fault_injection(op="write", nth=1, action="stall", value=4000):
+        eng.step()
+        try:
+            eng.synchronize() if call == "synchronize" else eng.save_checkpoint(os.path.join(root, "ck"))
+            print("finished", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", time.monotonic(), flush=True)
+    eng.synchronize()  # the step went on in the background: nothing was lost
+    eng.save_checkpoint(os.path.join(root, "ck"))
+    print("saved", eng.global_steps, flush=True)
+    eng.close()
+""")
+
+
+@pytest.mark.parametrize("call", ["synchronize", "save_checkpoint"])
+def test_ctrl_c_while_the_background_step_waits_on_io_arrives_at_once_and_loses_nothing(call, tmp_path):
+    """Ctrl-C in synchronize() or save_checkpoint() while the background step's write is stalled
+    raises KeyboardInterrupt at once (it came only when the I/O completed), and is not taken for
+    a failure of the step: the step finishes in the background, a save afterwards is accepted."""
+    proc = subprocess.Popen([sys.executable, "-c", _STALLED_STEP, str(tmp_path), call], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), preexec_fn=sigint_default)
+    try:
+        assert proc.stdout.readline().strip() == "stalled"
+        time.sleep(0.3)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    lines = out.split("\n")
+    what, when = lines[0].split()
+    assert what == "interrupted" and float(when) - sent < 0.5, (out, err[-2000:])  # the stall had 3.7 s to go
+    assert lines[1] == "saved 2" and "partly stepped" not in err, (out, err[-2000:])
+
+
 # ----------------------------------------------------------------------------------- misuse
 
 

@@ -386,7 +386,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_dir
         base_numel = sum(sh.numel for sh in eng.partition.shards if not sh.trainable)
     with open(os.path.join(saved, "meta.json")) as f:
         meta = json.load(f)
-    assert meta["version"] == 3 and set(meta["base"]) == {"config", "files", "adapters"}
+    assert meta["version"] == 4 and set(meta["base"]) == {"config", "files", "tensors", "adapters"}
     assert {e["kind"] for e in meta["entries"]} == {"optim"}
     assert os.path.getsize(os.path.join(saved, "state.bin")) < 3 * 4 * adapter_numel + 4096 * len(meta["entries"])
     assert base_numel > adapter_numel  # what was left out is most of the model
@@ -415,6 +415,115 @@ def test_a_lora_checkpoint_refuses_another_base(model_dirs, tmp_path):
     with _engine(other, str(tmp_path / "s2")) as eng:
         with pytest.raises(CheckpointError, match="other base weights.*config.json"):
             eng.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def _largest_shard(path: str) -> str:
+    return max((os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")), key=os.path.getsize)
+
+
+def _flip_byte_at(path: str, fraction: float) -> None:
+    with open(path, "r+b") as f:
+        f.seek(int(os.path.getsize(path) * fraction))
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _last_tensor(fpath: str) -> tuple[str, int]:
+    """(name, file offset) of the tensor stored last in a safetensors file."""
+    import struct
+
+    with open(fpath, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    key = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    return key, 8 + n + header[key]["data_offsets"][0]
+
+
+def _scale_one_layer(fpath: str, factor: float) -> str:
+    """Multiplies the tensor stored last in ``fpath`` by ``factor`` in place (same names, shapes,
+    dtypes and file size: only its values change); returns its name."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(fpath, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    key = _last_tensor(fpath)[0]
+    tensors[key] = tensors[key] * factor
+    size = os.path.getsize(fpath)
+    save_file(tensors, fpath, metadata=meta)
+    assert os.path.getsize(fpath) == size and _last_tensor(fpath)[0] == key
+    return key
+
+
+@pytest.mark.parametrize("change", ["byte_at_97_percent", "one_layer_times_1.01"])
+def test_a_lora_checkpoint_refuses_a_base_changed_past_the_first_mib(change, model_dirs, tmp_path):
+    """The base's identity covers every byte of every tensor the run read (a CRC-32C taken while the
+    load streamed it in): a base changed at the end of a shard, or one layer scaled by 1.01 (a
+    re-published base, an adapter merged in), is refused in one line naming a changed tensor."""
+    from pyinfinity import pretrained
+    from pyinfinity.checkpoint import CheckpointError
+
+    path = make_model_dir(str(tmp_path / "base"), "llama", hidden=256, shard="3MB")  # shards of several MiB
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        _train_engine(eng, 1)
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    shard = _largest_shard(path)
+    if change == "byte_at_97_percent":
+        _flip_byte_at(shard, 0.97)
+        assert 0.97 * os.path.getsize(shard) > 2 * pretrained.IDENTITY_SAMPLE  # past the first MiB
+    else:
+        _scale_one_layer(shard, 1.01)
+        assert _last_tensor(shard)[1] > pretrained.IDENTITY_SAMPLE
+    with _engine(path, str(tmp_path / "s1")) as eng:
+        with pytest.raises(CheckpointError, match=r"other base weights.*tensor\(s\) differ.*e\.g\. '") as info:
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert "\n" not in str(info.value)
+        assert eng.global_steps == 0  # nothing was loaded
+
+
+def test_a_lora_checkpoint_over_the_unchanged_base_resumes_bit_exact_and_a_version_3_one_loads_with_a_warning(
+        model_dirs, tmp_path, caplog):
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        straight = _train_engine(eng, 4)
+    with _engine(path, str(tmp_path / "s1")) as eng:
+        _train_engine(eng, 2)
+        saved = eng.save_checkpoint(str(tmp_path / "ckpt"))
+    with _engine(path, str(tmp_path / "s2")) as eng:
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert _train_engine(eng, 2, start=2) == straight[2:]
+
+    def as_version_3(meta):
+        meta["version"] = 3
+        meta["base"].pop("tensors")
+
+    _rewrite_meta(saved, as_version_3)
+    with _engine(path, str(tmp_path / "s3")) as eng:
+        caplog.clear()
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert any("version 3" in r.message and "first MiB only" in r.message for r in caplog.records)
+        assert _train_engine(eng, 2, start=2) == straight[2:]
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"r": 4}, "adapter 'default' r 4 here, 8 then"),
+    ({"target_modules": ["q_proj", "k_proj", "v_proj"]},
+     "adapter 'default' target_modules ['k_proj', 'q_proj', 'v_proj'] here, ['q_proj', 'v_proj'] then"),
+])
+def test_a_lora_resume_with_another_rank_or_targets_gets_the_adapter_message(change, needle, model_dirs, tmp_path):
+    """Another rank or other targets change the shards too: the adapters' config is checked first,
+    so the message names it, not "a different model/partition"."""
+    from pyinfinity.checkpoint import CheckpointError
+
+    path = model_dirs["llama"]
+    with _engine(path, str(tmp_path / "s0")) as eng:
+        _train_engine(eng, 1)
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    with pyinfinity.from_pretrained(path, _config(str(tmp_path / "s1")), peft_config=_lora(**change)) as eng:
+        with pytest.raises(CheckpointError, match="trained its adapters with another config") as info:
+            eng.load_checkpoint(str(tmp_path / "ckpt"))
+        assert needle in str(info.value) and "partition" not in str(info.value)
 
 
 def _rewrite_meta(saved: str, change) -> None:

@@ -1,0 +1,115 @@
+"""The training loop both runs of `pyinfinity train` drive (the built-in corpus, ``train.py``; a
+model directory and your data, ``finetune.py``): --resume, --steps, --stop-after, --save-every,
+--save, the progress bar. A run gives its data as a ``Batches``; everything a flag does to the
+loop happens here once, so a flag both runs accept behaves the same in both."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+log = logging.getLogger(__name__)
+
+RESUME_FLAGS = ("seed", "lr", "batch", "seq", "grad_accum", "warmup")  # what the data and schedule follow
+
+
+class Batches(Protocol):
+    """A run's data, with its position as a checkpoint's client state records it."""
+
+    def next(self) -> tuple[Any, Any]:
+        """The next micro-batch (input_ids, labels)."""
+
+    def state(self) -> dict:
+        """The data position, merged into the checkpoint's client state."""
+
+    def restore(self, client: dict, origin: str, global_steps: int) -> None:
+        """Goes to the position a checkpoint's client state holds (``origin``: its path, for errors;
+        ``global_steps``: its step, for a checkpoint that does not record the position)."""
+
+
+@dataclass
+class LoopResult:
+    records: list = field(default_factory=list)  # the StepRecord of each optimizer step of this run
+    timed: list = field(default_factory=list)  # (tokens, wall seconds) of each step, from batch to step
+
+
+def run_flags(args: argparse.Namespace) -> dict:
+    """The flags a --resume must repeat, as a checkpoint's client state records them."""
+    return {k: getattr(args, k) for k in RESUME_FLAGS}
+
+
+def check_resume_flags(path: str, client: dict, args: argparse.Namespace) -> None:
+    """A --resume with other data or schedule flags than the saved run would train on silently
+    different batches and learning rates: refused, naming each flag."""
+    from pyinfinity.cli.errors import UsageError
+
+    saved = client.get("flags")
+    if not isinstance(saved, dict):
+        log.warning("--resume: %s does not record the run's flags; give the same --seed/--lr/--batch/--seq/"
+                    "--grad-accum/--warmup as the first run", path)
+        return
+    now = run_flags(args)
+    diff = [f"--{k.replace('_', '-')} {now[k]} (the checkpoint's run: {saved.get(k)})"
+            for k in RESUME_FLAGS if saved.get(k) != now[k]]
+    if diff:
+        raise UsageError(f"--resume: {path} was saved by a run with other flags: {'; '.join(diff)}; resume with "
+                         "the same flags (a new run: leave out --resume)")
+
+
+def save(engine: Any, args: argparse.Namespace, data: Batches) -> str:
+    """A checkpoint in --save with the data position and the run's flags."""
+    return engine.save_checkpoint(args.save, client_state={**data.state(), "flags": run_flags(args)})
+
+
+def resume(engine: Any, args: argparse.Namespace, data: Batches, resume_dir: str, resume_tag: Optional[str]) -> None:
+    """Loads --resume's checkpoint: the engine's state, then the run's flags checked, then the data
+    position."""
+    path, client = engine.load_checkpoint(resume_dir, resume_tag, convert_optimizer_state=args.resume_convert)
+    check_resume_flags(path, client, args)
+    data.restore(client, path, engine.global_steps)
+    log.info("resumed %s at step %d of %d", path, engine.global_steps, args.steps)
+    if engine.global_steps >= args.steps:
+        log.warning("--resume: the checkpoint is at step %d, --steps is %d: nothing to train",
+                    engine.global_steps, args.steps)
+
+
+def train(engine: Any, args: argparse.Namespace, data: Batches,
+          after_step: Optional[Callable[[Any], None]] = None) -> LoopResult:
+    """Steps until --steps (or --stop-after steps of this run), saving every --save-every steps;
+    ``after_step(record)`` runs after each optimizer step (before its periodic save)."""
+    from tqdm import tqdm
+
+    from pyinfinity.config import format_size
+    from pyinfinity.engine import retry_micro_batch
+
+    out = LoopResult()
+    # disable=None: no bar when stderr is not a terminal (a log file gets the log lines only)
+    bar = tqdm(total=args.steps, initial=engine.global_steps, unit="step",
+               disable=True if args.no_progress else None, file=sys.stderr, dynamic_ncols=True)
+    t_step, tokens = time.perf_counter(), 0
+    try:
+        while engine.global_steps < args.steps and (args.stop_after is None or len(out.records) < args.stop_after):
+            x, y = data.next()
+            x, y = x.to(engine.device), y.to(engine.device)
+            tokens += x.numel()
+            retry_micro_batch(lambda: engine.backward(engine(input_ids=x, labels=y).loss))
+            rec = engine.step()
+            if rec is None:
+                continue
+            out.timed.append((tokens, time.perf_counter() - t_step))
+            out.records.append(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec.loss:.3f}", tok_s=f"{rec.tokens_per_s:.0f}",
+                            peak=format_size(rec.peak_device_allocated or rec.peak_device_bytes),
+                            overlap="n/a" if rec.overlap_fraction is None else f"{rec.overlap_fraction:.2f}")
+            if after_step is not None:
+                after_step(rec)
+            if args.save_every and engine.global_steps % args.save_every == 0 and engine.global_steps < args.steps:
+                save(engine, args, data)
+            t_step, tokens = time.perf_counter(), 0
+    finally:
+        bar.close()
+    return out
