@@ -126,7 +126,8 @@ class TrainingState:
         fmt_name, adam_w = cfg.optimizer_state_format, cfg.optimizer.adam_w_mode
         self.state_format = make_state_format(fmt_name, adam_w)
         # the pools the layout gives this config: the swappers' pinned pools, the RAM, device and swap checks
-        self.pools = engine_pools(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
+        n_modules = sum(1 for m in model.modules() if m._parameters)
+        self.pools = engine_pools(cfg, sizes, n_modules)
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
         self.ownership = claim_swap_dirs(cfg, self.pools)
         try:
