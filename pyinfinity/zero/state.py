@@ -181,9 +181,10 @@ class TrainingState:
             make(m, root, replaced)
             progress.advance(modules=1 if m._parameters else 0)
 
-        def place_counted(shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> None:
-            self._place_shard(shard, flat, flat32)
+        def place_counted(shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> Any:
+            home = self._place_shard(shard, flat, flat32)
             progress.advance(nbytes=flat.numel() * flat.element_size())
+            return home
 
         try:
             t0 = time.perf_counter()
