@@ -126,7 +126,8 @@ class TrainingState:
         fmt_name, adam_w = cfg.optimizer_state_format, cfg.optimizer.adam_w_mode
         self.state_format = make_state_format(fmt_name, adam_w)
         # the pools the layout gives this config: the swappers' pinned pools, the RAM, device and swap checks
-        self.pools = engine_pools(cfg, sizes, sum(1 for m in model.modules() if m._parameters))
+        n_modules = sum(1 for m in model.modules() if m._parameters)
+        self.pools = engine_pools(cfg, sizes, n_modules)
         # budgets checked, swap directories locked, a crashed run's files cleaned (swap/ownership.py)
         self.ownership = claim_swap_dirs(cfg, self.pools)
         try:
@@ -180,9 +181,10 @@ class TrainingState:
             make(m, root, replaced)
             progress.advance(modules=1 if m._parameters else 0)
 
-        def place_counted(shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> None:
-            self._place_shard(shard, flat, flat32)
+        def place_counted(shard: FlatShard, flat: torch.Tensor, flat32: Optional[torch.Tensor]) -> Any:
+            home = self._place_shard(shard, flat, flat32)
             progress.advance(nbytes=flat.numel() * flat.element_size())
+            return home
 
         try:
             t0 = time.perf_counter()
