@@ -451,7 +451,8 @@ SCHEDULER_PARAMS = {
 }
 
 
-def _parse_scheduler(d: dict) -> SchedulerConfig:
+def parse_scheduler(d: dict) -> SchedulerConfig:
+    """A config's ``scheduler`` section, validated (``ConfigError`` naming the key)."""
     _check_keys(d, ["type", "params"], set(), "scheduler")
     typ = d.get("type")
     if typ not in SCHEDULER_PARAMS:
@@ -653,7 +654,7 @@ def load_config(config: Union[dict, str, os.PathLike, Config]) -> Config:
     if "optimizer" in d:
         c.optimizer = _parse_optimizer(d["optimizer"])
     if d.get("scheduler") is not None:
-        c.scheduler = _parse_scheduler(d["scheduler"])
+        c.scheduler = parse_scheduler(d["scheduler"])
     if "zero_optimization" in d:
         c.zero_optimization = _parse_zero(d["zero_optimization"])
     if "aio" in d:
@@ -755,6 +756,6 @@ def check_swap_dir(path: str, key: str = "nvme_path") -> None:
         raise ConfigError(f"{key}: swap directory {path!r} is not writable: {exc.strerror}") from exc
 
 
-__all__ = ["AUTO", "Config", "ConfigError", "load_config", "parse_size", "format_size", "check_swap_dir", "replace",
+__all__ = ["AUTO", "Config", "ConfigError", "load_config", "parse_scheduler", "parse_size", "format_size", "check_swap_dir", "replace",
            "overlap_step_blocker", "auto_overlap_off", "default_optimizer_threads", "optimizer_threads", "OPTIMIZER_STATES", "STATE_FORMATS",
            "StateFormat", "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

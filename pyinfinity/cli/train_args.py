@@ -335,7 +335,7 @@ def resume_status(args: argparse.Namespace, save_dir: str, tag: Optional[str]) -
     refused without --resume-reschedule (with it, a warning): the lr would jump at the first step."""
     import types
 
-    from pyinfinity.config import _parse_scheduler
+    from pyinfinity.config import parse_scheduler
     from pyinfinity.zero.lr_schedules import build_scheduler
 
     try:
@@ -357,7 +357,7 @@ def resume_status(args: argparse.Namespace, save_dir: str, tag: Optional[str]) -
     lr = args.lr if "lr" in args.given or not file_cfg else (_get(file_cfg, "optimizer.params.lr") or args.lr)
     old = saved.get("scheduler")
     try:
-        new = _parse_scheduler(mine)
+        new = parse_scheduler(mine)
     except ValueError:
         return None  # the engine's config check names it
     if not isinstance(old, dict) or (old.get("type"), old.get("params")) == (new.type, new.params):
