@@ -61,7 +61,11 @@ def ds_config(way: str, cap: int) -> dict:
                                  "stage3_param_persistence_threshold": "auto",
                                  "stage3_gather_16bit_weights_on_model_save": False}}
     if way == "pyinfinity":
+        # the section, and the placement left to pyinfinity's planner as its own loop's is
+        # ("auto" offload devices: DeepSpeed itself takes cpu or nvme only)
         cfg["pyinfinity"] = {"device_memory": cap}
+        for key in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][key]["device"] = "auto"
     return cfg
 
 

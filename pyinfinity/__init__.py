@@ -51,5 +51,7 @@ from pyinfinity import post_import as _post_import  # noqa: E402
 
 _post_import.when_imported("deepspeed", "pyinfinity.integrations.deepspeed.engine_route:install_route")
 _post_import.when_imported("accelerate.accelerator", "pyinfinity.integrations.deepspeed.engine_route:patch_accelerate")
+_post_import.when_imported("transformers.integrations.deepspeed",
+                           "pyinfinity.integrations.deepspeed.engine_route:patch_trainer_config")
 _post_import.when_imported("trl.trainer.utils", "pyinfinity.integrations.deepspeed.gathered:patch_trl")
 _post_import.when_imported("transformers.modeling_utils", "pyinfinity.integrations.deepspeed.zero_init:patch_transformers")

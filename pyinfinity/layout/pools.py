@@ -7,6 +7,7 @@ not proportional to its shard (:func:`home_slack`) are stated here once."""
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -25,6 +26,11 @@ GRAD_STAGING_SLOTS = 3
 ADD_SCRATCH = 4 * (1 << 20)
 # the parameter swapper's pinned pool beyond its homes (alignment of the slots)
 PINNED_SLACK = 1 << 20
+
+
+def page_rounded(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages, as the pinned arena (``swap.PinnedArena``) reserves it."""
+    return -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def home_bytes(state: StateFormat, numel: float) -> float:
@@ -251,11 +257,12 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
     device_need = sizes.param_bytes if op.device == "none" else max(sizes.largest_module_bytes, 1) + persistent
     # the parameter swapper's homes in RAM (with the parameters on the device: the elements
     # max_in_cpu names, for what the swapper keeps in RAM beside them)
-    param_pinned = (param_ram if op.device != "none"
-                    else min(sizes.param_bytes, int(op.max_in_cpu) * itemsize)) + PINNED_SLACK
+    # (each pool as the pinned arena reserves it: whole pages)
+    param_pinned = page_rounded((param_ram if op.device != "none"
+                                 else min(sizes.param_bytes, int(op.max_in_cpu) * itemsize)) + PINNED_SLACK)
     return EnginePools(param_ram=param_ram, param_disk=param_disk, optim_ram=optim_ram, optim_disk=optim_disk,
                        grads=grads, device_need=device_need, param_pinned=param_pinned,
-                       optim_pinned=optim_ram + PINNED_SLACK, persistent=persistent,
+                       optim_pinned=page_rounded(optim_ram + PINNED_SLACK), persistent=persistent,
                        n_tensors=n_modules)
 
 

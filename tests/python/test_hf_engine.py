@@ -187,3 +187,29 @@ def test_on_the_gpu_an_accelerate_loop_matches_pyinfinitys_own_loop_and_resumes(
     assert whole["grad_norms"] == pytest.approx(whole["own_grad_norms"], rel=1e-4)
     resumed = run_worker("accelerate", tmp_path / "resumed", "--resume", str(tmp_path / "whole" / "state"), gpu=True)
     assert resumed["micro_losses"] == pytest.approx(whole["micro_losses"][6:], rel=1e-4)
+
+
+def test_trainer_leaves_the_planned_keys_auto_for_pyinfinitys_engine_and_fills_them_for_deepspeed() -> None:
+    import types
+
+    import pyinfinity  # noqa: F401  registers the route's patches
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    def config(section: bool) -> dict:
+        c = {"zero_optimization": {"stage": 3, "offload_param": {"device": "auto"},
+                                   "offload_optimizer": {"device": "cpu"},
+                                   "stage3_prefetch_bucket_size": "auto",
+                                   "stage3_param_persistence_threshold": "auto"}}
+        return {**c, "pyinfinity": {"device": "cpu"}} if section else c
+
+    args = types.SimpleNamespace(get_warmup_steps=lambda n: 0)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64))
+    ours = HfTrainerDeepSpeedConfig(config(True))
+    ours.trainer_config_finalize(args, model, 10)
+    z = ours.config["zero_optimization"]
+    assert z["stage3_prefetch_bucket_size"] == "auto" and z["stage3_param_persistence_threshold"] == "auto"
+    assert z["offload_param"]["device"] == "auto"
+    theirs = HfTrainerDeepSpeedConfig(config(False))
+    theirs.trainer_config_finalize(args, model, 10)
+    z = theirs.config["zero_optimization"]
+    assert z["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64) and z["stage3_param_persistence_threshold"] == 640

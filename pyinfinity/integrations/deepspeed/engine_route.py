@@ -170,4 +170,31 @@ def patch_accelerate(accelerator: types.ModuleType) -> None:
         DeepSpeedPlugin.deepspeed_config_process = deepspeed_config_process
 
 
-__all__ = ["initialize", "install_route", "uninstall_route", "patch_accelerate", "engine_config"]
+def patch_trainer_config(deepspeed_integration: types.ModuleType) -> None:
+    """transformers' Trainer, for a config with the section: the keys it would fill from the model's
+    hidden size (``HfTrainerDeepSpeedConfig.trainer_config_finalize``) keep their "auto", which
+    pyinfinity's planner decides (DeepSpeed's sizes for them starve pyinfinity's prefetch)."""
+    cls = getattr(deepspeed_integration, "HfTrainerDeepSpeedConfig", None)
+    finalize = getattr(cls, "trainer_config_finalize", None)
+    if finalize is None or getattr(finalize, MARK, False):
+        return
+
+    @functools.wraps(finalize)
+    def trainer_config_finalize(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not has_section(self.config):
+            return finalize(self, *args, **kwargs)
+        kept = [key for key in PLANNED_KEYS if self.is_auto(key)]
+        try:
+            return finalize(self, *args, **kwargs)
+        finally:
+            for key in kept:
+                node, leaf = self.find_config_node(key)
+                if node is not None:
+                    node[leaf] = "auto"
+
+    setattr(trainer_config_finalize, MARK, True)
+    cls.trainer_config_finalize = trainer_config_finalize
+
+
+__all__ = ["initialize", "install_route", "uninstall_route", "patch_accelerate", "patch_trainer_config",
+           "engine_config"]

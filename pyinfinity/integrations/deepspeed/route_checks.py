@@ -23,14 +23,16 @@ UNTESTED_ENV = "PYINFINITY_HF_UNTESTED"
 #: Release series (major, minor) of each library whose calls on the engine this route was checked against.
 KNOWN_SERIES: Dict[str, Tuple[Tuple[int, int], ...]] = {
     "deepspeed": SUPPORTED_SERIES,
-    "transformers": ((5, 25),),
+    "transformers": ((5, 17), (5, 25)),
     "accelerate": ((1, 16),),
     "trl": ((1, 16),),
     "peft": ((0, 21),),
 }
-#: Keys Accelerate fills from the model's hidden size when they are "auto": pyinfinity's planner decides them.
+#: Keys Trainer and Accelerate would fill when they are "auto" (from the model's hidden size, and the offload
+#: devices from Accelerate's plugin): on this route their "auto" stays, and pyinfinity's planner decides them.
 PLANNED_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-                "zero_optimization.stage3_param_persistence_threshold")
+                "zero_optimization.stage3_param_persistence_threshold",
+                "zero_optimization.offload_param.device", "zero_optimization.offload_optimizer.device")
 
 def has_section(config: Any) -> bool:
     """Whether a DeepSpeed config (dict, or JSON path) selects pyinfinity's engine."""
