@@ -419,9 +419,9 @@ UNPROBED = "not probed: the config fixes the placement"
 def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, seq_len: Optional[int] = None,
                     checkpointing: bool = False, budgets: Optional[Budgets] = None) -> Placement:
     """The placement of a resolved config that fixes every placement knob (``plan_engine_config``
-    returned no plan), checked against this machine's budgets before the engine writes a byte:
-    PlanError, one line naming every budget it exceeds (device, host RAM, each swap filesystem's
-    free space) and the bytes, as ``solve`` refuses a plan. No rate is probed (bytes need none),
+    returned no plan), checked against this machine's host RAM before the engine writes a byte:
+    PlanError, one line naming the bytes, as ``solve`` refuses a plan (the device budget and each
+    swap filesystem's free space are the engine's own start checks, before any write too). No rate is probed (bytes need none),
     so the Placement's times are not a prediction: ``Placement.table`` is not for this one; the
     engine logs ``budget_summary``. Activations are charged as ``plan_engine_config`` charges
     them: not on the CPU device, and on a GPU only when ``seq_len`` is known (the first forward
@@ -451,7 +451,11 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
                   device=str(dev), source={f: UNPROBED for f in ("h2d", "d2h", "disk_read", "disk_write", "adam",
                                                                   "matmul", "memcpy")})
     placement = evaluate(sizes, train, budgets, rates, k, cfg.nvme_paths)
-    violations = [v for v in placement.violations if not v.startswith("host RAM")]
+    # the device and the swap directories: the engine's own start checks (``check_budgets``, the
+    # swap claim's free-space check) hold them before anything is written, against what the engine
+    # takes (it gives up device-kept units and states to stay within the budget, and sizes its swap
+    # files from its shards); the host RAM only the planner's figures see whole
+    violations: list[str] = []
     # on the CPU device the device pool is host RAM that the device budget bounds (the device memory
     # check): the host check here is of what the tiers, gradients and staging take beside it
     pool = placement.device_bytes if budgets.device_is_host else 0

@@ -163,11 +163,12 @@ def test_too_small_budget_is_a_clear_error(tiny_lm, engine_config):
     with pytest.raises(ValueError, match="device_memory"):
         pyinfinity.initialize(tiny_lm(layers=2, d=32), engine_config("cpu", pyinfinity={"device": "cpu",
                                                                                        "device_memory": 1024}))
-    # each module fits, but a parent and its child together do not: the placement check at the start
-    # sees the working set and refuses before anything is written
+    # each module fits, but a parent and its child together do not: the coordinator says so
     budget = 256 * 4 + 100
-    with pytest.raises(ValueError, match="device_memory"):
-        pyinfinity.initialize(Nested(), engine_config("cpu", pyinfinity={"device": "cpu", "device_memory": budget}))
+    with pyinfinity.initialize(Nested(), engine_config("cpu", pyinfinity={"device": "cpu",
+                                                                          "device_memory": budget})) as eng:
+        with pytest.raises(DeviceBudgetError, match="device_memory"):
+            eng(torch.randn(2, 16))
 
 
 class TwiceAndExternal(nn.Module):
