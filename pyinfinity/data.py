@@ -12,9 +12,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
-import torch
+if TYPE_CHECKING:  # torch loads when data is read: --data's checks answer without it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,8 @@ def tokenize_file(path: Union[str, os.PathLike], tokenizer: Any, field: str = "t
     Documents are cut into pieces at spaces (``split_at_spaces``: a line of many MB among them)
     and the pieces tokenised in batched calls; a tokenizer for which pieces would give other ids
     gets each document whole. Progress is logged every ``PROGRESS_S`` seconds."""
+    import torch
+
     path = os.fspath(path)
     check_data_file(path)
     jsonl = path.endswith(JSONL_SUFFIXES)
@@ -228,6 +231,8 @@ class TextData:
     @classmethod
     def from_file(cls, path: Union[str, os.PathLike], tokenizer: Any, seq: int, *, field: str = "text",
                   eval_fraction: float = 0.05, seed: int = 0) -> "TextData":
+        import torch
+
         if seq < 2:
             raise DataError(f"--seq: {seq} is too short (2 tokens at least)")
         tokens = tokenize_file(path, tokenizer, field)
@@ -246,6 +251,8 @@ class TextData:
                    source=src)
 
     def _order(self, epoch: int) -> torch.Tensor:
+        import torch
+
         return torch.randperm(self.train.shape[0], generator=torch.Generator().manual_seed(self.seed * 1_000_003
                                                                                             + epoch))
 

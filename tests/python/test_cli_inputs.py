@@ -139,7 +139,7 @@ def test_a_resume_across_compute_dtypes_names_the_dtype_and_resume_convert_conve
     with open(tmp_path / "b.json") as f:
         steps = json.load(f)["steps"]
     assert [s["step"] for s in steps] == [3, 4] and all(s["loss"] == s["loss"] for s in steps)
-    to_fp32 = ["--steps", "6", "--dtype", "fp32", "--optimizer-state", "fp32", "--resume", back]
+    to_fp32 = ["--steps", "6", "--dtype", "fp32", "--optimizer-state", "fp32", "--resume", back, "--resume-reschedule"]
     _one_line(_corpus_run(*to_fp32), "computing in torch.bfloat16", "computes in torch.float32")
     p = _corpus_run(*to_fp32, "--resume-convert")
     assert p.returncode == 0, p.stderr[-3000:]

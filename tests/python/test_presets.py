@@ -23,7 +23,7 @@ def test_train_plan_and_bench_accept_the_same_names():
     train = argparse.ArgumentParser()
     add_arguments(train)
     sub = argparse.ArgumentParser().add_subparsers()
-    add_parser(sub)
+    add_parser(sub, "plan placement and sizing")
     assert list(_choices(train, "model_size")) == list(NAMES)
     assert list(_choices(sub.choices["plan"], "model_size")) == list(NAMES)
     for name in NAMES:

@@ -37,6 +37,8 @@ CHECKED_BY = {
     "checkpoint_activations": "the model's gradient_checkpointing_enable", "no_prefetch": "the config",
     "seed": "the resume refusal", "save": "the checkpoints", "save_every": "the checkpoints",
     "resume": "the resumed run", "resume_convert": "the resumed run", "export": "the exported files",
+    # read by train.run before either path is built (the schedule check), tested in test_cli.py
+    "resume_reschedule": "test_cli.py's resume tests",
     "json": "the JSON file", "no_progress": "the bar on a terminal", "stop_after": "the first run's steps",
 }
 
