@@ -194,7 +194,7 @@ def test_the_first_example_as_printed_is_refused_in_one_line_before_it_writes(tm
     assert p.returncode != 0, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("pyinfinity.plan.charges.PlanError: ") or "PlanError: " in last, p.stderr[-3000:]
-    assert "does not fit this machine (nothing was written)" in last and "swap: needs" in last, last
+    assert "does not fit this machine (nothing was written)" in last and "host RAM: needs" in last, last
     assert took < 120, f"the refusal took {took:.0f} s"
     written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmpfs_dir) for f in fs)
     assert written < 1 << 20, f"{written} bytes written under the swap directories"
