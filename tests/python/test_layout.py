@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pyinfinity.config_values import MIN_QUANTIZED_NUMEL, STATE_FORMATS
-from pyinfinity.layout.pools import PINNED_SLACK, engine_pools, home_bytes, home_slack
+from pyinfinity.layout.pools import PINNED_SLACK, engine_pools, home_bytes, home_slack, page_rounded
 from pyinfinity.layout.shards import (Knobs, ParamTiers, device_units, optimizer_tiers, param_tiers, resident_units,
                                       shard_layout)
 from pyinfinity.layout.sizes import ModelSizes
@@ -66,6 +66,6 @@ def test_the_engines_pools_split_the_parameters_as_the_shards_are_placed():
     cfg = SimpleNamespace(zero_optimization=z, optimizer_state_format="fp32", gradient_accumulation_steps=1)
     pools = engine_pools(cfg, sizes, 3)
     assert (pools.param_ram, pools.param_disk) == (1500 * 2, 3000 * 2)  # 1000 and 500 fit 1600 elements; 3000 not
-    assert pools.param_pinned == pools.param_ram + PINNED_SLACK
+    assert pools.param_pinned == page_rounded(pools.param_ram + PINNED_SLACK)  # whole pages, as the arena reserves
     assert pools.optim_ram == 4500 * 12 and pools.optim_disk == 0
     assert pools.grads == 3000 * 2  # the disk-homed shard's gradient needs a buffer of its own
