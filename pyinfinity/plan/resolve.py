@@ -435,14 +435,7 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
         dm, hm = cfg.pyinfinity.device_memory, cfg.pyinfinity.host_memory
         budgets = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
                                   host_memory=hm if isinstance(hm, int) else None)
-    fixed, owned = _fixed_from(cfg, None)
-    for name in UNPLANNED_ALONE & owned:
-        setattr(fixed, name, 0)
-    for name, value in budget_sizing(cfg, sizes, budgets.device_memory).items():
-        setattr(fixed, name, value)
-    k = Knobs(**{name: getattr(fixed, name) for name in KEYS})
-    oo = cfg.zero_optimization.offload_optimizer
-    k.pipeline = oo.pipeline_read or oo.pipeline_write
+    k = _fixed_knobs(cfg, sizes, budgets.device_memory)
     train = _train_shape(cfg, seq_len, checkpointing)
     if dev.type != "cuda" or seq_len is None:
         train.activation_bytes = 0
@@ -511,14 +504,22 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     fixed, owned = _fixed_from(cfg, None)
     if owned - UNPLANNED_ALONE - SIZED_ALONE:
         raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
-    for name in UNPLANNED_ALONE & owned:  # as the engine does when nothing else is planned: none resident
+    k = _fixed_knobs(cfg, sizes, budgets.device_memory)
+    return evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
+
+
+def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
+    """The knobs of a config whose placement is fixed, as the engine realises it: what it leaves
+    unplanned alone is none (nothing resident), the buffers sized to the device budget."""
+    fixed, owned = _fixed_from(cfg, None)
+    for name in UNPLANNED_ALONE & owned:
         setattr(fixed, name, 0)
-    for name, value in budget_sizing(cfg, sizes, budgets.device_memory).items():
+    for name, value in budget_sizing(cfg, sizes, device_memory).items():
         setattr(fixed, name, value)
     k = Knobs(**{name: getattr(fixed, name) for name in KEYS})
     oo = cfg.zero_optimization.offload_optimizer
     k.pipeline = oo.pipeline_read or oo.pipeline_write
-    return evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
+    return k
 
 
 __all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config",
