@@ -13,6 +13,7 @@ in) and writes it as JSON. Each way runs in its own interpreter."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -107,11 +108,14 @@ def worker(way: str, model_dir: str, steps: int, warmup: int, cap: int, out: str
     rss = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
                if line.startswith("VmHWM:"))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    inner = getattr(trainer.model_wrapped, "pyinfinity_engine", None)  # pyinfinity's: its per-step telemetry
+    history = [dataclasses.asdict(r) for r in inner.history] if inner is not None else None
     Path(out).write_text(json.dumps({
         "way": f"{way} engine through Trainer", "engine": type(trainer.model_wrapped).__name__,
         "s_per_step": s_per_step, "tokens_per_s": BATCH * TOKENS / s_per_step,
         "peak_gpu_bytes": torch.cuda.max_memory_reserved() if cuda else None, "peak_rss_bytes": rss, "losses": losses,
-        "timed_steps": len(timed) - 1}))
+        "timed_steps": len(timed) - 1, "torch_threads": torch.get_num_threads(),
+        "cpus": len(os.sched_getaffinity(0)), "engine_history": history}, default=str))
 
 
 def own_loop(steps: int, warmup: int, cap_text: str, log: Path) -> dict:

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 from pyinfinity.config_values import MIN_QUANTIZED_NUMEL, STATE_FORMATS, StateFormat
 from pyinfinity.layout.charges import (GRAD_BYTES_PER_PARAM, OPT_BYTES_PER_PARAM, DeviceCharges, TrainShape,
                                        device_charges, device_state_cost, step_scratch)
-from pyinfinity.layout.shards import Knobs, ShardLayout, param_tiers, shard_layout
+from pyinfinity.layout.shards import Knobs, ShardLayout, device_units, is_persistent, param_tiers, shard_layout
 from pyinfinity.layout.sizes import ModelSizes
 
 SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
@@ -225,6 +225,29 @@ class EnginePools:
         return self.param_ram + self.optim_ram + self.grads
 
 
+def config_knobs(cfg: Any) -> Knobs:
+    """The device side's knobs of a resolved config (``pyinfinity.config.Config``): the parameters'
+    home and the resident, device-state and device-accumulator budgets ("auto" left: none)."""
+    e = cfg.pyinfinity
+    budget = {k: 0 if not isinstance(getattr(e, k, 0), int) else int(getattr(e, k, 0))
+              for k in ("resident_bytes", "device_optimizer_bytes", "device_accumulator_bytes")}
+    return Knobs(param_device=cfg.zero_optimization.offload_param.device,
+                 optimizer_step_device=getattr(e, "optimizer_step_device", "cpu"), **budget)
+
+
+def device_state_numel(cfg: Any, sizes: ModelSizes, state: StateFormat, accumulation: int) -> int:
+    """Trainable elements of the units whose optimizer state (and gradient) the engine keeps and
+    steps on the device under ``cfg`` (``layout.shards.device_units``, as ``TrainingState`` places
+    them): their gradients never take a host buffer."""
+    numels = sizes.shard_numels
+    thr = int(cfg.zero_optimization.stage3_param_persistence_threshold or 0)
+    _, on_device, _ = device_units(
+        numels, [sizes.shard_bytes(i) for i in range(len(numels))], sizes.shard_trainable,
+        [is_persistent(n, thr) for n in numels], config_knobs(cfg), accumulation,
+        lambda i: device_state_cost(sizes.shard_itemsize(i), accumulation, state.name) * numels[i])
+    return sum(numels[i] for i in on_device)
+
+
 def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_threshold: Optional[int] = None
                  ) -> EnginePools:
     """The pools of the engine's resolved config ``cfg`` (``pyinfinity.config.Config``) for a model
@@ -247,9 +270,10 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
     optim_ram = optim - int(optim * ratio)
     # gradients on the host: they land in the parameter homes in RAM (the step rewrites those); homes
     # on NVMe or on the device need a buffer of their own (at most the trainable parameters' bytes);
-    # accumulation keeps an fp32 sum
-    if int(cfg.gradient_accumulation_steps) > 1:
-        grads = train * GRAD_BYTES_PER_PARAM
+    # accumulation keeps an fp32 sum on the host for every unit whose state does not step on the device
+    accumulation = int(cfg.gradient_accumulation_steps)
+    if accumulation > 1:
+        grads = (train - device_state_numel(cfg, sizes, fmt, accumulation)) * GRAD_BYTES_PER_PARAM
     else:
         grads = min(param_disk + (sizes.param_bytes if op.device == "none" else 0), train * itemsize)
     thr = int(z.stage3_param_persistence_threshold) if persistence_threshold is None else persistence_threshold
@@ -266,5 +290,5 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
                        n_tensors=n_modules)
 
 
-__all__ = ["Share", "Layout", "plan_layout", "EnginePools", "engine_pools", "home_bytes", "home_bytes_per_param",
+__all__ = ["Share", "Layout", "plan_layout", "EnginePools", "engine_pools", "config_knobs", "device_state_numel", "home_bytes", "home_bytes_per_param",
            "home_slack", "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH", "PINNED_SLACK"]

@@ -32,10 +32,10 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from pyinfinity.config import AUTO, Config, optimizer_threads
+from pyinfinity.config import Config, optimizer_threads
 from pyinfinity.layout.charges import device_state_cost
-from pyinfinity.layout.pools import engine_pools
-from pyinfinity.layout.shards import Knobs, ParamTiers, device_units
+from pyinfinity.layout.pools import config_knobs, engine_pools
+from pyinfinity.layout.shards import ParamTiers, device_units
 from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.swap.ownership import claim_swap_dirs
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
@@ -241,13 +241,8 @@ class TrainingState:
         """The layout's device side for the shards partitioned (``layout.shards.device_units``):
         the units kept on the device, those whose optimizer state steps there, those whose
         accumulator is there; a state's cost is the bytes of its home in this format."""
-        shards, e, acc = self.partition.shards, self.config.pyinfinity, self.gradient_accumulation_steps
-        budget = {k: 0 if v == AUTO else int(v) for k, v in (("resident_bytes", e.resident_bytes),
-                                                               ("device_optimizer_bytes", e.device_optimizer_bytes),
-                                                               ("device_accumulator_bytes",
-                                                                e.device_accumulator_bytes))}
-        knobs = Knobs(param_device=self.config.zero_optimization.offload_param.device,
-                      optimizer_step_device=e.optimizer_step_device, **budget)
+        shards, acc = self.partition.shards, self.gradient_accumulation_steps
+        knobs = config_knobs(self.config)
         resident, state, accumulators = device_units(
             [sh.numel for sh in shards], [sh.nbytes for sh in shards], [sh.trainable for sh in shards],
             [sh.persistent for sh in shards], knobs, acc,

@@ -69,3 +69,20 @@ def test_the_engines_pools_split_the_parameters_as_the_shards_are_placed():
     assert pools.param_pinned == page_rounded(pools.param_ram + PINNED_SLACK)  # whole pages, as the arena reserves
     assert pools.optim_ram == 4500 * 12 and pools.optim_disk == 0
     assert pools.grads == 3000 * 2  # the disk-homed shard's gradient needs a buffer of its own
+
+
+def test_under_accumulation_the_engine_charges_no_host_gradient_for_units_stepped_on_the_device():
+    # three resident units; the first two's state (12 + 2 + 4 bytes a parameter with accumulation)
+    # fits device_optimizer_bytes: their gradients stay on the device, only the third sums on the host
+    sizes = ModelSizes(shard_numels=[1000, 1000, 1000], shard_trainable=[True, True, True], itemsize=2,
+                       block_bytes=2000, flops_per_token=0.0, largest_module_bytes=2000)
+    z = SimpleNamespace(offload_param=SimpleNamespace(device="cpu", max_in_cpu=0),
+                        offload_optimizer=SimpleNamespace(device="cpu", ratio=1.0),
+                        stage3_param_persistence_threshold=0)
+    e = SimpleNamespace(resident_bytes=6000, device_optimizer_bytes=2 * 18 * 1000, device_accumulator_bytes=0,
+                        optimizer_step_device="cpu")
+    cfg = SimpleNamespace(zero_optimization=z, pyinfinity=e, optimizer_state_format="fp32",
+                          gradient_accumulation_steps=4)
+    assert engine_pools(cfg, sizes, 3).grads == 1000 * 4
+    e.device_optimizer_bytes = 0
+    assert engine_pools(cfg, sizes, 3).grads == 3000 * 4
