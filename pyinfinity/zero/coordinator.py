@@ -691,16 +691,17 @@ class DeviceCopies:
         src.record_stream(self.d2h_stream)  # read there: freed memory is not reused before the copy ran
         return ev
 
-    def update_resident(self, shard: FlatShard, src: torch.Tensor) -> None:
+    def update_resident(self, shard: FlatShard, src: torch.Tensor) -> Any:
         """Copies a resident unit's new values (``src``: host, compute dtype) into its device buffer
-        once its backward is done; the next use waits for the copy (``ShardRun.ready``). Called from
-        the optimizer, possibly on its worker thread."""
+        once its backward is done; the next use waits for the copy (``ShardRun.ready``). Returns
+        the copy's event (None: nothing queued). Called from the optimizer, possibly on its worker
+        thread."""
         buf = shard.run.buffer
         if buf is None or buf is src:
-            return
+            return None
         if not self._cuda:
             buf.copy_(src)
-            return
+            return None
         done = shard.run.backward_done
         with torch.cuda.stream(self.update_stream):
             if done is not None:
@@ -709,3 +710,4 @@ class DeviceCopies:
             ev = torch.cuda.Event()
             ev.record()
         shard.run.update_queued(ev)
+        return ev

@@ -4,6 +4,8 @@ gradient lands on the host, where the one-pass CPU step may write new weights, h
 home (and to a resident unit's device buffer)."""
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -13,6 +15,7 @@ from pyinfinity.zero.accumulate import STAGING_SLOTS, GradStaging
 from pyinfinity.zero.partition import FlatShard
 
 
+
 class ParamHomes:
     """The parameter homes as the coordinator's gradient hooks and the optimizer's worker see them:
     where a unit's gradient lands, where the one-pass step may write new weights, how new values
@@ -20,10 +23,12 @@ class ParamHomes:
     even while its worker is stepping (its finalizer then stops the worker and removes the files).
 
     ``update_resident(shard, src)`` copies new values into a resident unit's device buffer
-    (``coordinator.DeviceCopies.update_resident``; None: nothing is resident)."""
+    (``coordinator.DeviceCopies.update_resident``; None: nothing is resident) and returns the
+    copy's event (None where it copied in place)."""
 
     def __init__(self, param_swapper: TensorSwapper, device: torch.device, accumulation: int, *,
-                 update_resident: Optional[Callable[[FlatShard, torch.Tensor], None]] = None) -> None:
+                 update_resident: Optional[Callable[[FlatShard, torch.Tensor], Any]] = None,
+                 writeback_slots: int = 4) -> None:
         self.param_swapper = param_swapper
         self.device = device
         self.accumulation = accumulation
@@ -31,6 +36,12 @@ class ParamHomes:
         self.largest_trainable = 0  # bytes of the largest trainable shard placed (sizes the gradient staging)
         self.grad_bufs: dict[int, torch.Tensor] = {}
         self.grad_staging: Optional[GradStaging] = None  # under accumulation (made on first use)
+        # pinned slots new values of device-homed shards are copied from, with each one's last copy
+        # (the optimizer's worker and the caller's step may both write)
+        self._slots: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
+        self._slots_made = 0
+        self.writeback_slots = writeback_slots  # offload_optimizer.buffer_count: the layout's write-back buffers
+        self._slots_lock = threading.Lock()
 
     def place(self, shard: FlatShard, flat: torch.Tensor, tier: Tier) -> Any:
         """Writes a shard's values (compute dtype) to its home in ``tier``; returns the home."""
@@ -80,6 +91,14 @@ class ParamHomes:
         req: Any = Done()
         if home.tier == Tier.GPU and not to_device:  # the device buffer is the home
             return req
+        if home.tier == Tier.GPU and self._async_device_home(shard):
+            # the device buffer is the home: one copy from a pinned slot on the update stream, after
+            # the unit's backward; the next use waits for it (a pageable copy would stall compute)
+            raw = self._writeback_slot(shard)
+            src = raw[:shard.nbytes].view(shard.dtype)
+            src.copy_(master)
+            self._slot_done(raw, self.update_resident(shard, src))
+            return req
         if home.tier == Tier.CPU:
             if cast:
                 home.tensor.copy_(master)  # cast into the (pinned) home, in place
@@ -93,6 +112,33 @@ class ParamHomes:
         if to_device and shard.persistent and self.update_resident is not None:
             self.update_resident(shard, src)
         return req
+
+    def _async_device_home(self, shard: FlatShard) -> bool:
+        """Whether a device-homed shard's new values can go to its buffer through the resident
+        update (a GPU, the buffer in place as its home)."""
+        return (self.update_resident is not None and self.device.type == "cuda" and shard.persistent
+                and shard.buffer is shard.home.tensor)
+
+    def _writeback_slot(self, shard: FlatShard) -> torch.Tensor:
+        """A pinned slot (bytes) for a shard's new values on their way to its device home:
+        ``writeback_slots`` slots of the largest trainable shard (the layout's write-back buffers),
+        each reused once its last copy has completed; give it back with ``_slot_done``."""
+        with self._slots_lock:
+            if self._slots_made < self.writeback_slots or not self._slots:
+                self._slots_made += 1
+                raw, ev = None, None
+            else:
+                raw, ev = self._slots.popleft()
+        if ev is not None:
+            ev.synchronize()
+        if raw is None or raw.numel() < shard.nbytes:
+            raw = aligned_empty(max(self.largest_trainable, shard.nbytes), torch.uint8, pin=True)
+        return raw
+
+    def _slot_done(self, raw: torch.Tensor, event: Any) -> None:
+        """A slot is in the ring again, to be reused after ``event`` (its copy; None: done)."""
+        with self._slots_lock:
+            self._slots.append((raw, event))
 
     def write_home(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """A device-stepped unit's fp32 master (host) written into its parameter home only (its

@@ -148,7 +148,7 @@ class TrainingState:
         # the copies beside the compute stream, shared by the coordinator, the homes and the optimizer
         self.copies = DeviceCopies(device, FetchStats())
         self.homes = ParamHomes(self.param_swapper, device, cfg.gradient_accumulation_steps,
-                                update_resident=self.copies.update_resident)
+                                update_resident=self.copies.update_resident, writeback_slots=oo.buffer_count)
         self.optimizer = OffloadOptimizer(
             cfg.optimizer, self.optim_swapper, nvme_ratio=oo.ratio if oo.device == "nvme" else 0.0,
             buffer_count=oo.buffer_count, pipeline=oo.pipeline_read or oo.pipeline_write,

@@ -187,6 +187,32 @@ def test_gpu_resident_units_and_background_step_are_exact(clip, tiny_lm, lm_batc
 
 
 @cuda
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_gpu_parameters_homed_on_the_device_take_the_cpu_steps_values_exactly(accumulation, tiny_lm, lm_batches,
+                                                                                tmp_path):
+    """offload_param "none" (every parameter's home is its device buffer) with the optimizer on the
+    CPU: the new values go to the device buffers through pinned write-back slots on the update
+    stream, the background step is bit-identical to the serial one, and both follow torch AdamW."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batches = [(x.cuda(), y.cuda()) for x, y in lm_batches(6)]
+    got = {}
+    for overlap in (False, True):
+        cfg = _cfg("cpu", tmp_path, gradient_accumulation_steps=accumulation, gradient_clipping=0.0)
+        cfg["zero_optimization"]["offload_param"] = {"device": "none"}
+        cfg["pyinfinity"].update(overlap_step=overlap, unit_bytes=0)
+        with pyinfinity.initialize(tiny_lm(layers=3), cfg) as eng:
+            assert all(s.home.tier.name == "GPU" for s in eng.partition.shards)
+            losses = train_steps(eng, batches)
+            got[overlap] = _outcome(eng, losses)
+            assert eng.state.homes._slots_made > 0  # the values went through the pinned slots
+    if accumulation == 1:
+        _assert_exact_and_like_torch(got, tiny_lm(layers=3), batches, 0.0)
+    else:
+        assert got[False][0] == got[True][0] and got[False][2] == got[True][2]
+        assert all(torch.equal(a, b) for a, b in zip(got[False][1], got[True][1]))
+
+
+@cuda
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_gpu_optimizer_state_on_the_device(clip, tiny_lm, lm_batches, tmp_path):
     """Resident units whose optimizer state is on the GPU (device_optimizer_bytes) keep their
