@@ -40,6 +40,7 @@ class ParamHomes:
         # (the optimizer's worker and the caller's step may both write)
         self._slots: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
         self._slots_made = 0
+        self._out_slots: dict[int, torch.Tensor] = {}  # shard index -> the slot param_out gave the step
         self.writeback_slots = writeback_slots  # offload_optimizer.buffer_count: the layout's write-back buffers
         self._slots_lock = threading.Lock()
 
@@ -76,10 +77,17 @@ class ParamHomes:
             self.grad_staging.release(buf)
 
     def param_out(self, shard: FlatShard) -> Optional[torch.Tensor]:
-        """The bf16 home the optimizer's one-pass step may write a shard's new weights into."""
+        """The bf16 home the optimizer's one-pass step may write a shard's new weights into; for a
+        shard whose home is the device, the pinned slot its new values are copied from (taken
+        here, given back by ``write_param``)."""
         home = shard.home
         if home.tier == Tier.CPU and home.tensor is not None and home.tensor.device.type == "cpu":
             return home.tensor
+        if home.tier == Tier.GPU and shard.trainable and self._async_device_home(shard):
+            raw = self._writeback_slot(shard)
+            with self._slots_lock:
+                self._out_slots[shard.index] = raw
+            return raw[:shard.nbytes].view(shard.dtype)
         return None
 
     def write_param(self, shard: FlatShard, master: torch.Tensor, to_device: bool = True, cast: bool = True) -> Any:
@@ -94,9 +102,13 @@ class ParamHomes:
         if home.tier == Tier.GPU and self._async_device_home(shard):
             # the device buffer is the home: one copy from a pinned slot on the update stream, after
             # the unit's backward; the next use waits for it (a pageable copy would stall compute)
-            raw = self._writeback_slot(shard)
+            with self._slots_lock:
+                raw = self._out_slots.pop(shard.index, None)  # the one-pass step may have written it
+            if raw is None:
+                raw, cast = self._writeback_slot(shard), True
             src = raw[:shard.nbytes].view(shard.dtype)
-            src.copy_(master)
+            if cast:
+                src.copy_(master)
             self._slot_done(raw, self.update_resident(shard, src))
             return req
         if home.tier == Tier.CPU:
