@@ -213,3 +213,20 @@ def test_trainer_leaves_the_planned_keys_auto_for_pyinfinitys_engine_and_fills_t
     theirs.trainer_config_finalize(args, model, 10)
     z = theirs.config["zero_optimization"]
     assert z["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64) and z["stage3_param_persistence_threshold"] == 640
+
+
+def test_accelerates_plugin_leaves_the_offload_devices_auto_for_pyinfinitys_engine_and_fills_them_for_deepspeed(
+) -> None:
+    import pyinfinity  # noqa: F401  registers the route's patches
+    from accelerate.utils import DeepSpeedPlugin
+
+    def config(section: bool) -> dict:
+        c = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+             "zero_optimization": {"stage": 3, "offload_param": {"device": "auto"},
+                                   "offload_optimizer": {"device": "auto"}}}
+        return {**c, "pyinfinity": {"device": "cpu"}} if section else c
+
+    ours = DeepSpeedPlugin(hf_ds_config=config(True)).deepspeed_config["zero_optimization"]
+    assert ours["offload_param"]["device"] == "auto" and ours["offload_optimizer"]["device"] == "auto"
+    theirs = DeepSpeedPlugin(hf_ds_config=config(False)).deepspeed_config["zero_optimization"]
+    assert theirs["offload_param"]["device"] == "none" and theirs["offload_optimizer"]["device"] == "none"

@@ -157,17 +157,21 @@ def patch_accelerate(accelerator: types.ModuleType) -> None:
         accelerator.map_pytorch_optim_to_deepspeed = map_optimizer
     from accelerate.utils.dataclasses import DeepSpeedPlugin
 
-    process = DeepSpeedPlugin.deepspeed_config_process
-    if not getattr(process, MARK, False):
-        @functools.wraps(process)
-        def deepspeed_config_process(self: Any, prefix: str = "", mismatches: Any = None, config: Any = None,
-                                     must_match: bool = True, **kw: Any) -> Any:
-            if prefix == "" and has_section(self.deepspeed_config):
-                kw = {k: ("auto" if k in PLANNED_KEYS else v) for k, v in kw.items()}  # an "auto" stays "auto"
-            return process(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match, **kw)
+    fill = DeepSpeedPlugin.fill_match
+    if not getattr(fill, MARK, False):
+        # every fill goes through here: the plugin's own (its offload devices, "none" unless set, in
+        # __post_init__) and those of deepspeed_config_process (the model's hidden size)
+        @functools.wraps(fill)
+        def fill_match(self: Any, ds_key_long: str, mismatches: Any = None, must_match: bool = True,
+                       **kw: Any) -> Any:
+            if ds_key_long in PLANNED_KEYS and has_section(self.hf_ds_config.config):
+                node, leaf = self.hf_ds_config.find_config_node(ds_key_long)
+                if node is not None and node.get(leaf) == "auto":
+                    return None  # an "auto" stays "auto": pyinfinity's planner decides it
+            return fill(self, ds_key_long, mismatches, must_match=must_match, **kw)
 
-        setattr(deepspeed_config_process, MARK, True)
-        DeepSpeedPlugin.deepspeed_config_process = deepspeed_config_process
+        setattr(fill_match, MARK, True)
+        DeepSpeedPlugin.fill_match = fill_match
 
 
 def patch_trainer_config(deepspeed_integration: types.ModuleType) -> None:
