@@ -215,6 +215,68 @@ def test_bench_train_reports_the_megatrain_row_without_its_source(tmp_path):
     assert "FAILED: megatrain source not found" in proc.stdout
 
 
+# a stand-in for MegaTrain's training script: reads the YAML as its loader does, checks what the run
+# wrote, and logs its steps in MegaTrain's format (or fails as told by FAIL in the environment)
+STAND_IN = """
+import argparse, logging, os, sys, yaml
+logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(levelname)s] %(message)s", datefmt="%H:%M:%S")
+log = logging.getLogger()
+p = argparse.ArgumentParser(); p.add_argument("--config"); a = p.parse_args()
+cfg = yaml.safe_load(open(a.config))
+assert os.path.isfile(os.path.join(cfg["model"]["name"], "config.json"))
+assert os.path.isfile(os.path.join(cfg["dataset"]["path"], "dataset_info.json"))
+import infinity  # the checkout's package, on PYTHONPATH
+log.info("Model loaded. Attention implementation: " + cfg["model"]["attn_implementation"])
+log.info("Using DeepSpeed CPUAdam optimizer (SIMD-accelerated)")
+tokens = cfg["training"]["batch_size"] * cfg["dataset"]["max_seq_len"]
+for i in range(cfg["training"]["num_steps"]):
+    if os.environ.get("FAIL") and i == 1:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    log.info(f"Step {i + 1}/{cfg['training']['num_steps']} | Loss {10 - i:.4f} | Avg 10.0000")
+    log.info(f"  Time: 0.50s | Tokens/s {tokens / 0.5:.1f} | TFLOPS {100 + i:.1f}")
+    log.info("  GPU: 3.00GB peak (alloc 1.00GB / reserved 4.00GB)")
+    log.info("  CPU: 2.00GB")
+log.info("Peak GPU: 3.25 GB")
+"""
+
+
+def _stand_in(tmp_path):
+    src = tmp_path / "megatrain"
+    (src / "examples" / "sft").mkdir(parents=True)
+    (src / "infinity").mkdir()
+    (src / "examples" / "sft" / "train.py").write_text(STAND_IN)
+    (src / "infinity" / "__init__.py").write_text("")
+    return str(src)
+
+
+def test_a_run_writes_its_inputs_runs_the_script_and_reads_its_steps_into_the_row(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    spec = _spec(work, megatrain_src=_stand_in(tmp_path), batch=2, grad_accum=2, steps=3)
+    res = mt.run(spec, token_rows(spec))
+    assert res["ok"], res.get("error")
+    assert res["params"] > 0 and res["dataset_tokens"] == 3 * 4 * 16
+    assert (res["megatrain_batch"], res["megatrain_grad_accum"]) == (4, 1)
+    assert [s["seconds"] for s in res["steps"]] == pytest.approx([0.5] * 3)
+    assert [s["loss"] for s in res["steps"]] == [10.0, 9.0, 8.0]
+    assert res["megatrain_tflops"] == 101.5  # the median of the steps after the warm-up one
+    assert res["peak_device_allocated"] == int(3.25 * (1 << 30)) and res["peak_rss"] > 0
+    assert res["megatrain_optimizer"] == "deepspeed_adam" and res["megatrain_attention"] == "sdpa"
+    assert yaml.safe_load(open(work / "megatrain.yaml")) == res["config"]
+
+
+def test_a_failed_run_says_why_in_its_row(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("FAIL", "1")
+    spec = _spec(work, megatrain_src=_stand_in(tmp_path))
+    res = mt.run(spec, token_rows(spec))
+    assert res["ok"] is False and res["error_phase"] == "train"
+    assert res["error"] == ("MegaTrain exited with status 1: RuntimeError: CUDA error: an illegal memory access "
+                            "was encountered")
+    assert [s["loss"] for s in res["steps"]] == [10.0]  # the step it finished before it failed
+
+
 # ----------------------------------------------------------------------------------- the run itself
 
 
