@@ -32,6 +32,13 @@ clipping and optimizer step, from its tokens/s), loss, its own TFLOPS (6 x param
 over the step's seconds), peak device memory (``torch.cuda.max_memory_allocated``) and the host
 RSS it reports; the run's peak RSS is the subprocess's own (``getrusage``).
 
+Its script runs under ``python -m pyinfinity.bench.megatrain SCRIPT ARGS`` (``main``), which
+changes one thing before running it: at the commit measured, MegaTrain's single-GPU path hands
+its decoder layers the batch's 2-D padding mask, which only flash-attn's attention takes (sdpa
+and eager reject it); with another attention its layers get what its multi-GPU path gives them
+(a 4-D causal mask), or no mask where no sample is padded (``patch_layer_mask``): causal
+attention on whole sequences, sdpa's causal kernel, as the bench's other systems get.
+
 What MegaTrain keeps, as its code at the recipe's settings does: bf16 weights and bf16 gradients
 in RAM (no fp32 master copy), DeepSpeed's CPU Adam in AdamW mode with fp32 moments, gradients
 clipped to norm 1.0 every step (``PRECISION``, ``OPTIMIZER``).
@@ -323,6 +330,48 @@ def optimizer_steps(facts: LogFacts, accum: int, tokens_per_batch: int) -> list[
     return out
 
 
+# ----------------------------------------------------------------------------------- its script
+
+MASK_NOTE = ("its decoder layers get no mask (every sample whole: causal attention) where its single-GPU path "
+             "hands them the 2-D padding mask only flash-attn takes")
+
+
+def patch_layer_mask(model_cls: Any) -> None:
+    """Makes ``model_cls`` (MegaTrain's ``CPUMasterModel``) give its decoder layers a mask their
+    attention takes when it is not flash-attn's: none where the batch's 2-D padding mask is all
+    ones (sdpa then runs its causal kernel), else the 4-D causal mask its multi-GPU path makes
+    (its own ``_prepare_4d_causal_mask``)."""
+    build = model_cls._build_layer_kwargs
+
+    def build_layer_kwargs(self: Any, mask: Any, *args: Any) -> dict[str, Any]:
+        kwargs = build(self, mask, *args)
+        if self.config.attn_implementation != "flash_attention_2" and mask is not None and mask.dim() == 2:
+            kwargs["attention_mask"] = None if bool(mask.all()) else \
+                model_cls._prepare_4d_causal_mask(mask, self.config.dtype, mask.shape[1])
+        return kwargs
+
+    model_cls._build_layer_kwargs = build_layer_kwargs
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m pyinfinity.bench.megatrain SCRIPT ARGS...``: MegaTrain's ``SCRIPT`` run as its
+    ``__main__`` with ``ARGS``, its layers' mask made one their attention takes (``patch_layer_mask``);
+    its checkout must be on PYTHONPATH."""
+    import runpy
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m pyinfinity.bench.megatrain SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    from infinity.model.cpu_master import CPUMasterModel
+
+    patch_layer_mask(CPUMasterModel)
+    print(f"pyinfinity bench: {MASK_NOTE}", file=sys.stderr, flush=True)
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
 # ----------------------------------------------------------------------------------- the run
 
 
@@ -347,7 +396,8 @@ def run(spec: dict[str, Any], rows: Any) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     res: dict[str, Any] = {"system": spec["system"], "size": spec["size"], "ok": False,
-                           "attention": ATTENTION, "precision": PRECISION, "optimizer": OPTIMIZER}
+                           "attention": ATTENTION, "precision": PRECISION, "optimizer": OPTIMIZER,
+                           "megatrain_patch": MASK_NOTE}
     try:
         src = find_source(spec.get("megatrain_src"))
         if not str(spec.get("device", "")).startswith("cuda"):
@@ -373,9 +423,12 @@ def run(spec: dict[str, Any], rows: Any) -> dict[str, Any]:
         with open(yaml_path, "w") as f:
             yaml.safe_dump(cfg, f, sort_keys=False)
         phase = "train"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([src] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # pyinfinity's root
+        path = [src] + [p for p in [os.environ.get("PYTHONPATH")] if p] + [here]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path),
                    HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, os.path.join(src, TRAIN_SCRIPT), "--config", yaml_path]
+        cmd = [sys.executable, "-m", "pyinfinity.bench.megatrain", os.path.join(src, TRAIN_SCRIPT),
+               "--config", yaml_path]
         left = float(spec.get("timeout") or 1800) - (time.perf_counter() - t_start) - 30
         lines = _run_logged(cmd, src, env, max(left, 1.0))
         facts = parse_log(lines)
@@ -399,8 +452,8 @@ def run(spec: dict[str, Any], rows: Any) -> dict[str, Any]:
     text = "\n".join(lines)
     if rc == 0 and len(res["steps"]) == int(spec["steps"]):
         if facts.optimizer != "deepspeed_adam":
-            res["error"] = f"MegaTrain ran with {facts.optimizer or 'an unknown optimizer'}, not DeepSpeed's CPU Adam " \
-                           "(deepspeed.ops.adam does not import in its process)"
+            res["error"] = (f"MegaTrain ran with {facts.optimizer or 'an unknown optimizer'}, not DeepSpeed's CPU "
+                            "Adam (deepspeed.ops.adam does not import in its process)")
         else:
             res["ok"] = True
         return res
@@ -456,6 +509,11 @@ def _run_logged(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) -
     return out
 
 
-__all__ = ["ATTENTION", "ENV_SOURCE", "MegaTrainError", "OPTIMIZER", "PRECISION", "RECIPE",
+__all__ = ["ATTENTION", "ENV_SOURCE", "MASK_NOTE", "MegaTrainError", "OPTIMIZER", "PRECISION", "RECIPE", "main",
+           "patch_layer_mask",
            "find_source", "megatrain_config", "optimizer_steps", "parse_log", "recipe_shape", "run",
            "sample_text", "write_dataset", "write_model_dir", "write_tokenizer"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

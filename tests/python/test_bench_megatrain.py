@@ -225,7 +225,10 @@ p = argparse.ArgumentParser(); p.add_argument("--config"); a = p.parse_args()
 cfg = yaml.safe_load(open(a.config))
 assert os.path.isfile(os.path.join(cfg["model"]["name"], "config.json"))
 assert os.path.isfile(os.path.join(cfg["dataset"]["path"], "dataset_info.json"))
-import infinity  # the checkout's package, on PYTHONPATH
+import torch
+from infinity.model.cpu_master import CPUMasterModel  # the checkout's package, on PYTHONPATH
+m = CPUMasterModel(); m.config = argparse.Namespace(attn_implementation=cfg["model"]["attn_implementation"])
+assert m._build_layer_kwargs(torch.ones(2, 4, dtype=torch.long), None, None, None)["attention_mask"] is None
 log.info("Model loaded. Attention implementation: " + cfg["model"]["attn_implementation"])
 log.info("Using DeepSpeed CPUAdam optimizer (SIMD-accelerated)")
 tokens = cfg["training"]["batch_size"] * cfg["dataset"]["max_seq_len"]
@@ -240,12 +243,27 @@ log.info("Peak GPU: 3.25 GB")
 """
 
 
+# the two methods of MegaTrain's CPUMasterModel the run's launcher wraps, as the stand-in's
+FAKE_MODEL = """
+class CPUMasterModel:
+    def _build_layer_kwargs(self, mask, cache_position, position_ids, position_embeddings):
+        return {"attention_mask": mask, "use_cache": False}
+
+    @staticmethod
+    def _prepare_4d_causal_mask(mask_2d, dtype, T):
+        return ("4d", tuple(mask_2d.shape), dtype, T)
+"""
+
+
 def _stand_in(tmp_path):
     src = tmp_path / "megatrain"
     (src / "examples" / "sft").mkdir(parents=True)
     (src / "infinity").mkdir()
     (src / "examples" / "sft" / "train.py").write_text(STAND_IN)
     (src / "infinity" / "__init__.py").write_text("")
+    (src / "infinity" / "model").mkdir()
+    (src / "infinity" / "model" / "__init__.py").write_text("")
+    (src / "infinity" / "model" / "cpu_master.py").write_text(FAKE_MODEL)
     return str(src)
 
 
@@ -263,6 +281,50 @@ def test_a_run_writes_its_inputs_runs_the_script_and_reads_its_steps_into_the_ro
     assert res["peak_device_allocated"] == int(3.25 * (1 << 30)) and res["peak_rss"] > 0
     assert res["megatrain_optimizer"] == "deepspeed_adam" and res["megatrain_attention"] == "sdpa"
     assert yaml.safe_load(open(work / "megatrain.yaml")) == res["config"]
+    assert res["megatrain_patch"] == mt.MASK_NOTE
+
+
+def test_megatrains_layers_get_a_mask_their_attention_takes(capfd):
+    """Its single-GPU path hands each decoder layer the batch's 2-D padding mask, which sdpa rejects:
+    no mask where no sample is padded (sdpa's causal path), its own 4-D causal mask otherwise,
+    flash-attn's left as it is."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    ns: dict = {}
+    exec(FAKE_MODEL, ns)
+    cls = ns["CPUMasterModel"]
+    mt.patch_layer_mask(cls)
+    m = cls()
+    m.config = type("C", (), {"attn_implementation": "sdpa", "dtype": torch.bfloat16})()
+    whole = torch.ones(2, 8, dtype=torch.long)
+    padded = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
+    assert m._build_layer_kwargs(whole, None, None, None)["attention_mask"] is None
+    assert m._build_layer_kwargs(padded, None, None, None)["attention_mask"] == ("4d", (2, 8), torch.bfloat16, 8)
+    m.config.attn_implementation = "flash_attention_2"
+    assert m._build_layer_kwargs(padded, None, None, None)["attention_mask"] is padded
+    # a Llama layer with sdpa: the 2-D mask fails, the patched kwargs run it causally
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                      num_hidden_layers=1, vocab_size=100)
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0).eval()
+    h = torch.randn(2, 8, 64)
+    pos = torch.arange(8).unsqueeze(0).expand(2, -1)
+    pe = LlamaRotaryEmbedding(cfg)(h, pos[:1])
+    with pytest.raises(RuntimeError, match="attn_mask"):
+        layer(h, attention_mask=whole, position_embeddings=pe, position_ids=pos)
+    m.config.attn_implementation = "sdpa"
+    kw = m._build_layer_kwargs(whole, None, None, None)
+    later = h.clone()
+    later[:, -1] += 1.0
+
+    def out(x):
+        y = layer(x, attention_mask=kw["attention_mask"], position_embeddings=pe, position_ids=pos)
+        return y[0] if isinstance(y, tuple) else y
+
+    with torch.no_grad():
+        a, b = out(h), out(later)
+    assert torch.equal(a[:, :-1], b[:, :-1]) and not torch.equal(a[:, -1], b[:, -1])  # causal
 
 
 def test_a_failed_run_says_why_in_its_row(tmp_path, monkeypatch):
