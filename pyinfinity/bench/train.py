@@ -73,6 +73,7 @@ class Settings:
     log_dir: Optional[str] = None
     progress: bool = True
     lora: Optional[dict[str, Any]] = None  # train_matrix.lora_spec: every system trains these adapters on a frozen base
+    megatrain_src: Optional[str] = None  # a MegaTrain checkout (--megatrain-src), for --systems megatrain
 
 
 # ----------------------------------------------------------------------------------- running
@@ -111,6 +112,8 @@ def _summarise(res: dict[str, Any], warmup: int, tokens: int, facts: dict[str, A
         res["step_seconds"] = t
         res["tokens_per_s"] = tokens / t
         res["model_tflops"] = facts["flops_per_step"] / t / 1e12
+        # the figure MegaTrain (and most papers) print: 6 x parameters x tokens/s, recompute not counted
+        res["tflops_6nd"] = 6.0 * facts["params"] * tokens / t / 1e12
         tail = steps[warmup:] or steps
         res["disk_read_per_step"] = int(statistics.mean(s["disk_read"] for s in tail))
         res["disk_write_per_step"] = int(statistics.mean(s["disk_write"] for s in tail))
@@ -230,7 +233,8 @@ def _spec(settings: Settings, size: str, label: str, fields: dict[str, Any], dev
             "seed": settings.seed, "trace": settings.trace, "cap_bytes": settings.cap_bytes if cuda else None,
             "nvme_dir": os.path.join(settings.nvme_dir, f"{_file_name(label)}-{size}"),
             "deepspeed": settings.deepspeed, "pyinfinity_overrides": settings.pyinfinity, "lora": settings.lora,
-            "master_port": 29500 + (os.getpid() + k) % 2000}
+            "master_port": 29500 + (os.getpid() + k) % 2000, "timeout": settings.timeout,
+            "megatrain_src": settings.megatrain_src}
 
 
 def check_configs(settings: Settings, fields: dict[str, Any], device: str, dtype: str, cuda: bool) -> None:

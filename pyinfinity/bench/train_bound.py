@@ -64,9 +64,12 @@ def optimizer_state(spec: dict[str, Any]) -> tuple[str, float]:
     DeepSpeed's ``bf16`` keys), whose quantised figure (``Adam8bit.bytes_per_param``) leaves out the
     small shards that stay fp32 (the run's placement then reports the exact bytes,
     ``optimizer_disk_per_step``). DeepSpeed: its fp32 or bf16 master and moments, the bf16 moments
-    timed with pyinfinity's bf16 kernel as its fp32 state is with the fp32 one."""
+    timed with pyinfinity's bf16 kernel as its fp32 state is with the fp32 one. MegaTrain: bf16
+    weights (its only copy) and fp32 moments."""
     from pyinfinity.bench.train_worker import system_config
 
+    if spec["system"] == "megatrain":
+        return "fp32", 2.0 + 8.0
     cfg = system_config(spec) or {}
     if spec["system"].startswith("pyinfinity"):
         from pyinfinity.config import load_config

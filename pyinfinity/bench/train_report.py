@@ -106,7 +106,10 @@ def one_line(r: dict[str, Any]) -> str:
     return (f"{r['size']:>6} {r['system']:<20} {r['step_seconds']:.3f} s/step, {r['tokens_per_s']:.0f} tok/s, "
             f"peak GPU {gib(r.get('peak_device_allocated'))}, {r['step_over_bound']:.2f}x the bound "
             f"({r['bound']['bound_by']})" + (" BELOW THE BOUND: the bound is wrong" if below_bound(r) else "")
-            + (f", {vs['ratio']:.2f}x the best DeepSpeed so far ({vs['peer']})" if vs else ""))
+            + (f", {vs['ratio']:.2f}x the best DeepSpeed so far ({vs['peer']})" if vs else "")
+            + (f", {r['tflops_6nd']:.1f} TFLOPS as 6 x params x tokens/s" if r.get("tflops_6nd") else "")
+            + (f" (MegaTrain's own figure {r['megatrain_tflops']:.1f})" if r.get("megatrain_tflops") is not None
+               else ""))
 
 
 HEADER = ["size", "params", "system", "s/step", "tokens/s", "vs best DS", "TFLOPS", "peak GPU", "peak RSS",
@@ -130,6 +133,9 @@ def table_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
             "" if r.get("oom") else str(r.get("error", ""))[:70])
         if below_bound(r):
             note = "BELOW BOUND: bound wrong, figure not used"
+        elif r.get("ok") and r.get("megatrain_tflops") is not None:  # its own figure: 6 x params x tokens/s
+            note = (f"its own {r['megatrain_tflops']:.1f} TFLOPS (6ND), batch {r.get('megatrain_batch')} x "
+                    f"{r.get('megatrain_grad_accum')}; bf16 weights, DS CPU Adam, sdpa")
         vs = r.get("vs_best_deepspeed")
         ov = r.get("overlap_fraction")
         params = _count(r.get("params") or 0)

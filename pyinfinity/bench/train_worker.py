@@ -33,7 +33,7 @@ from pyinfinity.bench.run_metrics import merge_intervals  # noqa: F401 - importa
 RESULT_PREFIX = "RESULT "
 SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-nvme-params", "pyinfinity-nvme-all", "pyinfinity-auto",
            "deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-params", "deepspeed-nvme-all", "deepspeed-z2-cpu",
-           "deepspeed-z3-gpu-params", "torch", "torch-nocap")
+           "deepspeed-z3-gpu-params", "torch", "torch-nocap", "megatrain")
 # (param tier, optimizer tier) each system forces; "auto" is read from the run's placement; "device":
 # the parameters stay on the GPU (ZeRO-2 keeps them there, ZeRO-3 with offload_param "none" too)
 TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "pyinfinity-nvme-params": ("nvme", "cpu"),
@@ -41,7 +41,7 @@ TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "
          "deepspeed-cpu": ("cpu", "cpu"), "deepspeed-nvme": ("cpu", "nvme"), "deepspeed-nvme-params": ("nvme", "cpu"),
          "deepspeed-nvme-all": ("nvme", "nvme"), "deepspeed-z2-cpu": ("device", "cpu"),
          "deepspeed-z3-gpu-params": ("device", "cpu"), "torch": ("device", "device"),
-         "torch-nocap": ("device", "device")}
+         "torch-nocap": ("device", "device"), "megatrain": ("cpu", "cpu")}
 # DeepSpeed's ZeRO-Offload settings (its ZeRO and ZeRO-Offload tutorials) for the systems that keep
 # the parameters on the GPU and offload the optimizer: gradients reduced into contiguous buffers in
 # 5e8-element buckets, their copy to the CPU overlapped with backward
@@ -175,7 +175,12 @@ def deepspeed_config(spec: dict) -> dict:
 
 
 def system_config(spec: dict) -> Optional[dict]:
-    """The config a run of ``spec`` hands its engine (None for plain torch)."""
+    """The config a run of ``spec`` hands its engine (None for plain torch; MegaTrain's recipe
+    without its model and data paths, which the run writes)."""
+    if spec["system"] == "megatrain":
+        from pyinfinity.bench.megatrain import megatrain_config
+
+        return megatrain_config(spec)
     if spec["system"].startswith("pyinfinity"):
         return pyinfinity_config(spec)
     if spec["system"].startswith("deepspeed"):
@@ -370,6 +375,14 @@ def _batches(spec: dict, n: int) -> list[Any]:
             for _ in range(n)]
 
 
+def token_rows(spec: dict) -> Any:
+    """The token ids of a run's timed and warm-up steps, micro-batch after micro-batch, as one
+    [steps x grad_accum x batch, seq] tensor (the rows of MegaTrain's dataset)."""
+    import torch
+
+    return torch.cat(_batches(spec, int(spec["steps"]) * int(spec.get("grad_accum", 1))))
+
+
 def error_text(exc: BaseException) -> str:
     """One line naming the error; a config validation error (DeepSpeed's pydantic models) names each
     rejected key with its model, e.g. ``DeepSpeedZeroConfig.overlap_comms: Extra inputs are not permitted``."""
@@ -390,6 +403,10 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def run(spec: dict) -> dict:
+    if spec["system"] == "megatrain":  # its own script in a subprocess (this process stays off the GPU)
+        from pyinfinity.bench import megatrain
+
+        return megatrain.run(spec, token_rows(spec))
     import torch
 
     res: dict[str, Any] = {"system": spec["system"], "size": spec["size"], "ok": False}

@@ -37,6 +37,14 @@ systems: {', '.join(SYSTEMS)}
   deepspeed-z3-gpu-params                ZeRO-3 with offload_param none: parameters on the GPU, optimizer on the CPU
   torch                                  plain PyTorch under the cap (the smallest size only, unless --torch-all-sizes)
   torch-nocap                            plain PyTorch without the cap (the compute reference)
+  megatrain                              MegaTrain (github.com/DLYuanGod/MegaTrain) run by its own training script
+                                         from a checkout (--megatrain-src or $PYINFINITY_MEGATRAIN_SRC) on a model
+                                         directory and an arrow dataset written from the bench's shape and tokens:
+                                         its Llama-3-8B recipe (checkpoint every 4 layers, DeepSpeed CPU Adam, lr
+                                         2e-5, clipping 1.0) with sdpa attention, bf16 weights and gradients in RAM;
+                                         the step's sequences in one batch up to its recipe's 148 x 1024 tokens; no
+                                         device cap (it takes the whole GPU); megatrain[memory.checkpoint_interval=2]
+                                         sets a key of its recipe. "TFLOPS 6ND" in the JSON is its kind of figure
 variants: SYSTEM[KEY=VALUE,...] sets dotted config keys in that system's config, e.g.
   pyinfinity-auto[resident_bytes=0]  deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]
   (values are JSON where they parse, else strings; a pyinfinity key outside the config's top-level
@@ -93,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer_buffer_count, aio.block_size, aio.queue_depth, aio.intra_op_parallelism, ...")
     p.add_argument("--pyinfinity", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra pyinfinity.* config key for the pyinfinity runs (repeatable), e.g. prefetch=false")
+    p.add_argument("--megatrain-src", metavar="DIR", default=os.environ.get("PYINFINITY_MEGATRAIN_SRC"),
+                   help="a MegaTrain checkout for --systems megatrain (default: $PYINFINITY_MEGATRAIN_SRC); "
+                        "its SFT script needs datasets and deepspeed importable; BENCHMARKS.md says how to set it up")
     p.add_argument("--json", metavar="FILE", help="results file; runs are appended (created if missing)")
     p.add_argument("--plot", metavar="PNG", help="throughput vs size per system, and one step's timeline")
     p.add_argument("--timeline", metavar="SYSTEM@SIZE", help="the run whose traced step --plot draws "
@@ -174,7 +185,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
                  dtype=a.dtype, checkpointing=not a.no_checkpointing, trace=not a.no_trace, timeout=a.timeout,
                  clip=a.clip,
                  torch_sizes="all" if a.torch_all_sizes else "smallest", log_dir=log_dir,
-                 progress=not a.no_progress, lora=lora)
+                 progress=not a.no_progress, lora=lora, megatrain_src=a.megatrain_src)
     _apply(s.deepspeed, a.ds, "--ds", known=DEEPSPEED_DEFAULTS)
     _apply(s.pyinfinity, a.pyinfinity, "--pyinfinity")
     return s
