@@ -79,6 +79,18 @@ def test_trainer_trains_on_pyinfinitys_engine_as_its_own_loop_does_and_saves_a_m
     assert out == res["generated"]  # what the trained model generated in the run, from the saved weights
 
 
+def test_trainer_with_weight_decay_steps_its_decay_and_no_decay_groups_as_its_own_loop_with_those_groups(
+        tmp_path: Path) -> None:
+    # weight_decay > 0: Trainer's AdamW has two groups (biases and norms without decay), and a unit
+    # of the engine holds parameters of both
+    res = run_worker("trainer", tmp_path / "run", "--own", "1", "--weight-decay", "0.5")
+    assert res["engine"] == "PyinfinityDeepSpeedEngine" and res["steps"] == [1, 2, 3, 4, 5, 6]
+    decayed, total = res["decayed"]
+    assert 0 < decayed < total  # two groups
+    assert res["losses"] == pytest.approx(res["own"]["losses"], rel=1e-5)
+    assert res["grad_norms"] == pytest.approx(res["own"]["grad_norms"], rel=1e-5)
+
+
 def test_trainer_resumed_from_its_checkpoint_continues_exactly_and_saves_each_checkpoint_once(tmp_path: Path) -> None:
     # stage3_gather_16bit_weights_on_model_save false: Trainer calls save_checkpoint twice per checkpoint
     whole = run_worker("trainer", tmp_path / "whole", "--gather", "0")
@@ -142,7 +154,7 @@ def test_what_pyinfinitys_engine_does_not_do_is_refused_naming_the_key_and_never
     assert res.pop("deepspeed_initialize_ran") == 0  # DeepSpeed's own engine was never built instead
     expected = {"pipeline": "pipeline:", "world_size": "world size: 2 processes", "tensor_parallel":
                 "tensor_parallel.autotp_size: 2", "stage": "zero_optimization.stage: 2", "sgd": "optimizer: SGD",
-                "param_groups": "optimizer.param_groups[1].weight_decay", "mpu": "mpu:"}
+                "param_groups": "optimizer.param_groups[1].lr", "mpu": "mpu:"}
     for case, start in expected.items():
         msg = res[case]
         assert msg.startswith("ConfigError: " + start), (case, msg)
