@@ -330,6 +330,48 @@ def phase_misuse(out: Path, opts: argparse.Namespace) -> dict:
     return res
 
 
+def phase_gathered(out: Path, opts: argparse.Namespace) -> dict:
+    """deepspeed.zero.GatheredParameters over an engine's embedding after initialize: a read-only
+    block, then a row set in a block with modifier_rank=0, then one training step; the embedding's
+    trained values (the engine's fp32 masters) after each."""
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    from pyinfinity import export
+
+    base = write_base(out.parent / "base")
+    (out / "nvme").mkdir(parents=True, exist_ok=True)
+    model = LlamaForCausalLM.from_pretrained(str(base))
+    config = ds_config(out / "nvme", False)
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, gradient_clipping=0.0)
+    config["bf16"] = {"enabled": False}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    emb = engine.module.model.embed_tokens.weight
+
+    def values() -> torch.Tensor:
+        return export.state_dict(engine.pyinfinity_engine.state)["model.embed_tokens.weight"].float().clone()
+
+    start = values()
+    with deepspeed.zero.GatheredParameters([emb]):
+        read = emb.data[5].clone()
+    after_read = values()
+    with deepspeed.zero.GatheredParameters([emb], modifier_rank=0):
+        emb.data[5].fill_(0.5)
+    modified = values()
+    with deepspeed.zero.GatheredParameters([emb]):
+        gathered_row = emb.data[5].clone()
+    ids = torch.tensor([[5, 7, 9, 5, 11, 13]])
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    trained = values()
+    others = torch.arange(VOCAB) != 5
+    engine.destroy()
+    return {"read_is_the_weights": torch.equal(read, start[5]), "read_only_changed_nothing": torch.equal(after_read, start),
+            "modified_row": modified[5].tolist(), "other_rows_kept": torch.equal(modified[others], start[others]),
+            "gathered_row": gathered_row.float().tolist(), "trained_row": trained[5].tolist()}
+
+
 BIG_LAYERS = 8  # hidden 2048, MLP 5504, vocabulary 32000, untied: 536M parameters, 2.14 GB in fp32
 
 
@@ -424,7 +466,7 @@ def main() -> None:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"trainer": phase_trainer, "sft": phase_sft, "accelerate": phase_accelerate,
-           "misuse": phase_misuse, "big_write": phase_big_write, "big_load": phase_big_load}[opts.phase](out, opts)
+           "misuse": phase_misuse, "gathered": phase_gathered, "big_write": phase_big_write, "big_load": phase_big_load}[opts.phase](out, opts)
     (out / "result.json").write_text(json.dumps(res))
 
 

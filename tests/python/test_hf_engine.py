@@ -161,6 +161,16 @@ def test_what_pyinfinitys_engine_does_not_do_is_refused_naming_the_key_and_never
         assert "\n" not in msg and "remove the \"pyinfinity\" section" in msg, (case, msg)
 
 
+def test_a_row_set_in_gathered_parameters_with_modifier_rank_is_written_into_the_engine_and_trained_from(
+        tmp_path: Path) -> None:
+    res = run_worker("gathered", tmp_path / "gathered")
+    assert res["read_is_the_weights"] and res["read_only_changed_nothing"]
+    assert res["modified_row"] == [0.5] * 64 and res["other_rows_kept"]  # the fp32 master holds the new row
+    assert res["gathered_row"] == [0.5] * 64  # and so does the compute copy
+    trained = res["trained_row"]  # one Adam step of lr 1e-3 from 0.5: each element moved by about lr
+    assert all(abs(v - 0.5) < 2e-3 for v in trained) and any(v != 0.5 for v in trained)
+
+
 def test_a_2gb_checkpoint_in_two_shards_loads_through_zero3_from_pretrained_without_being_materialised(
         tmp_path: Path) -> None:
     ckpt = run_worker("big_write", tmp_path / "ckpt")
