@@ -235,3 +235,25 @@ def test_trainer_leaves_the_planned_keys_auto_for_pyinfinitys_engine_and_fills_t
     theirs.trainer_config_finalize(args, model, 10)
     z = theirs.config["zero_optimization"]
     assert z["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64) and z["stage3_param_persistence_threshold"] == 640
+
+
+def test_the_sft_lora_benchmark_script_runs_on_the_cpu_and_reports_a_way_that_does_not_finish_as_an_error(
+        tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    script = ds.ROOT / "examples" / "trainer_bench.py"
+    common = [sys.executable, str(script), "--mode", "trl", "--model-size", "micro", "--seq", "64", "--steps", "3",
+              "--warmup", "1", "--model-dir", str(tmp_path / "model")]
+    r = subprocess.run([*common, "--ways", "pyinfinity", "--out", str(tmp_path / "sft.json")], cwd=str(ds.ROOT),
+                       env=ds._env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "sft.json").read_text())
+    row = res["rows"][0]
+    assert res["mode"] == "trl" and res["lora"] == {"r": 16, "targets": "q_proj,v_proj"}
+    assert row["engine"] == "PyinfinityDeepSpeedEngine" and row["tokens_per_s"] > 0 and len(row["losses"]) == 3
+    assert row["trainable_params"] == 2 * 2 * 16 * (64 + 64)  # r=16 on q_proj and v_proj of the 2 layers (64 wide)
+    assert "SFTTrainer + LoRA: Llama micro" in r.stdout
+    r = subprocess.run([*common, "--ways", "pyinfinity", "--timeout", "1", "--out", str(tmp_path / "cut.json")],
+                       cwd=str(ds.ROOT), env=ds._env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1  # the way's row is an error; the script ends
+    assert "did not finish in 1 s (killed)" in json.loads((tmp_path / "cut.json").read_text())["rows"][0]["error"]
