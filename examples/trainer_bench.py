@@ -18,6 +18,14 @@ Two scripts (``--mode``):
     python examples/trainer_bench.py --mode trl --steps 6 --warmup 2 --out sft_bench.json
     python examples/trainer_bench.py --mode trl --model-size micro --seq 128 --ways pyinfinity,own  # CPU check
 
+Where one call's time is bounded, run the ways one per call on the same machine, the checkpoint
+first (``--ways none`` writes it only), each later call with ``--merge`` (the table and ratios then
+cover every way run into that ``--out``)::
+
+    python examples/trainer_bench.py --mode trl --ways none
+    python examples/trainer_bench.py --mode trl --ways own --out sft_bench.json
+    python examples/trainer_bench.py --mode trl --ways pyinfinity --merge --out sft_bench.json
+
 prints a table (s/step, tokens/s, peak GPU memory, peak RSS, the ratios the targets are stated
 in) and writes it as JSON. Each way runs in its own interpreter, in its own process group, killed
 after ``--timeout`` seconds: a way that cannot run the shape (out of device or host memory, a
@@ -262,8 +270,12 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per way before it is killed (default: "
                                                               "%(default)s)")
     ap.add_argument("--model-dir", default=None, help="where the random-init checkpoint is (written if absent)")
-    ap.add_argument("--ways", default="deepspeed,pyinfinity,own", help="which of deepspeed,pyinfinity,own to run")
+    ap.add_argument("--ways", default="deepspeed,pyinfinity,own",
+                    help="which of deepspeed,pyinfinity,own to run (none: only write the checkpoint)")
     ap.add_argument("--out", default="trainer_bench.json", help="results (JSON)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of the ways not run now from --out (a run of the same mode and shape, "
+                         "e.g. one way per call where a call's time is bounded); the table and ratios cover all")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -284,16 +296,30 @@ def main() -> int:
         return 0
     if a.warmup >= a.steps - 1:
         ap.error("--warmup: leave at least two timed steps (--steps > --warmup + 1)")
-    bad = [w for w in a.ways.split(",") if w not in ("deepspeed", "pyinfinity", "own")]
+    ways = [] if a.ways == "none" else a.ways.split(",")
+    bad = [w for w in ways if w not in ("deepspeed", "pyinfinity", "own")]
     if bad:
-        ap.error(f"--ways: {', '.join(bad)} (expected deepspeed, pyinfinity, own)")
+        ap.error(f"--ways: {', '.join(bad)} (expected deepspeed, pyinfinity, own, or none)")
+    setting = {"mode": a.mode, "model_size": a.model_size, "batch": a.batch, "seq": a.seq, "steps": a.steps,
+               "warmup": a.warmup, "gpu_memory": a.gpu_memory}
+    kept: list = []
+    if a.merge and Path(a.out).exists():
+        old = json.loads(Path(a.out).read_text())
+        differ = [k for k, v in setting.items() if old.get(k) != v]
+        if differ:
+            ap.error(f"--merge: {a.out} was run with other {', '.join(differ)}")
+        kept = [r for r in old["rows"] if r.get("key") not in ways]
+    t0 = time.perf_counter()
     write_model(model_dir, fields, tokenizer=a.mode == "trl")
+    if not ways:
+        print(f"checkpoint: {model_dir} ({time.perf_counter() - t0:.0f} s)")
+        return 0
     logs = Path(a.out).with_suffix("")
     rows = []
-    for way in a.ways.split(","):
+    for way in ways:
         log = Path(f"{logs}.{way}.log")
         if way == "own":
-            rows.append(own_loop(a, log))
+            rows.append({**own_loop(a, log), "key": way})
             continue
         res = Path(f"{logs}.{way}.result.json")
         res.unlink(missing_ok=True)
@@ -307,9 +333,11 @@ def main() -> int:
                "--model-dir", str(model_dir)]
         rc, text = run_bounded(cmd, a.timeout, env)
         log.write_text(text)
-        rows.append(json.loads(res.read_text()) if rc == 0 and res.exists()
-                    else {"way": f"{way} engine through {MODES[a.mode]['what']}",
-                          "error": failure(rc, text, log, a.timeout)})
+        rows.append({**(json.loads(res.read_text()) if rc == 0 and res.exists()
+                        else {"way": f"{way} engine through {MODES[a.mode]['what']}",
+                              "error": failure(rc, text, log, a.timeout)}), "key": way})
+    order = ("deepspeed", "pyinfinity", "own")
+    rows = sorted(kept + rows, key=lambda r: order.index(r["key"]) if r.get("key") in order else len(order))
     by = {r["way"].split()[0]: r for r in rows if "s_per_step" in r}
     ratios = {}
     name = MODES[a.mode]["ratio"]
@@ -338,10 +366,9 @@ def main() -> int:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             versions[pkg] = None
-    Path(a.out).write_text(json.dumps({"mode": a.mode, "model_size": a.model_size, "batch": a.batch, "seq": a.seq,
-                                       "lora": {"r": a.lora, "targets": a.lora_targets} if a.mode == "trl" else None,
-                                       "rows": rows, "ratios": ratios, "steps": a.steps, "warmup": a.warmup,
-                                       "gpu_memory": a.gpu_memory, "versions": versions}, indent=1))
+    Path(a.out).write_text(json.dumps({**setting, "lora": {"r": a.lora, "targets": a.lora_targets}
+                                       if a.mode == "trl" else None, "rows": rows, "ratios": ratios,
+                                       "versions": versions}, indent=1))
     print(f"json: {a.out}")
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -253,6 +253,11 @@ def test_the_sft_lora_benchmark_script_runs_on_the_cpu_and_reports_a_way_that_do
     assert row["engine"] == "PyinfinityDeepSpeedEngine" and row["tokens_per_s"] > 0 and len(row["losses"]) == 3
     assert row["trainable_params"] == 2 * 2 * 16 * (64 + 64)  # r=16 on q_proj and v_proj of the 2 layers (64 wide)
     assert "SFTTrainer + LoRA: Llama micro" in r.stdout
+    r = subprocess.run([*common, "--ways", "own", "--merge", "--out", str(tmp_path / "sft.json")], cwd=str(ds.ROOT),
+                       env=ds._env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    merged = json.loads((tmp_path / "sft.json").read_text())  # the earlier call's row kept beside this one's
+    assert [row["key"] for row in merged["rows"]] == ["pyinfinity", "own"] and "sft_vs_own_loop" in merged["ratios"]
     r = subprocess.run([*common, "--ways", "pyinfinity", "--timeout", "1", "--out", str(tmp_path / "cut.json")],
                        cwd=str(ds.ROOT), env=ds._env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 1  # the way's row is an error; the script ends
