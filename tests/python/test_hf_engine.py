@@ -211,6 +211,23 @@ def test_on_the_gpu_an_accelerate_loop_matches_pyinfinitys_own_loop_and_resumes(
     assert resumed["micro_losses"] == pytest.approx(whole["micro_losses"][6:], rel=1e-4)
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_trainer_with_weight_decay_steps_its_two_groups_as_its_own_loop(tmp_path: Path) -> None:
+    res = run_worker("trainer", tmp_path / "run", "--own", "1", "--weight-decay", "0.5", gpu=True)
+    assert res["engine"] == "PyinfinityDeepSpeedEngine" and res["steps"] == [1, 2, 3, 4, 5, 6]
+    assert res["losses"] == pytest.approx(res["own"]["losses"], rel=1e-4)
+    assert res["grad_norms"] == pytest.approx(res["own"]["grad_norms"], rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_row_set_in_gathered_parameters_is_written_into_the_engine_and_trained_from(
+        tmp_path: Path) -> None:
+    res = run_worker("gathered", tmp_path / "gathered", gpu=True)
+    assert res["read_is_the_weights"] and res["read_only_changed_nothing"]
+    assert res["modified_row"] == [0.5] * 64 and res["other_rows_kept"] and res["gathered_row"] == [0.5] * 64
+    assert all(abs(v - 0.5) < 2e-3 for v in res["trained_row"]) and any(v != 0.5 for v in res["trained_row"])
+
+
 def test_trainer_leaves_the_planned_keys_auto_for_pyinfinitys_engine_and_fills_them_for_deepspeed() -> None:
     import types
 
