@@ -448,6 +448,8 @@ SCHEDULER_PARAMS = {
                       "warmup_num_steps": 1000, "warmup_type": "log"},
     "WarmupCosineLR": {"total_num_steps": None, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
                        "cos_min_ratio": 0.0001, "warmup_type": "log"},
+    # pyinfinity's own (``pyinfinity train``'s): the first optimizer step's lr is peak / warmup_num_steps
+    "LinearWarmupCosineLR": {"total_num_steps": None, "warmup_num_steps": 0, "cos_min_ratio": 0.0001},
 }
 
 

@@ -101,10 +101,22 @@ def when_imported(name: str, target: str) -> None:
     _call(target, module)
 
 
+def cancel(name: str, target: str) -> bool:
+    """Drops ``target`` from the callbacks waiting for ``name``'s import; whether it was waiting."""
+    with _lock:
+        waiting = _pending.get(name)
+        if not waiting or target not in waiting:
+            return False
+        waiting.remove(target)
+        if not waiting:
+            del _pending[name]
+        return True
+
+
 def waiting(name: str) -> List[str]:
     """The callbacks still waiting for ``name``'s import."""
     with _lock:
         return list(_pending.get(name, []))
 
 
-__all__ = ["when_imported", "waiting"]
+__all__ = ["when_imported", "cancel", "waiting"]

@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip", type=float, metavar="NORM",
                    help="gradient clipping to this global norm (default 1.0; 0: off, which lets the optimizer step "
                         "overlap backward, pyinfinity.overlap_step)")
-    p.add_argument("--warmup", type=int, help="WarmupCosineLR warm-up steps (default 5)")
+    p.add_argument("--warmup", type=int, help="warm-up steps of the lr schedule (default 5; linear from the first "
+                   "step's peak/N, then cosine decay: LinearWarmupCosineLR)")
     p.add_argument("--offload", choices=["none", "cpu", "nvme", "auto"],
                    help="where parameters and optimizer states live (default auto; nvme needs --nvme)")
     p.add_argument("--offload-optimizer", choices=["cpu", "nvme", "auto"],
@@ -324,8 +325,8 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
 
 def flag_schedule(args: argparse.Namespace) -> dict:
     """The learning-rate schedule --steps and --warmup make (a config's ``scheduler``)."""
-    return {"type": "WarmupCosineLR", "params": {"total_num_steps": max(args.steps, args.warmup),
-                                                 "warmup_num_steps": args.warmup, "warmup_type": "linear"}}
+    return {"type": "LinearWarmupCosineLR", "params": {"total_num_steps": max(args.steps, args.warmup),
+                                                       "warmup_num_steps": args.warmup}}
 
 
 def resume_status(args: argparse.Namespace, save_dir: str, tag: Optional[str]) -> Optional[str]:

@@ -1,6 +1,11 @@
 """DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR) with the same
 formulas and the same stepping convention: the schedule sets the lr of iteration -1 at creation
-and ``step()`` is called after every optimizer step."""
+and ``step()`` is called after every optimizer step. As in DeepSpeed, their warm-up starts at its
+minimum (0 by default) for the first two optimizer steps (iterations -1 and 0).
+
+``LinearWarmupCosineLR`` is pyinfinity's own (``pyinfinity train``'s schedule): its warm-up gives
+optimizer step k (from 1) the lr ``peak * k / warmup_num_steps``, so the first step trains; then
+a cosine decay to ``cos_min_ratio * peak`` at ``total_num_steps``."""
 from __future__ import annotations
 
 import logging
@@ -111,7 +116,35 @@ class WarmupCosineLR(WarmupLR):
         return [self.org_lr * ratio]
 
 
-SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+class LinearWarmupCosineLR(WarmupLR):
+    """pyinfinity's warm-up and cosine decay: optimizer step k (from 1) has the lr
+    ``peak * k / warmup_num_steps`` while k <= warmup_num_steps (no step at lr 0), then
+    ``peak * (cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2)`` with
+    ``p = (k - warmup_num_steps) / (total_num_steps - warmup_num_steps)`` (capped at 1); ``peak``
+    is the optimizer's configured lr. DeepSpeed's stepping convention: iteration i sets the lr of
+    step i + 2 (the lr of step 1 is set at creation)."""
+
+    def __init__(self, optimizer: Any, total_num_steps: int, warmup_num_steps: int = 0,
+                 cos_min_ratio: float = 0.0001, last_batch_iteration: int = -1) -> None:
+        self.total_num_steps = int(total_num_steps)
+        self.cos_min_ratio = float(cos_min_ratio)
+        self.org_lr = float(optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"]))
+        super().__init__(optimizer, 0.0, 1.0, warmup_num_steps, "linear", last_batch_iteration)
+        self.warmup_num_steps = max(0, int(warmup_num_steps))
+        self._apply()
+
+    def get_lr(self) -> list[float]:
+        k, w = self.last_batch_iteration + 2, self.warmup_num_steps  # the optimizer step this lr is for
+        if k <= w:
+            ratio = k / w
+        else:
+            progress = min(1.0, (k - w) / max(1, self.total_num_steps - w))
+            ratio = self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2
+        return [self.org_lr * ratio]
+
+
+SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+              "LinearWarmupCosineLR": LinearWarmupCosineLR}
 
 
 def build_scheduler(name: str, optimizer: Any, params: dict) -> WarmupLR:

@@ -26,12 +26,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.optim.cpu_step import CpuStep
+from pyinfinity.zero.optim.decay import shard_ranges
 from pyinfinity.zero.optim.device import DeviceStates, StreamedStep
 from pyinfinity.zero.optim.formats import DEVICE_CHUNK, AdamFp32, OptimStateFormat
 from pyinfinity.zero.optim.grads import GradientIntake
@@ -156,6 +157,32 @@ class OffloadOptimizer:
 
     def state_of(self, shard: FlatShard) -> Optional[ShardOptimState]:
         return self._by_shard.get(shard.index)
+
+    def set_weight_decay(self, decay_of: Mapping[int, float]) -> int:
+        """Gives the parameters named by ``decay_of`` (``id(parameter)`` -> weight decay) their own
+        AdamW weight decay, in place of ``param_groups[0]["weight_decay"]`` (which the others keep,
+        read at every step); replaces any earlier call's. A shard holding parameters of different
+        decay is stepped as ``optim.decay`` says. Returns the shards whose decay is split by range.
+        ValueError for Adam's L2 decay, or a state format whose master is not fp32, where one shard's
+        parameters would differ."""
+        self.drain()
+        split = 0
+        ranges = {st.shard.index: shard_ranges(st.shard.slices, st.numel, decay_of) for st in self.states}
+        for st in self.states:
+            r = ranges[st.shard.index]
+            if r is None or len({wd for _, _, wd in r.ranges}) == 1:
+                continue
+            split += 1
+            if not self.format.adam_w:
+                raise ValueError(f"weight decay per parameter within one unit ({st.shard.module_name or '<root>'}): "
+                                 "only AdamW's decoupled decay can differ there, not Adam's L2 decay")
+            if self.format.name == "bf16":
+                raise ValueError(f"weight decay per parameter within one unit ({st.shard.module_name or '<root>'}): "
+                                 "the bf16 optimizer state's master cannot take a separate decay pass; use the fp32 "
+                                 "or 8bit state, or one weight decay")
+        for st in self.states:
+            st.decay = ranges[st.shard.index]
+        return split
 
     def _state_in_ram(self, st: ShardOptimState, read: bool) -> torch.Tensor:
         """A shard's state in RAM: its home there, else a buffer of its size (filled from the home

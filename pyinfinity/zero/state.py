@@ -27,7 +27,7 @@ import functools
 import logging
 import time
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -400,6 +400,53 @@ class TrainingState:
     def write_param(self, shard: FlatShard, master: torch.Tensor) -> Any:
         """New fp32 values of a shard, written home (``ParamHomes.write_param``); returns the request."""
         return self.homes.write_param(shard, master)
+
+    def overwrite(self, changes: Sequence[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]) -> int:
+        """New values for some elements of parameters the engine holds, each ``(parameter, mask,
+        values)`` (flat, the parameter's element count; ``values`` where ``mask`` is true are
+        written): into the fp32 master of a trained parameter (its optimizer state, and the state's
+        device copy; the moments and step count stay) and into the parameter home and resident
+        copies, so training goes on from them. Elements not in ``mask`` keep the master's values
+        (not the compute dtype's rounding of them). Returns the shards written."""
+        self.check_open()
+        self.check_not_in_pass("writing parameter values")
+        self.quiesce("writing parameter values")
+        by_shard: dict[int, tuple[FlatShard, list]] = {}
+        for p, mask, values in changes:
+            entry = self.partition.param_slice.get(id(p))
+            if entry is None:
+                raise ValueError("writing parameter values: a parameter this engine does not hold")
+            sh, sl = entry
+            if mask.numel() != sl.numel or values.numel() != sl.numel:
+                raise ValueError(f"writing parameter values of {sl.name}: {mask.numel()} / {values.numel()} elements "
+                                 f"given, it has {sl.numel}")
+            if bool(mask.any()):
+                by_shard.setdefault(sh.index, (sh, []))[1].append((sl, mask.reshape(-1).cpu(),
+                                                                   values.detach().reshape(-1).cpu()))
+        if not by_shard:
+            return 0
+        self.coordinator.release_all()
+
+        def put(flat: torch.Tensor, items: list) -> None:
+            for sl, mask, values in items:
+                part = flat[sl.offset:sl.offset + sl.numel]
+                part[mask] = values[mask].to(part.dtype)
+
+        for sh, items in by_shard.values():
+            st = self.optimizer.state_of(sh)
+            if st is None:  # frozen: its home holds its only copy
+                buf = self.param_values(sh)
+                put(buf, items)
+                self.param_swapper.write(sh.home, buf).wait()
+                continue
+            for _, flat in self.optimizer.iter_states(write_back=True, states=[st]):
+                master = self.optimizer.format.master(flat, sh.numel)
+                put(master, items)
+                if st.dev is not None:  # the state's device copy, stepped there: the same layout
+                    st.dev.copy_(flat)
+                self.write_param(sh, master).wait()
+        self.coordinator.refresh_persistent()
+        return len(by_shard)
 
     # ------------------------------------------------------------------------- life
     @property

@@ -78,23 +78,27 @@ def trainer_args(out: Path, config: dict, **kw):
 
     return TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=MICRO,
                              gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=LR,
-                             warmup_steps=WARMUP, lr_scheduler_type="cosine", max_grad_norm=CLIP, weight_decay=0.0,
+                             warmup_steps=WARMUP, lr_scheduler_type="cosine", max_grad_norm=CLIP,
                              use_cpu=DEVICE == "cpu", deepspeed=config, report_to=[], logging_steps=1, save_steps=2,
                              save_total_limit=2, seed=0, disable_tqdm=True, **kw)
 
 
-def own_loop(model, batches: list, nvme: Path) -> dict:
-    """pyinfinity's own training loop on the batches Trainer drew, with Trainer's schedule."""
+def own_loop(model, batches: list, nvme: Path, weight_decay: float = 0.0, decayed: tuple = ()) -> dict:
+    """pyinfinity's own training loop on the batches Trainer drew, with Trainer's schedule; with
+    ``weight_decay``, only the parameters named in ``decayed`` decay (Trainer's two groups)."""
     from transformers import get_cosine_schedule_with_warmup
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                           "weight_decay": weight_decay}},
            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(nvme)},
                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
            "pyinfinity": {"device": DEVICE}}
     shadow = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)  # only its lr: the schedule's value
     sched = get_cosine_schedule_with_warmup(shadow, WARMUP, STEPS)
     engine = pyinfinity.initialize(model, cfg)
+    if weight_decay:
+        engine.optimizer.set_weight_decay({id(p): 0.0 for n, p in model.named_parameters() if n not in decayed})
     losses, norms = [], []
     for i, ids in enumerate(batches):
         engine.optimizer.param_groups[0]["lr"] = shadow.param_groups[0]["lr"]
@@ -120,14 +124,14 @@ def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     own_model = LlamaForCausalLM.from_pretrained(str(base)) if opts.own else None
     config = ds_config(out / "nvme", opts.gather)
     if opts.zero_init:  # as Hugging Face documents: the arguments first, then from_pretrained under zero.Init
-        args = trainer_args(out, config)
+        args = trainer_args(out, config, weight_decay=opts.weight_decay)
         model = LlamaForCausalLM.from_pretrained(str(base))
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
         assert is_deepspeed_zero3_enabled() and all(p.is_meta for p in model.parameters())
     else:
         model = LlamaForCausalLM.from_pretrained(str(base))
-        args = trainer_args(out, config)
+        args = trainer_args(out, config, weight_decay=opts.weight_decay)
     batches: list = []
 
     def collate(features):
@@ -146,6 +150,9 @@ def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     trainer.train(resume_from_checkpoint=opts.resume)
     import deepspeed
 
+    decayed = tuple(trainer.get_decay_parameter_names(trainer.model))
+    res["decayed"] = [len(decayed), sum(1 for _ in trainer.model.parameters())]
+
     res.update(log_series(trainer), engine=type(trainer.model_wrapped).__name__,
                is_deepspeed_engine=isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine),
                skipped_saves=skipped.count,
@@ -159,7 +166,7 @@ def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     trainer.model_wrapped.destroy()
     if own_model is not None:
         (out / "nvme_own").mkdir(exist_ok=True)
-        res["own"] = own_loop(own_model, batches, out / "nvme_own")
+        res["own"] = own_loop(own_model, batches, out / "nvme_own", opts.weight_decay, decayed)
     return res
 
 
@@ -310,8 +317,7 @@ def phase_misuse(out: Path, opts: argparse.Namespace) -> dict:
     def two_groups(m):
         decay = [p for n, p in m.named_parameters() if "norm" not in n]
         rest = [p for n, p in m.named_parameters() if "norm" in n]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                                 lr=LR)
+        return torch.optim.AdamW([{"params": decay, "lr": LR}, {"params": rest, "lr": LR / 10}], lr=LR)
 
     res = {"pipeline": attempt(lambda c: c.update(pipeline={"stages": 2})),
            "world_size": attempt(env={"WORLD_SIZE": "2"}),
@@ -322,6 +328,48 @@ def phase_misuse(out: Path, opts: argparse.Namespace) -> dict:
            "mpu": attempt(mpu=object())}
     res["deepspeed_initialize_ran"] = len(ran)
     return res
+
+
+def phase_gathered(out: Path, opts: argparse.Namespace) -> dict:
+    """deepspeed.zero.GatheredParameters over an engine's embedding after initialize: a read-only
+    block, then a row set in a block with modifier_rank=0, then one training step; the embedding's
+    trained values (the engine's fp32 masters) after each."""
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    from pyinfinity import export
+
+    base = write_base(out.parent / "base")
+    (out / "nvme").mkdir(parents=True, exist_ok=True)
+    model = LlamaForCausalLM.from_pretrained(str(base))
+    config = ds_config(out / "nvme", False)
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, gradient_clipping=0.0)
+    config["bf16"] = {"enabled": False}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    emb = engine.module.model.embed_tokens.weight
+
+    def values() -> torch.Tensor:
+        return export.state_dict(engine.pyinfinity_engine.state)["model.embed_tokens.weight"].float().clone()
+
+    start = values()
+    with deepspeed.zero.GatheredParameters([emb]):
+        read = emb.data[5].clone()
+    after_read = values()
+    with deepspeed.zero.GatheredParameters([emb], modifier_rank=0):
+        emb.data[5].fill_(0.5)
+    modified = values()
+    with deepspeed.zero.GatheredParameters([emb]):
+        gathered_row = emb.data[5].clone()
+    ids = torch.tensor([[5, 7, 9, 5, 11, 13]])
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    trained = values()
+    others = torch.arange(VOCAB) != 5
+    engine.destroy()
+    return {"read_is_the_weights": torch.equal(read, start[5]), "read_only_changed_nothing": torch.equal(after_read, start),
+            "modified_row": modified[5].tolist(), "other_rows_kept": torch.equal(modified[others], start[others]),
+            "gathered_row": gathered_row.float().tolist(), "trained_row": trained[5].tolist()}
 
 
 BIG_LAYERS = 8  # hidden 2048, MLP 5504, vocabulary 32000, untied: 536M parameters, 2.14 GB in fp32
@@ -411,13 +459,14 @@ def main() -> None:
     ap.add_argument("--lora", type=int, default=0)
     ap.add_argument("--zero-init", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
     opts = ap.parse_args()
     global DEVICE
     DEVICE = opts.device
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"trainer": phase_trainer, "sft": phase_sft, "accelerate": phase_accelerate,
-           "misuse": phase_misuse, "big_write": phase_big_write, "big_load": phase_big_load}[opts.phase](out, opts)
+           "misuse": phase_misuse, "gathered": phase_gathered, "big_write": phase_big_write, "big_load": phase_big_load}[opts.phase](out, opts)
     (out / "result.json").write_text(json.dumps(res))
 
 

@@ -275,8 +275,10 @@ def test_a_plan_writes_only_what_it_decides_and_train_says_what_the_file_replace
     assert p.returncode == 0, p.stderr[-3000:]
     used = json.loads((tmp_path / "run.json").read_text())["config"]
     assert used["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
-    assert used["scheduler"] == {"type": "WarmupCosineLR",  # --steps 1 and the default --warmup 5
-                                 "params": {"total_num_steps": 5, "warmup_num_steps": 5, "warmup_type": "linear"}}
+    assert used["scheduler"] == {"type": "LinearWarmupCosineLR",  # --steps 1 and the default --warmup 5
+                                 "params": {"total_num_steps": 5, "warmup_num_steps": 5}}
+    steps = json.loads((tmp_path / "run.json").read_text())["steps"]
+    assert steps[0]["lr"] == pytest.approx(3e-4 / 5)  # the first step trains: peak / warm-up steps
     said = [ln for ln in p.stderr.splitlines() if f"--config {cfg} sets, instead of train's defaults" in ln]
     assert len(said) == 1, p.stderr[-3000:]
     assert f"train_micro_batch_size_per_gpu {planned['train_micro_batch_size_per_gpu']} (train's --batch 4)" in said[0]

@@ -199,6 +199,35 @@ def test_schedules_match_deepspeed(name, params):
     assert len(set(round(x, 12) for x in got)) > 2  # the schedule really moves
 
 
+def test_pyinfinitys_own_warm_up_gives_the_first_optimizer_step_a_learning_rate_and_deepspeeds_does_not():
+    from pyinfinity.config import parse_scheduler
+    from pyinfinity.zero.lr_schedules import build_scheduler
+
+    peak = 1e-3
+    cfg = parse_scheduler({"type": "LinearWarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 4}})
+    opt = _Opt(peak)
+    sched = build_scheduler(cfg.type, opt, dict(cfg.params))
+    lrs = []
+    for _ in range(10):  # the lr each optimizer step 1..10 runs with
+        lrs.append(opt.param_groups[0]["lr"])
+        sched.step()
+    assert lrs[:4] == pytest.approx([peak / 4, peak / 2, 3 * peak / 4, peak], rel=1e-12)
+    assert all(a > b for a, b in zip(lrs[3:], lrs[4:]))  # then the cosine decay
+    assert lrs[-1] == pytest.approx(1e-4 * peak, rel=1e-9)  # to cos_min_ratio at total_num_steps
+    for k in (1, 3, 7):  # built for a resume: last_batch_iteration k - 2 sets the lr of step k
+        again = _Opt(peak)
+        build_scheduler(cfg.type, again, {**cfg.params, "last_batch_iteration": k - 2})
+        assert again.param_groups[0]["lr"] == pytest.approx(lrs[k - 1], rel=1e-12)
+    # DeepSpeed's WarmupLR (kept as DeepSpeed has it): its minimum, 0 by default, for the first two steps
+    ds = _Opt(peak)
+    sched = build_scheduler("WarmupLR", ds, {"warmup_max_lr": peak, "warmup_num_steps": 4, "warmup_type": "linear"})
+    first = [ds.param_groups[0]["lr"]]
+    sched.step()
+    first.append(ds.param_groups[0]["lr"])
+    sched.step()
+    assert first == [0.0, 0.0] and ds.param_groups[0]["lr"] == pytest.approx(peak / 4)
+
+
 def test_offload_param_buffer_size_is_accepted_and_said_to_be_unused(caplog, monkeypatch):
     import logging
 

@@ -451,7 +451,8 @@ def test_install_before_import_patches_when_deepspeed_loads(deepspeed_importable
     assert pids.is_installed()
     import deepspeed
     no_builds()
-    assert not any(type(f).__name__ == "_PostImportHook" for f in sys.meta_path)
+    from pyinfinity import post_import
+    assert not post_import.waiting("deepspeed")  # the patch ran with the import: nothing waits any more
     B = builder()
     assert B().load() is pids.aio_op and B().load(verbose=False).aio_handle is pids.DeepSpeedAioHandle
     assert B().is_compatible() is True
@@ -478,7 +479,8 @@ def test_install_after_import(deepspeed_importable: None) -> None:
 def test_install_is_idempotent_and_uninstall_restores(deepspeed_importable: None) -> None:
     ok("""
     pids.install(); pids.install()           # twice before import: one hook
-    assert sum(type(f).__name__ == "_PostImportHook" for f in sys.meta_path) == 1
+    from pyinfinity import post_import
+    assert post_import.waiting("deepspeed").count("pyinfinity.integrations.deepspeed.installer:_on_import") == 1
     import deepspeed
     no_builds()
     from deepspeed.ops.op_builder.builder import OpBuilder
@@ -506,6 +508,8 @@ def test_install_is_idempotent_and_uninstall_restores(deepspeed_importable: None
 def test_uninstall_before_import_drops_the_hook(deepspeed_importable: None) -> None:
     ok("""
     pids.install(); pids.uninstall()
+    from pyinfinity import post_import
+    assert "pyinfinity.integrations.deepspeed.installer:_on_import" not in post_import.waiting("deepspeed")
     import deepspeed
     no_builds()
     assert "load" in builder().__dict__ and not getattr(builder().__dict__["load"], "__pyinfinity_patch__", False)

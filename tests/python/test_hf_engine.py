@@ -79,6 +79,18 @@ def test_trainer_trains_on_pyinfinitys_engine_as_its_own_loop_does_and_saves_a_m
     assert out == res["generated"]  # what the trained model generated in the run, from the saved weights
 
 
+def test_trainer_with_weight_decay_steps_its_decay_and_no_decay_groups_as_its_own_loop_with_those_groups(
+        tmp_path: Path) -> None:
+    # weight_decay > 0: Trainer's AdamW has two groups (biases and norms without decay), and a unit
+    # of the engine holds parameters of both
+    res = run_worker("trainer", tmp_path / "run", "--own", "1", "--weight-decay", "0.5")
+    assert res["engine"] == "PyinfinityDeepSpeedEngine" and res["steps"] == [1, 2, 3, 4, 5, 6]
+    decayed, total = res["decayed"]
+    assert 0 < decayed < total  # two groups
+    assert res["losses"] == pytest.approx(res["own"]["losses"], rel=1e-5)
+    assert res["grad_norms"] == pytest.approx(res["own"]["grad_norms"], rel=1e-5)
+
+
 def test_trainer_resumed_from_its_checkpoint_continues_exactly_and_saves_each_checkpoint_once(tmp_path: Path) -> None:
     # stage3_gather_16bit_weights_on_model_save false: Trainer calls save_checkpoint twice per checkpoint
     whole = run_worker("trainer", tmp_path / "whole", "--gather", "0")
@@ -142,11 +154,21 @@ def test_what_pyinfinitys_engine_does_not_do_is_refused_naming_the_key_and_never
     assert res.pop("deepspeed_initialize_ran") == 0  # DeepSpeed's own engine was never built instead
     expected = {"pipeline": "pipeline:", "world_size": "world size: 2 processes", "tensor_parallel":
                 "tensor_parallel.autotp_size: 2", "stage": "zero_optimization.stage: 2", "sgd": "optimizer: SGD",
-                "param_groups": "optimizer.param_groups[1].weight_decay", "mpu": "mpu:"}
+                "param_groups": "optimizer.param_groups[1].lr", "mpu": "mpu:"}
     for case, start in expected.items():
         msg = res[case]
         assert msg.startswith("ConfigError: " + start), (case, msg)
         assert "\n" not in msg and "remove the \"pyinfinity\" section" in msg, (case, msg)
+
+
+def test_a_row_set_in_gathered_parameters_with_modifier_rank_is_written_into_the_engine_and_trained_from(
+        tmp_path: Path) -> None:
+    res = run_worker("gathered", tmp_path / "gathered")
+    assert res["read_is_the_weights"] and res["read_only_changed_nothing"]
+    assert res["modified_row"] == [0.5] * 64 and res["other_rows_kept"]  # the fp32 master holds the new row
+    assert res["gathered_row"] == [0.5] * 64  # and so does the compute copy
+    trained = res["trained_row"]  # one Adam step of lr 1e-3 from 0.5: each element moved by about lr
+    assert all(abs(v - 0.5) < 2e-3 for v in trained) and any(v != 0.5 for v in trained)
 
 
 def test_a_2gb_checkpoint_in_two_shards_loads_through_zero3_from_pretrained_without_being_materialised(
@@ -187,6 +209,23 @@ def test_on_the_gpu_an_accelerate_loop_matches_pyinfinitys_own_loop_and_resumes(
     assert whole["grad_norms"] == pytest.approx(whole["own_grad_norms"], rel=1e-4)
     resumed = run_worker("accelerate", tmp_path / "resumed", "--resume", str(tmp_path / "whole" / "state"), gpu=True)
     assert resumed["micro_losses"] == pytest.approx(whole["micro_losses"][6:], rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_trainer_with_weight_decay_steps_its_two_groups_as_its_own_loop(tmp_path: Path) -> None:
+    res = run_worker("trainer", tmp_path / "run", "--own", "1", "--weight-decay", "0.5", gpu=True)
+    assert res["engine"] == "PyinfinityDeepSpeedEngine" and res["steps"] == [1, 2, 3, 4, 5, 6]
+    assert res["losses"] == pytest.approx(res["own"]["losses"], rel=1e-4)
+    assert res["grad_norms"] == pytest.approx(res["own"]["grad_norms"], rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_row_set_in_gathered_parameters_is_written_into_the_engine_and_trained_from(
+        tmp_path: Path) -> None:
+    res = run_worker("gathered", tmp_path / "gathered", gpu=True)
+    assert res["read_is_the_weights"] and res["read_only_changed_nothing"]
+    assert res["modified_row"] == [0.5] * 64 and res["other_rows_kept"] and res["gathered_row"] == [0.5] * 64
+    assert all(abs(v - 0.5) < 2e-3 for v in res["trained_row"]) and any(v != 0.5 for v in res["trained_row"])
 
 
 def test_trainer_leaves_the_planned_keys_auto_for_pyinfinitys_engine_and_fills_them_for_deepspeed() -> None:
@@ -230,3 +269,30 @@ def test_accelerates_plugin_leaves_the_offload_devices_auto_for_pyinfinitys_engi
     assert ours["offload_param"]["device"] == "auto" and ours["offload_optimizer"]["device"] == "auto"
     theirs = DeepSpeedPlugin(hf_ds_config=config(False)).deepspeed_config["zero_optimization"]
     assert theirs["offload_param"]["device"] == "none" and theirs["offload_optimizer"]["device"] == "none"
+
+
+def test_the_sft_lora_benchmark_script_runs_on_the_cpu_and_reports_a_way_that_does_not_finish_as_an_error(
+        tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    script = ds.ROOT / "examples" / "trainer_bench.py"
+    common = [sys.executable, str(script), "--mode", "trl", "--model-size", "micro", "--seq", "64", "--steps", "3",
+              "--warmup", "1", "--model-dir", str(tmp_path / "model")]
+    r = subprocess.run([*common, "--ways", "pyinfinity", "--out", str(tmp_path / "sft.json")], cwd=str(ds.ROOT),
+                       env=ds._env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "sft.json").read_text())
+    row = res["rows"][0]
+    assert res["mode"] == "trl" and res["lora"] == {"r": 16, "targets": "q_proj,v_proj"}
+    assert row["engine"] == "PyinfinityDeepSpeedEngine" and row["tokens_per_s"] > 0 and len(row["losses"]) == 3
+    assert row["trainable_params"] == 2 * 2 * 16 * (64 + 64)  # r=16 on q_proj and v_proj of the 2 layers (64 wide)
+    assert "SFTTrainer + LoRA: Llama micro" in r.stdout
+    r = subprocess.run([*common, "--ways", "own", "--merge", "--out", str(tmp_path / "sft.json")], cwd=str(ds.ROOT),
+                       env=ds._env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    merged = json.loads((tmp_path / "sft.json").read_text())  # the earlier call's row kept beside this one's
+    assert [row["key"] for row in merged["rows"]] == ["pyinfinity", "own"] and "sft_vs_own_loop" in merged["ratios"]
+    r = subprocess.run([*common, "--ways", "pyinfinity", "--timeout", "1", "--out", str(tmp_path / "cut.json")],
+                       cwd=str(ds.ROOT), env=ds._env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1  # the way's row is an error; the script ends
+    assert "did not finish in 1 s (killed)" in json.loads((tmp_path / "cut.json").read_text())["rows"][0]["error"]

@@ -135,3 +135,78 @@ def test_dynamic_loss_scaler():
     static = DynamicLossScaler(FP16Config(enabled=True, loss_scale=64))
     static.update(True)
     assert static.scale == 64
+
+
+def make_mixed_shards(seed=0):
+    """Shards of several parameters each: ``decay`` says which parameters are in the decay group."""
+    g = torch.Generator().manual_seed(seed)
+    layout = [[(300, True), (7, False), (513, True)], [(64, False), (64, False)], [(1000, True)],
+              [(5, False), (4097, True), (3, False)]]
+    shards, params, decay = [], [], []
+    for i, sizes in enumerate(layout):
+        slices, off = [], 0
+        for j, (n, d) in enumerate(sizes):
+            p = torch.nn.Parameter(torch.randn(n, generator=g))
+            slices.append(ParamSlice(f"m{i}.p{j}", p, off, n, torch.Size([n]), torch.float32, True))
+            params.append(p)
+            decay.append(d)
+            off += n
+        shards.append(FlatShard(index=i, module_name=f"m{i}", dtype=torch.float32, slices=slices, numel=off))
+    return shards, params, decay
+
+
+@pytest.mark.parametrize("tier, fused, background", [("cpu", True, False), ("nvme", True, False),
+                                                     ("cpu", False, False), ("cpu", True, True)])
+def test_param_groups_that_differ_in_weight_decay_step_as_torch_adamw_with_those_groups(tmp_path, tier, fused,
+                                                                                         background):
+    cfg = OptimizerConfig(type="AdamW", lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adam_w_mode=True)
+    sw = TensorSwapper("optimizer", torch.device("cpu"), [str(tmp_path)] if tier == "nvme" else None)
+    opt = OffloadOptimizer(cfg, sw, nvme_ratio=1.0 if tier == "nvme" else 0.0, buffer_count=3,
+                           background=background)
+    opt.fused = fused
+    shards, params, decay = make_mixed_shards()
+    opt.plan(shards)
+    for sh in shards:
+        opt.add_shard(sh, torch.cat([sl.param.detach() for sl in sh.slices]))
+    split = opt.set_weight_decay({id(p): 0.0 for p, d in zip(params, decay) if not d})
+    assert split == 2  # shards 0 and 3 mix the groups; 1 has no decay at all, 2 the group's
+
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref = torch.optim.AdamW([{"params": [r for r, d in zip(ref_params, decay) if d], "weight_decay": 0.1},
+                             {"params": [r for r, d in zip(ref_params, decay) if not d], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(4):
+        grads = [torch.randn(p.numel(), generator=gen) for p in params]
+        k = 0
+        for sh in shards:
+            for sl in sh.slices:
+                opt.accumulate(sh, sl, grads[k])
+                k += 1
+        opt.step(clip=1.0)
+        opt.drain()
+        opt.zero_grad()
+        for r, g in zip(ref_params, grads):
+            r.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
+        ref.step()
+    k = 0
+    for sh in shards:
+        master = read_master(opt, sh)
+        for sl in sh.slices:
+            torch.testing.assert_close(master[sl.offset:sl.offset + sl.numel], ref_params[k].detach(), rtol=1e-6,
+                                       atol=1e-7)
+            k += 1
+    opt.close()
+    sw.close()
+
+
+def test_a_split_weight_decay_is_refused_for_adam_l2_decay():
+    cfg = OptimizerConfig(type="Adam", lr=1e-2, weight_decay=0.1, adam_w_mode=False)
+    opt = OffloadOptimizer(cfg, TensorSwapper("optimizer", torch.device("cpu"), None))
+    shards, params, decay = make_mixed_shards()
+    for sh in shards:
+        opt.add_shard(sh, torch.cat([sl.param.detach() for sl in sh.slices]))
+    with pytest.raises(ValueError, match="L2 decay"):
+        opt.set_weight_decay({id(p): 0.0 for p, d in zip(params, decay) if not d})
+    opt.close()

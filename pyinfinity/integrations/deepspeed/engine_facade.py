@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pyinfinity.integrations.deepspeed.route_checks import refuse
+from pyinfinity.integrations.deepspeed.route_checks import refuse, weight_decay_of
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ _facade_class: Optional[type] = None
 
 class EngineOptimizer(torch.optim.Optimizer):
     """The engine's offloaded Adam as a torch optimizer: ``param_groups`` is the engine's list
-    (one group; writing its ``lr`` sets the next step's), ``overflow`` says whether the last step
+    (one group; writing its ``lr`` sets the next step's; the parameters of the user's other groups
+    keep those groups' weight decay), ``overflow`` says whether the last step
     was skipped (fp16 overflow). It holds no state of its own: the engine's checkpoint has it."""
 
     def __init__(self, engine: Any, facade: Any = None) -> None:
@@ -292,6 +293,12 @@ def build_facade(model: nn.Module, ds_config: dict, cfg: dict, *, optimizer: Any
         adapters.init_new_adapters(model)  # PEFT put new adapters on the meta base's device
     engine = engine_initialize(model, cfg, weights=weights)
     try:
+        decay = weight_decay_of(optimizer) if optimizer is not None else {}
+        if decay:  # Trainer's AdamW: biases and norms in a group without weight decay
+            try:
+                engine.optimizer.set_weight_decay(decay)
+            except ValueError as exc:
+                raise refuse("optimizer.param_groups", str(exc), "give every group one weight_decay") from None
         from pyinfinity.integrations.deepspeed import gathered
 
         gathered.register(engine)

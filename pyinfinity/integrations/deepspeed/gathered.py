@@ -4,8 +4,10 @@ ZeRO-3 (TRL's fused LM-head loss reads ``lm_head.weight`` directly) gather it th
 manager and check ``param.ds_status`` first. :func:`register` marks an engine's parameters
 (``ds_status`` NOT_AVAILABLE: they are offloaded) and :class:`GatheredParameters` makes them
 resident for the block through the engine's coordinator; any other parameter goes to DeepSpeed's
-own. Changing an engine's parameters in the block (``modifier_rank``) is refused: their values
-live in the engine's tiers and optimizer masters."""
+own. With ``modifier_rank`` (a user initialising the embedding rows of new tokens, say) the
+values changed in the block are written, on leaving it, into the engine's fp32 masters,
+parameter homes and resident copies (``TrainingState.overwrite``), so training goes on from them;
+only changed elements are written (a bf16 model's untouched weights keep their fp32 masters). Without it the block only reads: the tiers stay as they were."""
 from __future__ import annotations
 
 import contextlib
@@ -62,20 +64,41 @@ class GatheredParameters:
         elif not ours:
             self._inner = _original(params, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled)
         else:
-            if modifier_rank is not None:
-                raise refuse("GatheredParameters(modifier_rank=...)", "the parameters belong to pyinfinity's engine, "
-                             "whose values live in its tiers and optimizer masters", "load new values with "
-                             "from_pretrained before deepspeed.initialize, or with engine.load_checkpoint")
             engine = engine_of(ours[0])
             if engine.closed:
                 raise RuntimeError("GatheredParameters: the pyinfinity engine these parameters belonged to is closed")
+            if any(engine_of(p) is not engine for p in ours):
+                raise refuse("GatheredParameters", "parameters of two pyinfinity engines in one block", "gather "
+                             "each engine's parameters in a block of its own")
             self._inner = engine.coordinator.gathered(ours)
+            if modifier_rank is not None:
+                self._engine, self._modified = engine, ours
+        self._before: list = []
+
+    _engine: Any = None  # with modifier_rank: the engine the changed values are written into
+    _modified: list = []
 
     def __enter__(self) -> Any:
-        return self._inner.__enter__()
+        out = self._inner.__enter__()
+        if self._engine is not None:  # what the block starts from: the changed elements are found against it
+            self._before = [p.data.detach().clone() for p in self._modified]
+        return out
 
     def __exit__(self, *exc: Any) -> Any:
-        return self._inner.__exit__(*exc)
+        if self._engine is None:
+            return self._inner.__exit__(*exc)
+        changes = []
+        try:
+            if exc[0] is None:
+                for p, before in zip(self._modified, self._before):
+                    after = p.data.detach().reshape(-1)
+                    changes.append((p, after != before.reshape(-1), after.clone()))
+        finally:
+            self._before = []
+            ret = self._inner.__exit__(*exc)
+        if changes:
+            self._engine.state.overwrite(changes)
+        return ret
 
 
 def patch_trl(utils: Any) -> None:

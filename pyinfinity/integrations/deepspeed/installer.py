@@ -1,18 +1,18 @@
 """Installing pyinfinity into DeepSpeed: ``AsyncIOBuilder`` and ``PinMemoryBuilder`` get a ``load``
 returning pyinfinity's ops and an ``is_compatible`` that is true (the originals kept for
-:func:`uninstall`), now if ``deepspeed`` is imported, else by a post-import hook the moment
-``import deepspeed`` completes; the parameter-swapper patch goes in with them. Every step is
-preceded by the layout checks (``layout``)."""
+:func:`uninstall`), now if ``deepspeed`` is imported, else the moment ``import deepspeed``
+completes (``pyinfinity.post_import``: a callback :func:`uninstall` cancels while it waits); the
+parameter-swapper patch goes in with them. Every step is preceded by the layout checks
+(``layout``)."""
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
 import threading
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from pyinfinity import post_import
 from pyinfinity.integrations.deepspeed.checkpoints import patch_save_checkpoint, unpatch_save_checkpoint
 from pyinfinity.integrations.deepspeed.layout import PATCHED_METHODS, SUPPORTED_SERIES, check_layout
 from pyinfinity.integrations.deepspeed.ops import PIN_OP_NAME, REPLACED_OPS
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 Series = Tuple[Tuple[int, int], ...]
 _state_lock = threading.RLock()
 _patched: Dict[type, Dict[str, Any]] = {}  # class -> {method: original in its __dict__ or MISSING}
-_hook: Optional["_PostImportHook"] = None
+_pending: Optional[Series] = None  # the series install() asked for before deepspeed was imported
 
 
 def _make_load(op_name: str, op: types.ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,69 +87,30 @@ def _unpatch() -> None:
             log.info("pyinfinity: restored DeepSpeed's own %s.AsyncIOBuilder", cls.__module__)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Runs deepspeed's own loader, then patches; puts the original loader back on the module."""
-
-    def __init__(self, loader: importlib.abc.Loader, supported: Series) -> None:
-        self._loader = loader
-        self._supported = supported
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        with _state_lock:
-            if _hook is not None:  # still wanted
-                _remove_hook()
-                _patch(self._supported)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+#: the post-import callback that patches DeepSpeed once its import completes
+_ON_IMPORT = "pyinfinity.integrations.deepspeed.installer:_on_import"
 
 
-class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of top-level ``deepspeed`` so that _patch() runs
-    right after ``import deepspeed`` completes."""
-
-    def __init__(self, supported: Series) -> None:
-        self.supported = supported
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != "deepspeed":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _PatchingLoader(spec.loader, self.supported)
-        return spec
+def _on_import(module: types.ModuleType) -> None:
+    """``post_import``'s callback after ``import deepspeed``: patches, unless uninstalled since."""
+    global _pending
+    with _state_lock:
+        supported, _pending = _pending, None
+        if supported is not None:  # still wanted
+            _patch(supported)
 
 
 def _add_hook(supported: Series) -> None:
-    global _hook
-    if _hook is None:
-        _hook = _PostImportHook(supported)
-        sys.meta_path.insert(0, _hook)
+    global _pending
+    if _pending is None:
+        _pending = supported
+        post_import.when_imported("deepspeed", _ON_IMPORT)
 
 
 def _remove_hook() -> None:
-    global _hook
-    if _hook is not None:
-        try:
-            sys.meta_path.remove(_hook)
-        except ValueError:
-            pass
-        _hook = None
+    global _pending
+    _pending = None
+    post_import.cancel("deepspeed", _ON_IMPORT)
 
 
 # -- public API --------------------------------------------------------------------------------------
@@ -187,4 +148,4 @@ def uninstall() -> None:
 def is_installed() -> bool:
     """True when DeepSpeed is patched, or will be when it is imported."""
     with _state_lock:
-        return bool(_patched) or _hook is not None
+        return bool(_patched) or _pending is not None

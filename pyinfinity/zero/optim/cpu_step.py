@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
+from pyinfinity.zero.optim.decay import step_hyper
 from pyinfinity.zero.optim.device import StreamedStep
 from pyinfinity.zero.optim.formats import OptimStateFormat
 from pyinfinity.zero.optim.grads import GradientIntake
@@ -52,6 +53,7 @@ class CpuStep:
         default: the shard's gradient); returns the new master (on the host). ``k`` alternates the
         device buffer sets of a streamed step."""
         n = st.numel
+        hyper = step_hyper(st.decay, hyper, lambda: self.format.master(flat, n))
         if self.streamed is None and grad is None and self.fused:
             return self._one_pass(st, flat, hyper, inv_factor)
         t0 = time.perf_counter()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper
+from pyinfinity.zero.optim.decay import step_hyper
 from pyinfinity.zero.optim.formats import OptimStateFormat
 from pyinfinity.zero.optim.records import PhaseClock, ShardOptimState
 from pyinfinity.zero.partition import FlatShard
@@ -70,6 +71,7 @@ class DeviceStates:
         if out is None or out.numel() != n:
             raise RuntimeError(f"shard {st.shard.index} ({st.shard.module_name or '<root>'}) steps on the device but is "
                                "not resident there")
+        hyper = step_hyper(st.decay, hyper, lambda: self.format.master(dev, n))
         self.format.step_device(dev, n, g, out, hyper, st.dev_step, inv_factor, count=st.step, scale=scale)
         st.dev_stale = True
         st.handed = True  # stepped in this step (a failure after this leaves the state partly stepped)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from pyinfinity.swap.tensor_swapper import SwapRecord
+from pyinfinity.zero.optim.decay import DecayRanges
 from pyinfinity.zero.partition import FlatShard
 
 
@@ -36,6 +37,7 @@ class ShardOptimState:
     landing: Optional[torch.Tensor] = None
     acc_event: Any = None
     home_written: bool = False  # the one-pass CPU step cast the new weights into the parameter home (``param_out``)
+    decay: Optional[DecayRanges] = None  # weight decay per range of the shard (``decay``); None: the group's
 
     @property
     def numel(self) -> int:
