@@ -36,7 +36,10 @@ systems: {', '.join(SYSTEMS)}
                                          gradients on the GPU, optimizer states and Adam on the CPU
   deepspeed-z3-gpu-params                ZeRO-3 with offload_param none: parameters on the GPU, optimizer on the CPU
   torch                                  plain PyTorch under the cap (the smallest size only, unless --torch-all-sizes)
-  torch-nocap                            plain PyTorch without the cap (the compute reference)
+  torch-nocap                            plain PyTorch without the cap (the compute reference; weights, gradients
+                                         and AdamW state in the run's dtype: 8 bytes a parameter in bf16)
+  torch-fp32master                       plain PyTorch without the cap, fp32 weights (the master), gradients and
+                                         AdamW state, the compute in --dtype under autocast (16 bytes a parameter)
 variants: SYSTEM[KEY=VALUE,...] sets dotted config keys in that system's config, e.g.
   pyinfinity-auto[resident_bytes=0]  deepspeed-z2-cpu[bf16.bf16_optimizer_states=true]
   (values are JSON where they parse, else strings; a pyinfinity key outside the config's top-level
