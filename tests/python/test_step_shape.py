@@ -14,7 +14,7 @@ import torch
 
 from pyinfinity.layout.charges import TrainShape
 from pyinfinity.plan.budgets import Budgets
-from pyinfinity.plan.evaluation import ELEMENTWISE_SHARE
+from pyinfinity.plan.evaluation import DEVICE_ADD_RATE, ELEMENTWISE_SHARE
 from pyinfinity.plan.rates import Rates
 from pyinfinity.plan.sizes import sizes_from_config
 from pyinfinity.plan.step_shape import choose_step_shape, micro_batch_candidates, step_shape_refusal
@@ -77,7 +77,8 @@ def test_a_whole_gpu_keeps_every_unit_resident_and_the_step_is_the_micro_batches
     assert p.charges.working_set == 0 and p.charges.prefetch == 0
     flops = sizes.flops_per_step(shape.micro_batch, 1024, shape.checkpointing) / H100["matmul"]
     t = p.predicted
-    assert t.compute == pytest.approx(shape.grad_accum * flops * (1 + ELEMENTWISE_SHARE))
+    adds = p.accumulator_bytes / 4 * (2 + 8) / DEVICE_ADD_RATE if shape.grad_accum > 1 else 0.0
+    assert t.compute == pytest.approx(shape.grad_accum * (flops * (1 + ELEMENTWISE_SHARE) + adds))
     assert t.total == pytest.approx(shape.grad_accum * t.micro_batch + t.optimizer_phase, rel=1e-6)
     assert t.micro_batch == pytest.approx(t.compute / shape.grad_accum, rel=0.05)  # no fetch in a micro-batch
     assert t.bottleneck == "compute"
