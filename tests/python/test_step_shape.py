@@ -276,3 +276,22 @@ def test_the_activation_estimate_covers_what_a_real_step_allocates_on_the_gpu():
         assert beyond <= est <= 2 * beyond, (ckpt, est, beyond)
         del model, x
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_train_tokens_per_step_on_the_whole_gpu_runs_the_shape_it_chose_within_the_budget(tmp_path):
+    """On the GPU with no cap: the shape the planner chose for 32k tokens at 1.1B trains (no
+    out-of-memory at the micro-batch it filled the device with) and the step's peak stays within
+    the engine's budget."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    out = tmp_path / "a.json"
+    p = _cli("train", "--model-size", "1.1b", "--seq", "1024", "--tokens-per-step", "32768", "--steps", "2",
+             "--warmup", "1", "--device", "cuda", "--gpu-memory", "none", "--corpus-bytes", "4MB", "--no-progress",
+             "--json", str(out), timeout=1800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads(out.read_text())
+    c, s = run["config"], run["summary"]
+    assert c["train_micro_batch_size_per_gpu"] * c["gradient_accumulation_steps"] * 1024 == 32768
+    assert "--tokens-per-step 32768: micro-batch" in p.stderr
+    assert s["peak_device_allocated"] <= s["device_budget"] * 1.05
