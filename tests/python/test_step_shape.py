@@ -253,7 +253,7 @@ def test_bench_train_refuses_tokens_that_disagree_and_zero_for_the_cap(tmp_path)
 def test_the_activation_estimate_covers_what_a_real_step_allocates_on_the_gpu():
     """A 2-layer slice of Llama-2-7B's shape at 4 x 1024 tokens in bf16, with and without
     checkpointing: the planner's activation estimate is at least the step's peak allocation beyond
-    the weights and their gradients, and not more than twice it."""
+    the weights and all their gradients, and at most 1.25x the peak beyond the weights alone."""
     transformers = pytest.importorskip("transformers")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
@@ -271,9 +271,10 @@ def test_the_activation_estimate_covers_what_a_real_step_allocates_on_the_gpu():
         torch.cuda.reset_peak_memory_stats()
         model(input_ids=x, labels=x).loss.backward()
         torch.cuda.synchronize()
-        beyond = torch.cuda.max_memory_allocated() - 2 * weights  # the weights and their gradients
+        peak = torch.cuda.max_memory_allocated() - weights  # activations, and what gradients exist at the peak
         est = sizes_from_module(model, torch.bfloat16).activation_bytes(4, 1024, ckpt)
-        assert beyond <= est <= 2 * beyond, (ckpt, est, beyond)
+        # at least the peak less every gradient; not above what the step held beside its weights by much
+        assert peak - weights <= est <= 1.25 * peak, (ckpt, est, peak, weights)
         del model, x
         torch.cuda.empty_cache()
 
