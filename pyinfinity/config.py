@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Union
 
 from pyinfinity.config_values import (AUTO, MIN_QUANTIZED_NUMEL, OPTIMIZER_STATES, QUANT_BLOCK, STATE_FORMATS,
-                                      ConfigError, StateFormat, format_size, parse_size)
+                                      ConfigError, StateFormat, device_budget, format_size, parse_size)
 
 log = logging.getLogger(__name__)
 
@@ -562,9 +562,9 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.device = dev
     if "device_memory" in d:
         v = d["device_memory"]
-        e.device_memory = None if v is None else (AUTO if v == AUTO else parse_size(v, "pyinfinity.device_memory"))
-        if isinstance(e.device_memory, int) and e.device_memory <= 0:
-            raise ConfigError("pyinfinity.device_memory: must be > 0")
+        # "auto" (the default: planned from the device's free memory) or "none"/null (the whole
+        # device, the same budget) or a size
+        e.device_memory = AUTO if v == AUTO else device_budget(v, "pyinfinity.device_memory")
     if "host_memory" in d:
         v = d["host_memory"]
         e.host_memory = AUTO if v == AUTO else parse_size(v, "pyinfinity.host_memory")

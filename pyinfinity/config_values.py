@@ -42,6 +42,30 @@ def parse_size(value: Any, key: str = "size") -> int:
     raise ConfigError(f"{key}: cannot read {value!r} as a size (examples: 8GiB, 512MB, 1e9)")
 
 
+WHOLE_DEVICE = "none"
+"""The one spelling of "no device-memory cap: the whole device" (``--gpu-memory none`` of ``train``,
+``plan`` and ``bench train``; ``pyinfinity.device_memory: "none"`` or null in a config)."""
+# spellings people reach for instead, each refused with a pointer to WHOLE_DEVICE
+_NOT_WHOLE_DEVICE = ("0", "auto", "off", "no", "null", "nil", "unlimited", "uncapped", "nocap", "no-cap", "all",
+                     "max", "full", "whole", "inf", "infinity", "gpu", "device")
+
+
+def device_budget(value: Any, key: str) -> Any:
+    """A device-memory budget as given by a user: None for :data:`WHOLE_DEVICE` (and JSON null),
+    else its bytes (> 0). Another spelling of "no cap" (``0``, ``auto``, ``unlimited``, ...) is a
+    ConfigError naming ``key`` and the one spelling."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == WHOLE_DEVICE):
+        return None
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool) and \
+            str(value).strip().lower() in _NOT_WHOLE_DEVICE:
+        raise ConfigError(f"{key}: {value!r} is not a budget; did you mean {WHOLE_DEVICE!r} (no cap: the whole "
+                          "device) or a size such as 8GiB?")
+    n = parse_size(value, key)
+    if n <= 0:
+        raise ConfigError(f"{key}: must be > 0; for the whole device give {WHOLE_DEVICE!r}")
+    return n
+
+
 def format_size(n: float) -> str:
     """Human-readable bytes, binary units."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -107,5 +131,5 @@ STATE_FORMATS: dict[str, StateFormat] = {
 """The optimizer-state formats by name (``Config.optimizer_state_format``)."""
 
 
-__all__ = ["AUTO", "ConfigError", "parse_size", "format_size", "OPTIMIZER_STATES", "STATE_FORMATS", "StateFormat",
+__all__ = ["AUTO", "ConfigError", "parse_size", "format_size", "device_budget", "WHOLE_DEVICE", "OPTIMIZER_STATES", "STATE_FORMATS", "StateFormat",
            "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from pyinfinity.bench.train_bound import (adam_rate_for, adam_rate_key, best_disk_rates, bound, device_adam_rate_for,
@@ -64,6 +64,10 @@ class Settings:
     lr: float = 1e-4
     clip: float = 0.0  # gradient clipping (global norm) applied by every system; 0 = off
     grad_accum: int = 1  # micro-batches per optimizer step, every system
+    # tokens an optimizer step: the planner chooses batch x grad_accum per size (step_shapes), keeping
+    # those named in step_fixed ("batch", "grad_accum") as given
+    tokens_per_step: Optional[int] = None
+    step_fixed: list[str] = field(default_factory=list)
     seed: int = 0
     trace: bool = True
     timeout: float = 1800.0
@@ -255,6 +259,47 @@ def check_configs(settings: Settings, fields: dict[str, Any], device: str, dtype
             raise BenchTrainError(f"--systems {label}: {exc}{hint}") from exc
 
 
+def step_shapes(settings: Settings, fields: dict[str, dict[str, Any]], device: str, dtype: str,
+                rates: dict[str, Any], matmul: dict[str, float]) -> dict[str, Settings]:
+    """Per size, ``settings`` at the micro-batch x accumulation the pyinfinity planner chooses for
+    ``settings.tokens_per_step`` (``plan.step_shape.choose_step_shape``: its placement with every
+    key "auto", the rates this invocation measured, the device's whole free memory or the cap),
+    every system then running that shape; the batch or accumulation the user gave kept."""
+    from pyinfinity.layout.charges import TrainShape
+    from pyinfinity.plan.budgets import measure_budgets
+    from pyinfinity.plan.rates import preset_rates
+    from pyinfinity.plan.sizes import llama_sizes
+    from pyinfinity.plan.step_shape import choose_step_shape
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()  # the probes' blocks: the budget is what the workers will find free
+    budgets = measure_budgets(device, (settings.nvme_dir,), device_memory=settings.cap_bytes if cuda else None)
+    out: dict[str, Settings] = {}
+    for size in settings.sizes:
+        r = preset_rates(device, matmul=matmul[size], adam=rates["adam"])
+        r.h2d, r.d2h = rates["h2d"], rates["d2h"]
+        if rates.get("disk_read") and rates.get("disk_write"):
+            r.disk_read, r.disk_write = rates["disk_read"], rates["disk_write"]
+        sizes = llama_sizes(dict(fields[size], model_type="llama"), dtype=dtype)
+        train = TrainShape(seq_len=settings.seq, overlap_step="auto", norm_first=settings.clip > 0)
+        if not cuda:
+            train.activation_bytes = 0  # the CPU device: activations are host RAM, not the device pool
+        try:
+            shape = choose_step_shape(sizes, train, budgets, r, settings.tokens_per_step, nvme_paths=(settings.nvme_dir,),
+                                      micro_batch=settings.batch if "batch" in settings.step_fixed else None,
+                                      grad_accum=settings.grad_accum if "grad_accum" in settings.step_fixed else None,
+                                      checkpointing=settings.checkpointing)
+        except ValueError as exc:  # PlanError included: one line naming what does not fit
+            raise BenchTrainError(f"--tokens-per-step {settings.tokens_per_step} at {size}: {exc}") from None
+        print(f"  {size}: {shape.describe()} (planned for pyinfinity-auto: "
+              f"{shape.placement.predicted.breakdown()})", flush=True)
+        out[size] = replace(settings, batch=shape.micro_batch, grad_accum=shape.grad_accum)
+    return out
+
+
 def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
     """Measures the rates, runs every (size, system) pair, appends to ``json_path``; returns the data."""
     from pyinfinity.bench.machine import machine_info
@@ -282,9 +327,10 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
     log_dir = settings.log_dir or tempfile.mkdtemp(prefix="pyinfinity-bench-train-")
     os.makedirs(log_dir, exist_ok=True)
     micro_tokens = settings.batch * settings.seq
-    tokens = micro_tokens * settings.grad_accum  # per optimizer step
-    print(f"bench train: device {device}, {dtype}, batch {settings.batch} x {settings.seq} tokens"
-          + (f" x {settings.grad_accum} micro-batches a step" if settings.grad_accum > 1 else "")
+    print(f"bench train: device {device}, {dtype}, "
+          + (f"{settings.tokens_per_step:,} tokens a step (micro-batch x accumulation planned per size)"
+             if settings.tokens_per_step else f"batch {settings.batch} x {settings.seq} tokens"
+             + (f" x {settings.grad_accum} micro-batches a step" if settings.grad_accum > 1 else ""))
           + (f", LoRA r={settings.lora['r']} on {','.join(settings.lora['targets'])} (frozen base)"
              if settings.lora else "")
           + f", {settings.steps} steps ({settings.warmup} warm-up), cap "
@@ -295,6 +341,7 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
     matmul: dict[str, float] = {}
     for s in settings.sizes:
         matmul[s] = measure_matmul_rate(device, dtype, fields[s], micro_tokens)
+    shapes = step_shapes(settings, fields, device, dtype, rates, matmul) if settings.tokens_per_step else {}
     print("  " + ", ".join([f"H2D {rates['h2d'] / 1e9:.1f} GB/s", f"D2H {rates['d2h'] / 1e9:.1f} GB/s",
                              f"disk read {rates['disk_read'] / 1e9:.2f} GB/s",
                              f"write {rates['disk_write'] / 1e9:.2f} GB/s",
@@ -302,6 +349,7 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
                             + [f"matmul[{s}] {v / 1e12:.1f} TFLOP/s" for s, v in matmul.items()]), flush=True)
     inv = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "machine": asdict(machine_info(settings.nvme_dir)), "rates": dict(rates, matmul=matmul),
+           "step_shapes": {k: {"batch": v.batch, "grad_accum": v.grad_accum} for k, v in shapes.items()},
            "settings": {k: v for k, v in asdict(settings).items() if k not in ("progress",)},
            "device": device, "dtype": dtype, "argv": sys.argv[1:]}
     data["invocations"].append(inv)
@@ -309,11 +357,14 @@ def run_bench(settings: Settings, json_path: Optional[str]) -> dict[str, Any]:
     if json_path:
         save_results(json_path, data)
     pairs = plan_runs(settings)
+    base = settings
     from tqdm import tqdm
 
     bar = tqdm(total=len(pairs), unit="run", disable=not settings.progress, file=sys.stderr, dynamic_ncols=True)
     try:
         for k, (size, system) in enumerate(pairs):
+            settings = shapes.get(size, base)  # the size's planned micro-batch x accumulation
+            tokens = settings.batch * settings.seq * settings.grad_accum  # per optimizer step
             facts = size_facts(fields[size], dtype, settings.batch * settings.grad_accum, settings.seq,
                                settings.checkpointing, settings.lora)
             bar.set_description(f"{size} {system}")

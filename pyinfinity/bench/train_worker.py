@@ -33,7 +33,7 @@ from pyinfinity.bench.run_metrics import merge_intervals  # noqa: F401 - importa
 RESULT_PREFIX = "RESULT "
 SYSTEMS = ("pyinfinity-cpu", "pyinfinity-nvme", "pyinfinity-nvme-params", "pyinfinity-nvme-all", "pyinfinity-auto",
            "deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-params", "deepspeed-nvme-all", "deepspeed-z2-cpu",
-           "deepspeed-z3-gpu-params", "torch", "torch-nocap", "megatrain")
+           "deepspeed-z3-gpu-params", "torch", "torch-nocap", "torch-fp32master", "megatrain")
 # (param tier, optimizer tier) each system forces; "auto" is read from the run's placement; "device":
 # the parameters stay on the GPU (ZeRO-2 keeps them there, ZeRO-3 with offload_param "none" too)
 TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "pyinfinity-nvme-params": ("nvme", "cpu"),
@@ -41,7 +41,9 @@ TIERS = {"pyinfinity-cpu": ("cpu", "cpu"), "pyinfinity-nvme": ("cpu", "nvme"), "
          "deepspeed-cpu": ("cpu", "cpu"), "deepspeed-nvme": ("cpu", "nvme"), "deepspeed-nvme-params": ("nvme", "cpu"),
          "deepspeed-nvme-all": ("nvme", "nvme"), "deepspeed-z2-cpu": ("device", "cpu"),
          "deepspeed-z3-gpu-params": ("device", "cpu"), "torch": ("device", "device"),
-         "torch-nocap": ("device", "device"), "megatrain": ("cpu", "cpu")}
+         "torch-nocap": ("device", "device"), "torch-fp32master": ("device", "device"), "megatrain": ("cpu", "cpu")}
+# plain PyTorch without the device-memory cap
+UNCAPPED = ("torch-nocap", "torch-fp32master")
 # DeepSpeed's ZeRO-Offload settings (its ZeRO and ZeRO-Offload tutorials) for the systems that keep
 # the parameters on the GPU and offload the optimizer: gradients reduced into contiguous buffers in
 # 5e8-element buckets, their copy to the CPU overlapped with backward
@@ -221,7 +223,13 @@ class Run:
 
         with torch.device(self.device):  # drawn by the device's generator: the CPU's takes minutes at 13B and up
             model = LlamaForCausalLM(_llama(self.spec))
-        model = model.to(dtype=_dtype(self.spec))
+        # torch-fp32master: the weights (the master), their gradients and AdamW's moments in fp32, the
+        # compute in the run's dtype under autocast (16 bytes a parameter on the device); the others
+        # keep all of it in the run's dtype
+        master = self.system == "torch-fp32master"
+        compute = _dtype(self.spec)
+        if not master:
+            model = model.to(dtype=compute)
         lora = _lora_config(self.spec)
         if lora is not None:  # plain PEFT: the adapters fp32 on the bf16 base
             import peft
@@ -230,6 +238,7 @@ class Run:
         self._ckpt(model)
         model.train()
         self.params = sum(p.numel() for p in model.parameters())
+        self.extra["param_dtypes"] = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         opt = torch.optim.AdamW(_trainable(model), lr=self.spec["lr"], betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=0.0, fused=True)
 
@@ -238,7 +247,8 @@ class Run:
         def step(xs: list, mark: Callable[[str], None]) -> float:
             total = 0.0
             for x in xs:  # gradients summed over the micro-batches, each loss scaled by 1/N
-                loss = model(input_ids=x, labels=x).loss
+                with torch.autocast(self.device.type, dtype=compute, enabled=master and compute != torch.float32):
+                    loss = model(input_ids=x, labels=x).loss
                 mark("forward")
                 (loss / len(xs)).backward()
                 mark("backward")
@@ -416,7 +426,7 @@ def run(spec: dict) -> dict:
         torch.cuda.set_device(device)
         total = torch.cuda.get_device_properties(device).total_memory
         cap = spec.get("cap_bytes")
-        if cap and spec["system"] != "torch-nocap":
+        if cap and spec["system"] not in UNCAPPED:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
             res["cap_bytes"] = int(cap)
     steps, warmup = int(spec["steps"]), int(spec["warmup"])

@@ -36,7 +36,10 @@ systems: {', '.join(SYSTEMS)}
                                          gradients on the GPU, optimizer states and Adam on the CPU
   deepspeed-z3-gpu-params                ZeRO-3 with offload_param none: parameters on the GPU, optimizer on the CPU
   torch                                  plain PyTorch under the cap (the smallest size only, unless --torch-all-sizes)
-  torch-nocap                            plain PyTorch without the cap (the compute reference)
+  torch-nocap                            plain PyTorch without the cap (the compute reference; weights, gradients
+                                         and AdamW state in the run's dtype: 8 bytes a parameter in bf16)
+  torch-fp32master                       plain PyTorch without the cap, fp32 weights (the master), gradients and
+                                         AdamW state, the compute in --dtype under autocast (16 bytes a parameter)
   megatrain                              MegaTrain (github.com/DLYuanGod/MegaTrain) run by its own training script
                                          from a checkout (--megatrain-src or $PYINFINITY_MEGATRAIN_SRC) on a model
                                          directory and an arrow dataset written from the bench's shape and tokens:
@@ -75,14 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "for Llama) or all-linear")
     p.add_argument("--nvme", metavar="DIR", help="swap directory for the nvme tiers (default: a temp dir under "
                                                  "$PYINFINITY_SWAP_DIR or /tmp; removed per run)")
-    p.add_argument("--gpu-memory", default="8GiB", help="device-memory cap (torch's per-process memory "
-                                                        "fraction, and pyinfinity's budget); 0 = none")
+    p.add_argument("--gpu-memory", default="8GiB", metavar="SIZE|none",
+                   help="device-memory cap (torch's per-process memory fraction, and pyinfinity's budget); none = "
+                        "no cap, the whole device (default: %(default)s)")
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
-    p.add_argument("--batch", type=int, default=4, help="micro-batch size (default: %(default)s)")
+    p.add_argument("--batch", type=int, help="micro-batch size (default: 4; with --tokens-per-step the planner's)")
     p.add_argument("--seq", type=int, default=1024, help="sequence length (default: %(default)s)")
-    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+    p.add_argument("--tokens-per-step", type=int, metavar="N",
+                   help="tokens an optimizer step, every system: the pyinfinity planner chooses the micro-batch (the "
+                        "largest-throughput one that fits the device beside its placement; the accumulation is "
+                        "N / (micro-batch x seq), rounded up) for each size, unless --batch or --grad-accum fixes "
+                        "it; --batch and --grad-accum given with it must multiply out to N")
+    p.add_argument("--grad-accum", type=int, metavar="N",
                    help="micro-batches per optimizer step, every system (torch included); s/step and tokens/s "
-                        "are per optimizer step of N x batch x seq tokens (default: %(default)s)")
+                        "are per optimizer step of N x batch x seq tokens (default: 1; with --tokens-per-step the "
+                        "planner's)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per run, warm-up included "
                                                         "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: %(default)s)")
@@ -151,9 +161,13 @@ def _flat_keys(d: dict, prefix: str = "") -> list[str]:
 
 
 def settings_from_args(a: argparse.Namespace) -> Settings:
-    from pyinfinity.config import parse_size
+    from pyinfinity.config import ConfigError, device_budget
+    from pyinfinity.plan.step_shape import step_shape_refusal
 
-    cap = parse_size(a.gpu_memory, "--gpu-memory") if a.gpu_memory not in ("0", "none") else None
+    try:
+        cap = device_budget(a.gpu_memory, "--gpu-memory")
+    except ConfigError as exc:
+        raise BenchTrainError(str(exc)) from None
     if a.sizes:
         sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
     else:
@@ -161,8 +175,18 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
 
         gpu = a.device.startswith("cuda") or (a.device == "auto" and torch.cuda.is_available())
         sizes = list(DEFAULT_SIZES_GPU if gpu else DEFAULT_SIZES_CPU)
-    for name, v, lo in (("--batch", a.batch, 1), ("--seq", a.seq, 2), ("--steps", a.steps, 1),
-                        ("--grad-accum", a.grad_accum, 1),
+    fixed = {k for k in ("batch", "grad_accum") if getattr(a, k) is not None}
+    tps = a.tokens_per_step
+    if tps is not None:
+        if tps < 1:
+            raise BenchTrainError(f"--tokens-per-step: {tps} is below 1")
+        why = step_shape_refusal(tps, a.seq, a.batch, a.grad_accum)
+        if why:
+            raise BenchTrainError(why)
+    batch = a.batch if a.batch is not None else 4
+    grad_accum = a.grad_accum if a.grad_accum is not None else 1
+    for name, v, lo in (("--batch", batch, 1), ("--seq", a.seq, 2), ("--steps", a.steps, 1),
+                        ("--grad-accum", grad_accum, 1),
                         ("--warmup", a.warmup, 0), ("--clip", a.clip, 0)):
         if v < lo:
             raise BenchTrainError(f"{name}: {v} is below {lo}")
@@ -180,8 +204,8 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
     # temporary directories last, once the flags are known good; main() removes them (made_dirs)
     nvme = a.nvme or _temp_dir(a, dir=os.environ.get("PYINFINITY_SWAP_DIR") or None)
     log_dir = a.log_dir or _temp_dir(a)
-    s = Settings(sizes=sizes, systems=systems, nvme_dir=nvme, grad_accum=a.grad_accum,
-                 device=a.device, cap_bytes=cap, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
+    s = Settings(sizes=sizes, systems=systems, nvme_dir=nvme, grad_accum=grad_accum, tokens_per_step=tps,
+                 step_fixed=sorted(fixed), device=a.device, cap_bytes=cap, batch=batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
                  dtype=a.dtype, checkpointing=not a.no_checkpointing, trace=not a.no_trace, timeout=a.timeout,
                  clip=a.clip,
                  torch_sizes="all" if a.torch_all_sizes else "smallest", log_dir=log_dir,

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from pyinfinity.cli import train_loop
-from pyinfinity.cli.train_args import (add_arguments, check_arguments, engine_config, exported_line,
+from pyinfinity.cli.train_args import (add_arguments, apply_tokens_per_step, check_arguments, engine_config, exported_line,
                                        lora_config, mean)
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
         model, weights = build_peft_model(args.model, cfg, dtype, peft_config=lora_config(args), adapter=args.adapter)
     else:
         model, weights = build_empty_model(args.model, cfg, dtype), args.model
+    apply_tokens_per_step(args, cfg, _device, model)
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = pyinfinity.initialize(model, cfg, weights=weights, seq_len=args.seq)

@@ -31,9 +31,9 @@ def add_parser(subparsers: Any, summary: str) -> None:
                             + " (1.1b is TinyLlama's shape, 8b Llama-3-8B's, 30b LLaMA-30B's, 70b Llama-2-70B's)")
     p.add_argument("--config", metavar="JSON",
                    help="a DeepSpeed-format config whose \"auto\" values are decided (default: all auto)")
-    p.add_argument("--gpu-memory", "--device-memory", dest="device_memory", default=None,
-                   help="device memory budget, e.g. 8GiB (default: measured); without --device it means "
-                        "--device cuda")
+    p.add_argument("--gpu-memory", "--device-memory", dest="device_memory", default=None, metavar="SIZE|none",
+                   help="device memory budget, e.g. 8GiB; none (the default) = the whole device, its free memory "
+                        "measured; without --device it means --device cuda")
     p.add_argument("--cpu-memory", dest="host_memory", default=None,
                    help="host RAM budget the plan may fill, e.g. 51GiB for a machine with 64 GiB of RAM (default: "
                         "80%% of what is available here, leaving the rest to the system; give the target machine "
@@ -52,6 +52,11 @@ def add_parser(subparsers: Any, summary: str) -> None:
                         "given); a GPU that is not on this machine is planned for from presets, never touched")
     p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default: the config's, else 1)")
     p.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation steps")
+    p.add_argument("--tokens-per-step", type=int, default=None, metavar="N",
+                   help="tokens an optimizer step: the planner chooses the micro-batch (the fastest it predicts that "
+                        "fits beside the placement, the larger among ties), the accumulation (N / (micro-batch x "
+                        "--seq-len), rounded up) and checkpointing, keeping --micro-batch, --grad-accum and "
+                        "--checkpointing where given (the first two together must multiply out to N)")
     p.add_argument("--seq-len", "--seq", dest="seq_len", type=int, default=1024,
                    help="tokens per sequence (default 1024)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (default bf16)")
@@ -216,6 +221,22 @@ def check_arguments(args: argparse.Namespace) -> None:
             import peft  # noqa: F401
         except ImportError:
             raise UsageError("--lora: needs the peft package (pip install peft)") from None
+    if args.device_memory is not None:
+        from pyinfinity.config import ConfigError, device_budget
+
+        try:
+            device_budget(args.device_memory, "--gpu-memory")
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+    if args.tokens_per_step is not None:
+        from pyinfinity.plan.step_shape import step_shape_refusal
+
+        if args.tokens_per_step < 1:
+            raise UsageError(f"--tokens-per-step: {args.tokens_per_step} must be >= 1")
+        why = step_shape_refusal(args.tokens_per_step, args.seq_len, args.micro_batch, args.grad_accum,
+                                 ("--tokens-per-step", "--seq-len", "--micro-batch", "--grad-accum"))
+        if why:
+            raise UsageError(why)
     if args.nvme_free is not None and not args.nvme:
         raise UsageError("--nvme-free: the free space of the target's swap drive needs the swap directory it "
                          "will be used as: pass --nvme DIR too")
@@ -297,6 +318,58 @@ def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any
     return lines
 
 
+def step_shape_config(cfg_dict: dict, cfg: Any, sizes: Any, budgets: Any, rates: Any,
+                      args: argparse.Namespace) -> tuple[dict, Any]:
+    """--tokens-per-step: the micro-batch, accumulation and checkpointing the planner chooses
+    (``plan.step_shape.choose_step_shape``), written into the config (and ``args.checkpointing``);
+    the config dict and its parsed form back. One line on stderr names the shape."""
+    from pyinfinity.cli.errors import UsageError
+    from pyinfinity.config import load_config
+    from pyinfinity.layout.charges import PlanError
+    from pyinfinity.plan.resolve import planned_fixed, planned_train_shape
+    from pyinfinity.plan.step_shape import choose_step_shape
+
+    train = planned_train_shape(cfg, args.seq_len, args.checkpointing)
+    if budgets.device_is_host:
+        train.activation_bytes = 0  # the CPU device: activations live in host RAM, not its pool
+    try:
+        shape = choose_step_shape(sizes, train, budgets, rates, args.tokens_per_step, planned_fixed(cfg),
+                                  list(cfg.nvme_paths), micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+                                  checkpointing=True if args.checkpointing else None)
+    except PlanError as exc:
+        raise UsageError(f"--tokens-per-step {args.tokens_per_step}: {exc}") from None
+    out = json.loads(json.dumps(cfg_dict))
+    out["train_micro_batch_size_per_gpu"] = shape.micro_batch
+    out["gradient_accumulation_steps"] = shape.grad_accum
+    out.pop("train_batch_size", None)
+    args.checkpointing = shape.checkpointing
+    print(f"--tokens-per-step {args.tokens_per_step}: {shape.describe()}", file=sys.stderr)
+    return out, load_config(json.loads(json.dumps(out)))
+
+
+def throughput_line(params: int, tokens_per_step: int, step_seconds: float, device: Any) -> str:
+    """What the predicted step means: tokens/s, and the model FLOPs utilisation (6 x parameters x
+    tokens/s over the device's bf16 peak) where ``device`` is a CUDA device here whose peak
+    ``plan.hardware.BF16_PEAKS`` lists."""
+    from pyinfinity.plan.hardware import bf16_peak, model_flops_utilisation
+
+    tps = tokens_per_step / step_seconds if step_seconds > 0 else 0.0
+    line = f"  expected: {tps:,.0f} tokens/s ({tokens_per_step:,} tokens a step in {step_seconds:.3f} s)"
+    name = None
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+    peak = bf16_peak(name) if name else None
+    if peak and tps:
+        mfu = model_flops_utilisation(params, tps, peak)
+        line += f"; model FLOPs utilisation {mfu:.0%} of the {name}'s bf16 peak {peak / 1e12:.0f} TFLOP/s"
+    else:
+        line += "; model FLOPs utilisation not given (" + (f"no bf16 peak known for {name}" if name else
+                                                           "not a CUDA device on this machine") + ")"
+    return line
+
+
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before the planner (and torch) is imported
     from pyinfinity.config import ConfigError, load_config
@@ -311,9 +384,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(json.loads(json.dumps(cfg_dict)))
     dev = planned_device(cfg, None)
     here = device_is_here(dev)
-    if not here and args.device_memory is None:
-        raise ConfigError(f"--gpu-memory: planning for {dev}, which is not on this machine, needs the target's "
-                          "device memory budget (e.g. --gpu-memory 80GiB)")
+    if not here and (args.device_memory is None or cfg.pyinfinity.device_memory is None):
+        raise ConfigError(f"--gpu-memory{' none' if args.device_memory else ''}: planning for {dev}, which is not on "
+                          "this machine, needs the target's device memory budget (e.g. --gpu-memory 80GiB)")
     if not here and args.calibrate == "on":
         raise ConfigError(f"--calibrate on: times the model on {dev}, which is not on this machine "
                           "(leave it auto, or pass --tflops)")
@@ -346,6 +419,9 @@ def run(args: argparse.Namespace) -> int:
             "probe" if here else "probe on this machine's CPU")
     if args.save_rates:
         rates.save(args.save_rates)
+    budgets = target_budgets(args, cfg, dev)
+    if args.tokens_per_step is not None:
+        cfg_dict, cfg = step_shape_config(cfg_dict, cfg, sizes, budgets, rates, args)
     compute_s = acts = None
     if here and (args.calibrate == "on" or (args.calibrate == "auto" and dev.type == "cuda")):
         from pyinfinity.plan.rates import measure_decoder_compute
@@ -358,7 +434,6 @@ def run(args: argparse.Namespace) -> int:
         acts = acts or None
         print(f"calibrated: forward+backward {compute_s:.3f} s per micro-batch"
               + (f", activations {acts / 1e9:.2f} GB" if acts else ""), file=sys.stderr)
-    budgets = target_budgets(args, cfg, dev)
     resolved, placement = resolve_auto(cfg_dict, sizes, budgets=budgets, rates=rates, seq_len=args.seq_len,
                                        checkpointing=args.checkpointing, fill_absent=True,
                                        compute_seconds=compute_s, activation_bytes=acts)
@@ -379,6 +454,8 @@ def run(args: argparse.Namespace) -> int:
               f"`pyinfinity plan {'--model CONFIG' if args.model else f'--model-size {args.model_size}'} "
               "--nvme DIR --save-rates rates.json` and pass --rates rates.json here")
     print(placement.table())
+    print(throughput_line(sizes.numel, cfg.train_micro_batch_size_per_gpu * args.seq_len
+                          * cfg.gradient_accumulation_steps, placement.predicted.total, dev if here else None))
     if cores and not args.cpu_cores:
         print(f"  note: the target's CPU cores are assumed ({cores}; pass --cpu-cores N): they set its Adam rate, "
               "and the config leaves pyinfinity.optimizer_threads \"auto\" (every CPU there)")

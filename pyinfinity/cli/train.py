@@ -14,7 +14,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from pyinfinity.cli.train_args import add_arguments, check_arguments, engine_config, exported_line, mean, resume_status
+from pyinfinity.cli.train_args import (add_arguments, apply_tokens_per_step, check_arguments, engine_config, exported_line,
+                                       mean, resume_status)
 from pyinfinity.presets import preset
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     cfg, device = engine_config(args)
     mcfg = llama_config(args)
+    apply_tokens_per_step(args, cfg, device, {**mcfg.to_dict(), "model_type": "llama"})
     t0 = time.perf_counter()
     with pyinfinity.init_empty(cfg):
         model = LlamaForCausalLM(mcfg)

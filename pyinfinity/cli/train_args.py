@@ -61,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=256, help="sequence length (bytes, or tokens with --model; default 256)")
     p.add_argument("--batch", type=int, help="micro-batch size (default 4)")
     p.add_argument("--grad-accum", type=int, help="gradient accumulation steps (default 1)")
+    p.add_argument("--tokens-per-step", type=int, metavar="N",
+                   help="tokens an optimizer step: the planner chooses the micro-batch (the one it predicts fastest "
+                        "among those that fit the device beside the placement, the larger among ties), the "
+                        "accumulation (N / (micro-batch x --seq), rounded up: the run says when it does not divide) "
+                        "and activation checkpointing, keeping whichever of --batch, --grad-accum and "
+                        "--checkpoint-activations you give (--batch and --grad-accum together must multiply out to N)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-4)")
     p.add_argument("--clip", type=float, metavar="NORM",
                    help="gradient clipping to this global norm (default 1.0; 0: off, which lets the optimizer step "
@@ -83,8 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="swap directory (repeat to stripe over several drives); created if missing, with a "
                         "warning naming its filesystem, and removed at the end")
     p.add_argument("--device", help="compute device: cpu, cuda, cuda:N or auto (default: cuda when present)")
-    p.add_argument("--gpu-memory", "--device-memory", dest="device_memory",
-                   help="device memory budget, e.g. 8GiB (default auto: measured)")
+    p.add_argument("--gpu-memory", "--device-memory", dest="device_memory", metavar="SIZE|none",
+                   help="device memory budget, e.g. 8GiB; none (the default) = the whole device (its free memory, "
+                        "measured)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"],
                    help="compute dtype (default auto: bf16 on a GPU, fp32 on the CPU; with --lora/--adapter each "
                         "parameter's own, as PEFT trains: the frozen base in the checkpoint's dtype, the adapters "
@@ -218,6 +225,23 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
                              ("--save-every", args.save_every, 0), ("--eval-every", args.eval_every, 0)):
         if value < low:
             raise UsageError(f"{flag}: {value} must be >= {low}")
+    if "device_memory" in args.given:
+        from pyinfinity.config import ConfigError, device_budget
+
+        try:
+            device_budget(args.device_memory, "--gpu-memory")
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+    tps = getattr(args, "tokens_per_step", None)
+    if tps is not None:
+        from pyinfinity.plan.step_shape import step_shape_refusal
+
+        if tps < 1:
+            raise UsageError(f"--tokens-per-step: {tps} must be >= 1")
+        why = step_shape_refusal(tps, args.seq, args.batch if "batch" in args.given else None,
+                                 args.grad_accum if "grad_accum" in args.given else None)
+        if why:
+            raise UsageError(why)
     if args.stop_after is not None and args.stop_after < 1:
         raise UsageError(f"--stop-after: {args.stop_after} must be >= 1")
     if args.clip < 0:
@@ -476,6 +500,32 @@ def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
     args.batch = int(cfg.get("train_micro_batch_size_per_gpu") or args.batch)
     args.grad_accum = gas
     return cfg, device
+
+
+def apply_tokens_per_step(args: argparse.Namespace, cfg: dict, device: str, model: Any) -> None:
+    """With --tokens-per-step: the micro-batch, accumulation and checkpointing the planner chooses
+    for ``model`` (a module, or a transformers config dict) under ``cfg`` on ``device``
+    (``plan.step_shape.plan_step_shape``), written into ``cfg`` and ``args``, and logged."""
+    tokens = getattr(args, "tokens_per_step", None)
+    if tokens is None:
+        return
+    from pyinfinity.layout.charges import PlanError
+    from pyinfinity.plan.step_shape import plan_step_shape
+
+    given = args.given
+    try:
+        shape = plan_step_shape(cfg, model, device, tokens, args.seq,
+                                micro_batch=args.batch if "batch" in given else None,
+                                grad_accum=args.grad_accum if "grad_accum" in given else None,
+                                checkpointing=True if args.checkpoint_activations else None)
+    except PlanError as exc:
+        raise UsageError(f"--tokens-per-step {tokens}: {exc}") from None
+    cfg["train_micro_batch_size_per_gpu"] = args.batch = shape.micro_batch
+    cfg["gradient_accumulation_steps"] = args.grad_accum = shape.grad_accum
+    cfg.pop("train_batch_size", None)
+    args.checkpoint_activations = shape.checkpointing
+    logging.getLogger(__name__).info("--tokens-per-step %d: %s (%s)", tokens, shape.describe(),
+                                     shape.placement.predicted.breakdown() if shape.placement else "")
 
 
 def config_overrides(file_cfg: dict, flag_cfg: dict, given: set) -> list[str]:

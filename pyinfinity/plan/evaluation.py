@@ -12,7 +12,9 @@ The step-time model (one optimizer step = ``grad_accum`` micro-batches, then the
     compute; gradients leave the device and are accumulated in fp32 on the host by a worker
     thread (overlapping the GPU's backward; on the CPU device it adds to the compute).
     With prefetch: max(compute [+ copies on the CPU device], copies, disk) + one shard's latency;
-    without prefetch: the sum.
+    without prefetch: the sum. Under accumulation the adds into device accumulators are compute
+    too (the gradient and the fp32 sum streamed at DEVICE_ADD_RATE): with every unit resident and
+    N micro-batches the step is N x that compute, then what of the optimizer nothing hides.
   * optimizer: the global gradient norm (from per-unit norms taken as the gradients were made,
     under accumulation by the boundary micro-batch's adds), the one-pass Adam kernel over every
     parameter the CPU steps at the measured rate of the optimizer state's format's kernel (which
@@ -60,6 +62,9 @@ BACKWARD_SHARE = {False: 2 / 3, True: 3 / 4}
 # as a share of its matmul time: the matmul-only prediction was 0.76-0.80x the measured step at
 # 1.1B and 7B on an H200 (BENCHMARKS.md), where the step is compute-bound
 ELEMENTWISE_SHARE = 0.25
+# device-memory bytes/s at which a device accumulator's add streams (the gradient read, the fp32 sum
+# read and written, on the compute stream in every micro-batch): an HBM GPU's, not probed
+DEVICE_ADD_RATE = 2e12
 
 
 @dataclass
@@ -391,6 +396,8 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     accumulate = adds + len(sizes.shard_numels) * rates.shard_overhead
     overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
     latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
+    if cuda and g > 1:  # the device accumulators' adds run on the compute stream, every micro-batch
+        compute += _div(device_accumulated * (isz + 2 * GRAD_BYTES_PER_PARAM), DEVICE_ADD_RATE)
     if cuda:
         # copies run on the swap stream, host accumulation in the grad hooks: both overlap the
         # GPU's compute; without prefetch every fetch (disk read, then H2D) is waited for
@@ -465,4 +472,4 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
 
 __all__ = ["StepTime", "Placement", "evaluate", "predict", "on_cuda", "flops_compute", "train_at_seq_len",
-           "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]
+           "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE", "DEVICE_ADD_RATE"]

@@ -5,6 +5,7 @@ Plain data, importable without torch (the command line's help lists it);
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,27 @@ DEFAULT_DISK = "nvme-gen4"
 DEFAULT_GPU_MATMUL = 100e12
 """FLOP/s assumed for a GPU that is not on this machine when no ``--tflops`` is given (a mid-range
 data-center GPU's sustained bf16 matmul); the plan names it as an assumption."""
+
+BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 80GB HBM3", 989e12),  # the H100 SXM as CUDA names it
+    ("H100 SXM", 989e12),
+    ("A100", 312e12),
+)
+"""Dense bf16 matmul peak (FLOP/s) by a piece of the device's CUDA name, for the model FLOPs
+utilisation ``plan`` prints; a device not listed gets none."""
+
+
+def bf16_peak(device_name: str) -> Optional[float]:
+    """The dense bf16 peak of the device named ``device_name`` (``torch.cuda.get_device_name``), or
+    None when :data:`BF16_PEAKS` does not list it."""
+    for piece, peak in BF16_PEAKS:
+        if piece.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def model_flops_utilisation(params: int, tokens_per_second: float, peak: float) -> float:
+    """6 x parameters x tokens/s over the device's peak: the share of the peak a step's model FLOPs
+    (forward and backward, no recompute, no attention scores) would use."""
+    return 6.0 * params * tokens_per_second / peak

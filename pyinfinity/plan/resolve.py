@@ -104,6 +104,16 @@ def _train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> Train
                       optimizer_state=cfg.optimizer_state_format)
 
 
+def planned_train_shape(cfg: Any, seq_len: Optional[int], checkpointing: bool) -> TrainShape:
+    """The training shape the planner plans a parsed config for (what ``plan_engine_config`` uses)."""
+    return _train_shape(cfg, seq_len, checkpointing)
+
+
+def planned_fixed(cfg: Any) -> Fixed:
+    """The placement knobs a parsed config fixes (the rest are the planner's)."""
+    return _fixed_from(cfg, None)[0]
+
+
 def compute_dtype(cfg: Any) -> Optional[torch.dtype]:
     """The dtype a config trains in: fp16 or bf16 when enabled, else None (the model's own)."""
     if cfg.fp16.enabled:
@@ -524,4 +534,4 @@ def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
 
 __all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config",
            "Decision", "DEFAULT_SEQ_LEN", "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads",
-           "measured_compute", "run_dtype"]
+           "measured_compute", "run_dtype", "planned_train_shape", "planned_fixed"]

@@ -708,3 +708,18 @@ def test_deepspeed_zero3_trains_the_same_peft_model_on_the_cpu(tmp_path):
     assert r["ok"], r
     assert r["config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert r["lora"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_torch_fp32master_trains_fp32_weights_under_bf16_autocast_beside_torch_nocap(tmp_path):
+    """torch-fp32master keeps the weights, gradients and AdamW state in fp32 and computes in the
+    run's bf16 under autocast: its first loss (same model, same data) is torch-nocap's to bf16's
+    precision, and the run sets no cap."""
+    out = tmp_path / "bt.json"
+    p = _cli(*TINY, "--no-trace", "--dtype", "bf16", "--systems", "torch-nocap,torch-fp32master", "--nvme",
+             str(tmp_path / "swap"), "--json", str(out), "--log-dir", str(tmp_path / "logs"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = {r["system"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["torch-fp32master"]["ok"] and runs["torch-nocap"]["ok"], runs
+    assert runs["torch-fp32master"]["param_dtypes"] == ["float32"] and runs["torch-nocap"]["param_dtypes"] == ["bfloat16"]
+    a, b = runs["torch-fp32master"]["steps"][0]["loss"], runs["torch-nocap"]["steps"][0]["loss"]
+    assert a == pytest.approx(b, rel=2e-2)
