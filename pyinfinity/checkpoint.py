@@ -62,11 +62,14 @@ CHECKPOINT_INFLIGHT = 1 << 30  # bytes of checkpoint copies in flight to the dis
 
 
 def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
-         client_state: Optional[dict] = None, *, base: Optional[dict] = None) -> str:
+         client_state: Optional[dict] = None, *, base: Optional[dict] = None, keep_last: Optional[int] = None) -> str:
     """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
     written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
     ``base``: the identity of the pretrained weights the frozen shards hold unchanged (a LoRA
-    run's base model, ``WeightLoader.identity``): recorded instead of the frozen shards' values."""
+    run's base model, ``WeightLoader.identity``): recorded instead of the frozen shards' values.
+    ``keep_last``: once this checkpoint is durable, only the newest ``keep_last`` checkpoints of
+    ``save_dir`` stay (``rotate``); None keeps every one."""
+    check_keep_last(keep_last)
     state.check_not_in_pass("save_checkpoint()")
     state.check_trainable("save_checkpoint()")
     state.quiesce("save_checkpoint()")
@@ -96,7 +99,66 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
         raise
     fsync_path(save_dir)
     log.info("checkpoint saved: %s (%s)", final, format_size(offset))
+    if keep_last is not None:  # only now: the new checkpoint is complete, fsynced and named by latest
+        rotate(save_dir, keep_last)
     return final
+
+
+def check_keep_last(keep_last: Optional[int]) -> None:
+    """``keep_last`` is None (keep every checkpoint) or an integer >= 1."""
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last: expected None or an integer >= 1 (the checkpoints kept), got {keep_last!r}")
+
+
+def complete_checkpoints(save_dir: str) -> list[str]:
+    """The tags of ``save_dir``'s complete checkpoints, oldest first: directories holding
+    ``checksums.json`` (written last, fsynced: its presence says the checkpoint is whole), in the
+    order they were completed (its modification time; the tag breaks a tie). Half-written saves
+    (``.<tag>.tmp-<pid>``), version-1 checkpoints and anything else in the directory are not listed."""
+    found = []
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if name.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            done = os.stat(os.path.join(path, CHECKSUMS_NAME)).st_mtime_ns
+        except OSError:  # not a checkpoint, or removed meanwhile
+            continue
+        found.append((done, name))
+    return [name for _, name in sorted(found)]
+
+
+def rotate(save_dir: str, keep_last: int) -> list[str]:
+    """Removes the oldest complete checkpoints of ``save_dir`` until ``keep_last`` remain
+    (Trainer's ``save_total_limit``); the one ``latest`` names is never removed. Each goes by a
+    rename to a half-written save's name (``.<tag>.tmp-<pid>``), fsynced, then its files: a crash
+    part-way leaves a name the next save's cleanup removes, never a partial checkpoint under its
+    tag. Every checkpoint is a copy of its own, so removing one (here, or by an ``rmtree`` of its
+    folder from outside) changes neither the live state nor another checkpoint. Returns the
+    removed paths."""
+    check_keep_last(keep_last)
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            newest = f.read().strip()
+    except OSError:
+        newest = None
+    complete = complete_checkpoints(save_dir)
+    tags = [t for t in complete if t != newest]
+    excess = tags[:max(0, len(tags) - (keep_last - (newest in complete)))]
+    removed = []
+    for tag in excess:
+        path = os.path.join(save_dir, tag)
+        doomed = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
+        shutil.rmtree(doomed, ignore_errors=True)
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:  # removed from outside meanwhile
+            continue
+        fsync_path(save_dir)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+        log.info("checkpoint removed (keep_last=%d): %s", keep_last, path)
+    return removed
 
 
 def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict], base: Optional[dict]) -> int:

@@ -582,12 +582,17 @@ class Engine:
 
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None) -> str:
+                        client_state: Optional[dict] = None, *, keep_last: Optional[int] = None) -> str:
         """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
         written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
         Frozen parameters that all came from the pretrained weights (a LoRA run's base) are not
-        written: the checkpoint records the weights' identity, which a load checks."""
-        return checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity())
+        written: the checkpoint records the weights' identity, which a load checks. ``keep_last``
+        (default: the config's ``pyinfinity.checkpoint_keep_last``): once the new checkpoint is
+        durable, the oldest of ``save_dir`` are removed until that many remain."""
+        if keep_last is None:
+            keep_last = self.config.pyinfinity.checkpoint_keep_last
+        return checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity(),
+                               keep_last=keep_last)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *,
                         convert_optimizer_state: bool = False) -> tuple[str, dict]:

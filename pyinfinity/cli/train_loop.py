@@ -1,7 +1,7 @@
 """The training loop both runs of `pyinfinity train` drive (the built-in corpus, ``train.py``; a
 model directory and your data, ``finetune.py``): --resume, --steps, --stop-after, --save-every,
---save, the progress bar. A run gives its data as a ``Batches``; everything a flag does to the
-loop happens here once, so a flag both runs accept behaves the same in both."""
+--save-total-limit, --save, the progress bar. A run gives its data as a ``Batches``; everything a
+flag does to the loop happens here once, so a flag both runs accept behaves the same in both."""
 from __future__ import annotations
 
 import argparse
@@ -60,8 +60,10 @@ def check_resume_flags(path: str, client: dict, args: argparse.Namespace) -> Non
 
 
 def save(engine: Any, args: argparse.Namespace, data: Batches) -> str:
-    """A checkpoint in --save with the data position and the run's flags."""
-    return engine.save_checkpoint(args.save, client_state={**data.state(), "flags": run_flags(args)})
+    """A checkpoint in --save with the data position and the run's flags; --save-total-limit's
+    oldest removed once it is durable."""
+    return engine.save_checkpoint(args.save, client_state={**data.state(), "flags": run_flags(args)},
+                                  keep_last=args.save_total_limit)
 
 
 def resume(engine: Any, args: argparse.Namespace, data: Batches, resume_dir: str, resume_tag: Optional[str]) -> None:

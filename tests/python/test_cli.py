@@ -43,6 +43,15 @@ def test_a_negative_batch_is_one_line():
     assert_one_line_user_error(cli(*TRAIN[:-2], "--batch", "-4"), "--batch", "-4")
 
 
+@pytest.mark.parametrize("flags, needles", [
+    (["--save", "ck", "--save-total-limit", "0"], ("--save-total-limit", "0", ">= 1")),
+    (["--save-total-limit", "2"], ("--save-total-limit", "needs --save")),
+])
+def test_a_bad_save_total_limit_is_one_line(flags, needles, tmp_path):
+    assert_one_line_user_error(cli(*TRAIN, *[str(tmp_path / f) if f == "ck" else f for f in flags]), *needles)
+    assert not (tmp_path / "ck").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_device_this_machine_lacks_is_one_line():
     last = assert_one_line_user_error(cli(*[a if a != "cpu" else "cuda" for a in TRAIN]), "--device", "cuda")
