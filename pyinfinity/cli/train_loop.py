@@ -1,7 +1,8 @@
 """The training loop both runs of `pyinfinity train` drive (the built-in corpus, ``train.py``; a
 model directory and your data, ``finetune.py``): --resume, --steps, --stop-after, --save-every,
---save-total-limit, --save, the progress bar. A run gives its data as a ``Batches``; everything a
-flag does to the loop happens here once, so a flag both runs accept behaves the same in both."""
+--blocking-saves, --save-total-limit, --save, the progress bar. A run gives its data as a
+``Batches``; everything a flag does to the loop happens here once, so a flag both runs accept
+behaves the same in both."""
 from __future__ import annotations
 
 import argparse
@@ -59,11 +60,17 @@ def check_resume_flags(path: str, client: dict, args: argparse.Namespace) -> Non
                          "the same flags (a new run: leave out --resume)")
 
 
-def save(engine: Any, args: argparse.Namespace, data: Batches) -> str:
+def save(engine: Any, args: argparse.Namespace, data: Batches, *, blocking: bool = True) -> str:
     """A checkpoint in --save with the data position and the run's flags; --save-total-limit's
-    oldest removed once it is durable."""
-    return engine.save_checkpoint(args.save, client_state={**data.state(), "flags": run_flags(args)},
-                                  keep_last=args.save_total_limit)
+    oldest removed once it is durable. ``blocking=False``: written in the background (the engine
+    waits for it at the next save and at close)."""
+    t0 = time.perf_counter()
+    path = engine.save_checkpoint(args.save, client_state={**data.state(), "flags": run_flags(args)},
+                                  keep_last=args.save_total_limit, blocking=blocking)
+    if not blocking:
+        log.info("checkpoint %s: writing in the background (training stopped %.3f s for it)", path,
+                 time.perf_counter() - t0)
+    return path
 
 
 def resume(engine: Any, args: argparse.Namespace, data: Batches, resume_dir: str, resume_tag: Optional[str]) -> None:
@@ -110,7 +117,7 @@ def train(engine: Any, args: argparse.Namespace, data: Batches,
             if after_step is not None:
                 after_step(rec)
             if args.save_every and engine.global_steps % args.save_every == 0 and engine.global_steps < args.steps:
-                save(engine, args, data)
+                save(engine, args, data, blocking=args.blocking_saves)
             t_step, tokens = time.perf_counter(), 0
     finally:
         bar.close()

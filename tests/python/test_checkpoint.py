@@ -124,3 +124,145 @@ def test_a_bad_keep_last_is_refused_before_anything_is_written(bad, tiny_lm, eng
     cfg["pyinfinity"]["checkpoint_keep_last"] = 0
     with pytest.raises(ConfigError, match="pyinfinity.checkpoint_keep_last"):
         pyinfinity.initialize(tiny_lm(), cfg)
+
+
+# ----------------------------------------------------------------------------------- background saves
+
+
+@pytest.fixture
+def held_writer(monkeypatch):
+    """Background saves' writers wait for ``release.set()`` before they copy or write anything
+    (training goes on meanwhile: every step then takes its shard's copy itself)."""
+    import threading
+
+    from pyinfinity import checkpoint
+
+    release = threading.Event()
+    run = checkpoint.CheckpointWrite.run
+
+    def held(self):
+        if self._thread is not None:
+            release.wait(60)
+        run(self)
+    monkeypatch.setattr(checkpoint.CheckpointWrite, "run", held)
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_STAGING", 4096)  # a shard at a time: the steps wait for room
+    yield release
+    release.set()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(tier, tiny_lm, lm_batches,
+                                                                              engine_config, tmp_path, held_writer):
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), engine_config(tier)) as eng:
+        losses = train_steps(eng, batches[:1])
+        eng.save_checkpoint(str(ckpt))
+        losses += train_steps(eng, batches[1:2])
+        path = eng.save_checkpoint(str(ckpt), blocking=False)
+        assert path == str(ckpt / "global_step2")
+        assert (ckpt / "latest").read_text() == "global_step1"  # not before it is complete
+        assert not os.path.exists(path)
+        losses += train_steps(eng, batches[2:4])  # every shard's copy taken by its step, before updating it
+        held_writer.set()
+        write = eng.wait_for_checkpoint()
+        assert write.copied_by_step == len(eng.optimizer.states) > 1
+        assert (ckpt / "latest").read_text() == "global_step2"
+        losses += train_steps(eng, batches[4:])
+    assert _resumed_losses(tiny_lm, engine_config, batches, ckpt) == (2, losses[2:])
+
+
+def test_a_background_save_the_writer_copies_alone_equals_a_blocking_save(tiny_lm, lm_batches, engine_config,
+                                                                          tmp_path):
+    import json
+
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(2))
+        eng.save_checkpoint(str(tmp_path / "a"))
+        eng.save_checkpoint(str(tmp_path / "b"), blocking=False)
+        eng.wait_for_checkpoint()
+    a, b = tmp_path / "a" / "global_step2", tmp_path / "b" / "global_step2"
+    assert (a / "state.bin").read_bytes() == (b / "state.bin").read_bytes()
+    assert json.loads((a / "meta.json").read_text()) == json.loads((b / "meta.json").read_text())
+
+
+def test_a_background_save_failure_is_raised_at_the_next_call_and_latest_stays(tiny_lm, lm_batches,
+                                                                                engine_config, tmp_path,
+                                                                                monkeypatch, held_writer):
+    ckpt = tmp_path / "ckpt"
+    real_open = os.open
+
+    def open_full(path, flags, *args, **kw):
+        if str(path).endswith("meta.json") and flags & os.O_WRONLY:
+            return real_open("/dev/full", os.O_WRONLY)
+        return real_open(path, flags, *args, **kw)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        batches = lm_batches(3)
+        train_steps(eng, batches[:1])
+        eng.save_checkpoint(str(ckpt))
+        train_steps(eng, batches[1:2])
+        monkeypatch.setattr(os, "open", open_full)
+        eng.save_checkpoint(str(ckpt), blocking=False, keep_last=1)
+        train_steps(eng, batches[2:])  # training is not disturbed by the failing write
+        held_writer.set()
+        with pytest.raises(OSError, match=r"save_checkpoint\(\): the checkpoint .*global_step2 was not saved "
+                                          r"\(No space left on device: writing checkpoint file meta\.json .*\); latest still names "
+                                          r"the previous one") as ei:
+            eng.save_checkpoint(str(ckpt), blocking=False)
+        monkeypatch.undo()
+        assert ei.value.errno == 28
+        assert _listing(ckpt) == ["global_step1", "latest"]  # the half-written one is gone, nothing rotated
+        assert (ckpt / "latest").read_text() == "global_step1"
+        assert eng.wait_for_checkpoint() is None  # raised once
+        eng.save_checkpoint(str(ckpt), blocking=False)
+    assert _listing(ckpt) == ["global_step1", "global_step3", "latest"]  # close() waited for it
+
+
+@pytest.mark.parametrize("call", ["close", "export", "load_checkpoint"])
+def test_close_export_and_load_wait_for_a_background_save(call, tiny_lm, lm_batches, engine_config, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    eng = pyinfinity.initialize(tiny_lm(), engine_config("nvme"))
+    try:
+        train_steps(eng, lm_batches(1))
+        eng.save_checkpoint(str(ckpt), blocking=False)
+        if call == "close":
+            eng.close()
+        elif call == "export":
+            eng.export(str(tmp_path / "out"))
+        else:
+            eng.load_checkpoint(str(ckpt))
+        assert (ckpt / "latest").read_text() == "global_step1"
+        assert _listing(ckpt) == ["global_step1", "latest"]
+    finally:
+        eng.close()
+
+
+def test_ctrl_c_interrupts_a_wait_for_a_background_save_within_a_tenth_of_a_second(tiny_lm, lm_batches,
+                                                                                    engine_config, tmp_path,
+                                                                                    held_writer):
+    import signal
+    import threading
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    sent = []
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+            train_steps(eng, lm_batches(1))
+            eng.save_checkpoint(str(ckpt), blocking=False)
+            timer = threading.Timer(0.3, lambda: (sent.append(time.perf_counter()), os.kill(os.getpid(),
+                                                                                              signal.SIGINT)))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                eng.wait_for_checkpoint()
+            late = time.perf_counter() - sent[0]
+            assert late < 0.1 + 0.05, late
+            held_writer.set()  # the write went on: the next wait finds it complete
+            assert eng.wait_for_checkpoint().path == str(ckpt / "global_step1")
+            assert (ckpt / "latest").read_text() == "global_step1"
+    finally:
+        signal.signal(signal.SIGINT, old)

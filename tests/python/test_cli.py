@@ -46,6 +46,7 @@ def test_a_negative_batch_is_one_line():
 @pytest.mark.parametrize("flags, needles", [
     (["--save", "ck", "--save-total-limit", "0"], ("--save-total-limit", "0", ">= 1")),
     (["--save-total-limit", "2"], ("--save-total-limit", "needs --save")),
+    (["--save", "ck", "--blocking-saves"], ("--blocking-saves", "needs --save-every")),
 ])
 def test_a_bad_save_total_limit_is_one_line(flags, needles, tmp_path):
     assert_one_line_user_error(cli(*TRAIN, *[str(tmp_path / f) if f == "ck" else f for f in flags]), *needles)
@@ -117,6 +118,7 @@ def test_resume_continues_the_same_run(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "\r" not in whole.stderr  # tqdm is off when stderr is a pipe or a file
     assert sorted(os.listdir(tmp_path / "ck")) == ["global_step3", "global_step6", "latest"]
+    assert "checkpoint " + str(tmp_path / "ck" / "global_step3") + ": writing in the background" in whole.stderr
     resumed = cli(*common, "--resume", str(tmp_path / "ck" / "global_step3"), "--json", str(tmp_path / "b.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed" in resumed.stderr

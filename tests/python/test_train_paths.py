@@ -37,6 +37,7 @@ CHECKED_BY = {
     "checkpoint_activations": "the model's gradient_checkpointing_enable", "no_prefetch": "the config",
     "seed": "the resume refusal", "save": "the checkpoints", "save_every": "the checkpoints",
     "save_total_limit": "the checkpoints the resumed run leaves",
+    "blocking_saves": "the first run's log (test_cli.py: the background default)",
     "resume": "the resumed run", "resume_convert": "the resumed run", "export": "the exported files",
     # read by train.run before either path is built (the schedule check), tested in test_cli.py
     "resume_reschedule": "test_cli.py's resume tests",
@@ -127,11 +128,13 @@ def test_every_flag_both_runs_accept_behaves_the_same_in_each(run, model_and_dat
               "--nvme", str(swap), "--offload-optimizer", "cpu", "--optimizer-nvme-ratio", "0.5",
               "--optimizer-step", "cpu", "--device", "cpu", "--gpu-memory", "64MiB", "--dtype", "fp32",
               "--checkpoint-activations", "--no-prefetch", "--seed", "3", "--save", str(ck), "--save-total-limit", "2"]
-    rc, err = _run_on_a_terminal([*common, "--optimizer-state", "fp32", "--save-every", "2", "--stop-after", "3",
+    rc, err = _run_on_a_terminal([*common, "--optimizer-state", "fp32", "--save-every", "2", "--blocking-saves",
+                                  "--stop-after", "3",
                                   "--export", str(ex), "--json", str(tmp_path / "a.json"), "--no-progress"])
     assert rc == 0, err[-3000:]
     assert "gradient checkpointing enabled" in err
     assert not BAR.search(err)  # --no-progress: no bar on the terminal
+    assert "writing in the background" not in err  # --blocking-saves
     a = json.loads((tmp_path / "a.json").read_text())
     c = a["config"]
     assert c["optimizer"]["params"]["betas"] == [0.8, 0.9] and c["optimizer"]["params"]["lr"] == 1e-3
