@@ -128,6 +128,7 @@ class CheckpointWrite:
         self.failure: Optional[BaseException] = None
         self.blocked_s = 0.0  # time the training thread spent in this save (fixing the point, waits)
         self.copied_by_step = 0  # shard copies a step took before updating the shard
+        self.seconds: Optional[float] = None  # from this save's start to latest moved (once complete)
         self._t0 = time.perf_counter()
         self._data_path = os.path.join(tmp, "state.bin")
         self._io = state.checkpoint_io()

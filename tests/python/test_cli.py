@@ -122,6 +122,9 @@ def test_resume_continues_the_same_run(tmp_path):
     resumed = cli(*common, "--resume", str(tmp_path / "ck" / "global_step3"), "--json", str(tmp_path / "b.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed" in resumed.stderr
+    saves = json.loads((tmp_path / "a.json").read_text())["saves"]  # --save-every's, in the background
+    assert [(s["step"], s["background"]) for s in saves] == [(3, True)]
+    assert saves[0]["bytes"] > 0 and saves[0]["total_s"] > 0 and saves[0]["blocked_s"] >= saves[0]["call_s"]
     a = json.loads((tmp_path / "a.json").read_text())["steps"]
     b = json.loads((tmp_path / "b.json").read_text())["steps"]
     assert [s["step"] for s in b] == [s["step"] for s in a[3:]] and len(b) == 3
