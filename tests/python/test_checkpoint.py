@@ -150,12 +150,23 @@ def held_writer(monkeypatch):
     release.set()
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(tier, tiny_lm, lm_batches,
+@pytest.mark.parametrize("tier, state", [("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "8bit"), ("cpu", "overlap")])
+def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(tier, state, tiny_lm, lm_batches,
                                                                               engine_config, tmp_path, held_writer):
+    """Each step after the save reaches every shard before the (held) writer: each takes its
+    shard's copy first, in the serial step, in the background worker (overlap_step, shards
+    stepped during backward) and from an 8-bit state."""
     ckpt = tmp_path / "ckpt"
     batches = lm_batches(STEPS)
-    with pyinfinity.initialize(tiny_lm(), engine_config(tier)) as eng:
+
+    def config(tier):
+        cfg = engine_config(tier)
+        if state == "8bit":
+            cfg["pyinfinity"]["optimizer_state"] = "8bit"
+        if state == "overlap":
+            cfg["pyinfinity"]["overlap_step"] = True
+        return cfg
+    with pyinfinity.initialize(tiny_lm(), config(tier)) as eng:
         losses = train_steps(eng, batches[:1])
         eng.save_checkpoint(str(ckpt))
         losses += train_steps(eng, batches[1:2])
@@ -169,7 +180,7 @@ def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(ti
         assert write.copied_by_step == len(eng.optimizer.states) > 1
         assert (ckpt / "latest").read_text() == "global_step2"
         losses += train_steps(eng, batches[4:])
-    assert _resumed_losses(tiny_lm, engine_config, batches, ckpt) == (2, losses[2:])
+    assert _resumed_losses(tiny_lm, config, batches, ckpt) == (2, losses[2:])
 
 
 def test_a_background_save_the_writer_copies_alone_equals_a_blocking_save(tiny_lm, lm_batches, engine_config,
