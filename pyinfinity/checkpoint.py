@@ -61,7 +61,7 @@ CHECKPOINT_VERSION = 4  # 4: "base" with every tensor's CRC-32C; 3: "base"; 2: c
 CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
-CHECKPOINT_STAGING = 1 << 30  # bytes of shard copies taken and not yet written, at most (one shard more)
+CHECKPOINT_STAGING = 1 << 30  # bytes of shard copies taken and not yet written, at most (or one larger shard)
 WAIT_SLICE_S = 0.1  # a wait for a background save wakes this often (Ctrl-C arrives within one)
 
 
@@ -204,6 +204,7 @@ class CheckpointWrite:
             self._drop_hook()
             for e, sh in self._params:
                 with self._lock:
+                    self._make_room(e["nbytes"])
                     self._submit(e, self.state.param_values(sh))
             with self._lock:
                 while self._inflight:
@@ -249,17 +250,21 @@ class CheckpointWrite:
 
     def _take(self, e: dict, st: Any, flat: torch.Tensor) -> None:
         """The copy of one shard's state (under the lock): into staging, then written."""
+        self._make_room(e["nbytes"])
         data = self.state.optimizer.format.save(flat, st.numel)
         buf = aligned_empty(data.numel(), data.dtype)
         buf.copy_(data)
         self._pending.discard(e["shard"])
         self._submit(e, buf)
 
-    def _submit(self, e: dict, buf: torch.Tensor) -> None:
-        n = buf.numel() * buf.element_size()
-        e["crc32c"] = _crc32c(buf)
+    def _make_room(self, n: int) -> None:
+        """Waits (under the lock) until a copy of ``n`` bytes fits the staging budget beside the
+        copies still being written (or none is): the oldest copy's write first."""
         while self._inflight and sum(b.numel() * b.element_size() for _, b in self._inflight) + n > CHECKPOINT_STAGING:
-            self._inflight.popleft()[0].wait()  # staging full: the oldest copy's write first
+            self._inflight.popleft()[0].wait()
+
+    def _submit(self, e: dict, buf: torch.Tensor) -> None:
+        e["crc32c"] = _crc32c(buf)
         self._inflight.append((self._io.write(buf, self._data_path, e["offset"]), buf))
 
     def _complete(self) -> None:
