@@ -1,8 +1,8 @@
 """What checkpoints cost a run: the same `pyinfinity train` run three ways, each in its own
 interpreter: without saves, with `--save-every K --save-total-limit L` in the background (the
 default), and the same with `--blocking-saves`. Llama 1.1B (TinyLlama's shape) in fp32 with the
-fp32 optimizer state under an 8 GiB device cap by default; `--model-size tiny --device cpu` checks
-the script end to end on a CPU.
+fp32 optimizer state, 4 x 1024 tokens a step with activation checkpointing, under an 8 GiB device
+cap by default; `--model-size tiny --device cpu` checks the script end to end on a CPU.
 
     python examples/ckpt_bench.py --out ckpt_bench.json
 
@@ -35,7 +35,8 @@ def run_way(way: str, args: argparse.Namespace, work: Path) -> dict:
     out, save = work / f"{slug}.json", work / f"ckpt-{slug}"
     cmd = [sys.executable, "-m", "pyinfinity", "train", "--model-size", args.model_size, "--steps", str(args.steps),
            "--seq", str(args.seq), "--batch", str(args.batch), "--dtype", "fp32", "--optimizer-state", "fp32",
-           "--device", args.device, "--gpu-memory", args.gpu_memory, "--no-progress", "--json", str(out)]
+           "--device", args.device, "--gpu-memory", args.gpu_memory, "--checkpoint-activations", "--no-progress",
+           "--json", str(out)]
     if args.nvme:
         cmd += ["--nvme", args.nvme]
     if way != "no saves":
