@@ -99,7 +99,9 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
         raise
     if blocking:
         write.run()
-        write.raise_failure()
+        exc, write.failure = write.failure, None
+        if exc is not None:  # as it came (ENOSPC naming the file, Ctrl-C): nothing of this save stayed behind
+            raise exc
     else:
         write.start()
     return write
@@ -315,6 +317,8 @@ class CheckpointWrite:
         exc, self.failure = self.failure, None
         if exc is None:
             return
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit in the writer: as they came
+            raise exc
         if isinstance(exc, OSError):
             raise OSError(exc.errno, f"{what}: the checkpoint {self.path} was not saved ({exc.strerror}); "
                           "latest still names the previous one", exc.filename) from exc

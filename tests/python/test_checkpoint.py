@@ -277,3 +277,21 @@ def test_ctrl_c_interrupts_a_wait_for_a_background_save_within_a_tenth_of_a_seco
             assert (ckpt / "latest").read_text() == "global_step1"
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_during_a_blocking_save_is_a_keyboard_interrupt_and_leaves_nothing(tiny_lm, lm_batches,
+                                                                                  engine_config, tmp_path,
+                                                                                  monkeypatch):
+    from pyinfinity import checkpoint
+
+    def interrupted(buf):
+        raise KeyboardInterrupt
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        monkeypatch.setattr(checkpoint, "_crc32c", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            eng.save_checkpoint(str(tmp_path / "ckpt"))
+        monkeypatch.undo()
+        assert _listing(tmp_path / "ckpt") == []
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    assert _listing(tmp_path / "ckpt") == ["global_step1", "latest"]
