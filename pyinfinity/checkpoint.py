@@ -26,6 +26,7 @@ metadata key against the engine follow one format's rules, kept in one place."""
 from __future__ import annotations
 
 import collections
+import copy
 import errno
 import io as _io
 import json
@@ -33,6 +34,8 @@ import math
 import logging
 import os
 import shutil
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -58,15 +61,23 @@ CHECKPOINT_VERSION = 4  # 4: "base" with every tensor's CRC-32C; 3: "base"; 2: c
 CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
-CHECKPOINT_INFLIGHT = 1 << 30  # bytes of checkpoint copies in flight to the disk at most
+CHECKPOINT_STAGING = 1 << 30  # bytes of shard copies taken and not yet written, at most (or one larger shard)
+WAIT_SLICE_S = 0.1  # a wait for a background save wakes this often (Ctrl-C arrives within one)
 
 
 def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
-         client_state: Optional[dict] = None, *, base: Optional[dict] = None) -> str:
+         client_state: Optional[dict] = None, *, base: Optional[dict] = None, keep_last: Optional[int] = None,
+         blocking: bool = True) -> "CheckpointWrite":
     """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
     written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
     ``base``: the identity of the pretrained weights the frozen shards hold unchanged (a LoRA
-    run's base model, ``WeightLoader.identity``): recorded instead of the frozen shards' values."""
+    run's base model, ``WeightLoader.identity``): recorded instead of the frozen shards' values.
+    ``keep_last``: once this checkpoint is durable, only the newest ``keep_last`` checkpoints of
+    ``save_dir`` stay (``rotate``); None keeps every one. ``blocking=False``: returns once the
+    point of the state it saves is fixed, the bytes written by a thread of its own while training
+    goes on (``CheckpointWrite``); the caller waits for it before the next save, a load, an export
+    or close. Returns the write (done, when blocking)."""
+    check_keep_last(keep_last)
     state.check_not_in_pass("save_checkpoint()")
     state.check_trainable("save_checkpoint()")
     state.quiesce("save_checkpoint()")
@@ -82,92 +93,300 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        offset = _write_tmp(state, tmp, client_state, base)
-    except BaseException:  # ENOSPC, EIO, Ctrl-C: nothing of this save stays behind
+        write = CheckpointWrite(state, save_dir, tag, tmp, client_state, base, keep_last)
+    except BaseException:  # a client state that is not JSON, Ctrl-C: nothing of this save stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _rename_into_place(tmp, final, save_dir)
-    latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
-    try:
-        _write_file(latest_tmp, tag.encode())
-        os.rename(latest_tmp, os.path.join(save_dir, "latest"))
-    except BaseException:
-        _unlink_quiet(latest_tmp)
-        raise
-    fsync_path(save_dir)
-    log.info("checkpoint saved: %s (%s)", final, format_size(offset))
-    return final
+    if blocking:
+        write.run()
+        exc, write.failure = write.failure, None
+        if exc is not None:  # as it came (ENOSPC naming the file, Ctrl-C): nothing of this save stayed behind
+            raise exc
+    else:
+        write.start()
+    return write
 
 
-def _write_tmp(state: "TrainingState", tmp: str, client_state: Optional[dict], base: Optional[dict]) -> int:
-    """Writes the checkpoint's files into ``tmp`` (fsynced); returns the size of state.bin's data."""
-    data_path = os.path.join(tmp, "state.bin")
-    io = state.checkpoint_io()
-    entries, offset = [], 0
-    pending: collections.deque = collections.deque()  # (request, buffer), oldest first
+class CheckpointWrite:
+    """One save's writing: the point of the state it saves is fixed when it is made (counters,
+    scaler, scheduler, RNG, client state, the layout of ``state.bin``; the state of every shard
+    kept on the device copied), then ``run`` copies each shard's state into a bounded staging
+    budget (``CHECKPOINT_STAGING`` bytes not yet written, at least one shard) and writes it,
+    fsyncs, renames the checkpoint into place, moves ``latest`` and rotates.
 
-    def submit(buf: torch.Tensor, at: int) -> None:
-        # bounded: at most CHECKPOINT_INFLIGHT bytes of copies wait for the disk at once
-        pending.append((io.write(buf, data_path, at), buf))
-        while sum(b.numel() * b.element_size() for _, b in pending) > CHECKPOINT_INFLIGHT:
-            pending.popleft()[0].wait()
+    In the background (``start``) training goes on meanwhile: copy-before-update per shard. Until
+    its copy is taken, a shard's optimizer step (any thread) takes the copy first, from the state it
+    is about to step (``OffloadOptimizer.set_before_update``), waiting for staging room if the
+    budget is full; the writer takes the other copies in order. Frozen shards' values do not change
+    while training. A failure is kept (``failure``) and raised by ``raise_failure``; the temporary
+    directory then goes, and ``latest`` is not moved."""
 
-    try:
-        for st, flat in state.optimizer.iter_states(write_back=False):  # each home as it is, in its format
-            data = state.optimizer.format.save(flat, st.numel)
-            buf = aligned_empty(data.numel(), data.dtype)
-            buf.copy_(data)
-            n = buf.numel() * buf.element_size()
-            submit(buf, offset)
-            entries.append({"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step,
-                            "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
+    def __init__(self, state: "TrainingState", save_dir: str, tag: str, tmp: str, client_state: Optional[dict],
+                 base: Optional[dict], keep_last: Optional[int]) -> None:
+        self.state = state
+        self.save_dir, self.tag, self.tmp = save_dir, tag, tmp
+        self.path = os.path.join(save_dir, tag)
+        self.keep_last = keep_last
+        self.failure: Optional[BaseException] = None
+        self.blocked_s = 0.0  # time the training thread spent in this save (fixing the point, waits)
+        self.copied_by_step = 0  # shard copies a step took before updating the shard
+        self.seconds: Optional[float] = None  # from this save's start to latest moved (once complete)
+        self._t0 = time.perf_counter()
+        self._data_path = os.path.join(tmp, "state.bin")
+        self._io = state.checkpoint_io()
+        self._lock = threading.Lock()  # one copy taken at a time; the in-flight queue
+        self._inflight: collections.deque = collections.deque()  # (request, buffer), oldest first
+        self._thread: Optional[threading.Thread] = None
+        self._finished = threading.Event()  # run() is over (Thread.join, interrupted, may call a live thread done)
+        opt, fmt = state.optimizer, state.optimizer.format
+        self.entries: list[dict] = []
+        self._optim: list[tuple[dict, Any]] = []  # (entry, ShardOptimState)
+        self._params: list[tuple[dict, Any]] = []  # (entry, FlatShard)
+        offset = 0
+        for st in opt.states:
+            n = fmt.nbytes(st.numel)
+            e = {"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step, "offset": offset,
+                 "nbytes": n, "crc32c": None}
+            self.entries.append(e)
+            self._optim.append((e, st))
             offset += -(-n // ALIGN) * ALIGN
         for sh in state.partition.shards:
-            if state.optimizer.state_of(sh) is None and base is None:  # frozen: its values are the state
-                buf = state.param_values(sh)
-                n = buf.numel() * buf.element_size()
-                submit(buf, offset)
-                entries.append({"shard": sh.index, "kind": "param", "numel": sh.numel, "dtype": str(sh.dtype),
-                                "offset": offset, "nbytes": n, "crc32c": _crc32c(buf)})
+            if opt.state_of(sh) is None and base is None:  # frozen: its values are the state
+                n = sh.numel * sh.dtype.itemsize
+                e = {"shard": sh.index, "kind": "param", "numel": sh.numel, "dtype": str(sh.dtype), "offset": offset,
+                     "nbytes": n, "crc32c": None}
+                self.entries.append(e)
+                self._params.append((e, sh))
                 offset += -(-n // ALIGN) * ALIGN
-        while pending:
-            pending.popleft()[0].wait()
-    finally:
-        for req, _ in pending:  # a failed write: the others finish before their buffers go
+        self.data_bytes = offset
+        meta = {
+            "version": CHECKPOINT_VERSION, "global_steps": state.global_steps, "micro_steps": state.micro_steps,
+            "shards": [{"index": s.index, "module": s.module_name, "numel": s.numel, "dtype": str(s.dtype)}
+                       for s in state.partition.shards],
+            "entries": self.entries, "data_bytes": offset,
+            "scaler": state.scaler.state_dict(),
+            "scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
+            "lr": [g["lr"] for g in opt.param_groups],
+            "hyperparameters": hyperparameters(state), "optimizer_state": fmt.name,
+            "client_state": client_state or {},
+        }
+        if base is not None:  # the frozen shards are the pretrained weights': a load reads them from there
+            meta["base"] = base
+        try:
+            json.dumps(meta)  # the client state is checked now, not when the bytes are written
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"client_state: must be JSON-serialisable ({exc})") from exc
+        self._meta = copy.deepcopy(meta)  # fixed now: a later change of the caller's dicts is not saved
+        self._meta["entries"] = self.entries
+        rng = _io.BytesIO()
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, rng)
+        self._rng = rng.getvalue()
+        self._pending = {e["shard"] for e, _ in self._optim}  # shards whose copy is not taken yet
+        for e, st in self._optim:  # kept on the device: stepped there, their home written back any time
+            if st.dev is not None:
+                self._take(e, st, opt.home_in_ram(st))
+
+    # ------------------------------------------------------------------------- running
+    def start(self) -> None:
+        """Writes in a thread of its own; the optimizer's steps take their shard's copy first."""
+        self.state.optimizer.set_before_update(self._before_update)
+        self.blocked_s = time.perf_counter() - self._t0
+        self._thread = threading.Thread(target=self.run, name="pyinfinity-checkpoint", daemon=True)
+        self._thread.start()
+
+    def run(self) -> None:
+        """Copies and writes every entry, then completes the checkpoint (see the class doc)."""
+        try:
+            opt = self.state.optimizer
+            for e, st in self._optim:
+                with self._lock:
+                    if e["shard"] in self._pending:
+                        self._take(e, st, opt.home_in_ram(st))
+            self._drop_hook()
+            for e, sh in self._params:
+                with self._lock:
+                    self._make_room(e["nbytes"])
+                    self._submit(e, self.state.param_values(sh))
+            with self._lock:
+                while self._inflight:
+                    self._inflight.popleft()[0].wait()
+            self._complete()
+        except BaseException as exc:  # noqa: BLE001 - kept, raised at the caller's next call
+            self.failure = exc
+        finally:
+            self._drop_hook()
+            self._pending = set()
+            with self._lock:
+                for req, _ in self._inflight:  # a failed write: the others finish before their buffers go
+                    try:
+                        req.wait()
+                    except Exception:  # noqa: BLE001 - the first error is the one raised
+                        pass
+                self._inflight.clear()
+            if self.failure is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            self._finished.set()
+
+    def _drop_hook(self) -> None:
+        if self._thread is not None:
+            self.state.optimizer.set_before_update(None)
+
+    def _before_update(self, st: Any, flat: Optional[torch.Tensor]) -> None:
+        """A shard is about to change: its copy first, if not taken yet (from ``flat``, the state
+        about to be stepped, or the home when None)."""
+        if st.shard.index not in self._pending:
+            return
+        t0 = time.perf_counter()
+        with self._lock:
+            if st.shard.index not in self._pending or self.failure is not None:
+                return
+            e = next(e for e, s in self._optim if s is st)
             try:
-                req.wait()
-            except Exception:  # noqa: BLE001 - the first error is the one raised
-                pass
-    meta = {
-        "version": CHECKPOINT_VERSION, "global_steps": state.global_steps, "micro_steps": state.micro_steps,
-        "shards": [{"index": s.index, "module": s.module_name, "numel": s.numel, "dtype": str(s.dtype)}
-                   for s in state.partition.shards],
-        "entries": entries, "data_bytes": offset,
-        "scaler": state.scaler.state_dict(),
-        "scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
-        "lr": [g["lr"] for g in state.optimizer.param_groups],
-        "hyperparameters": hyperparameters(state), "optimizer_state": state.optimizer.format.name,
-        "client_state": client_state or {},
-    }
-    if base is not None:  # the frozen shards are the pretrained weights': a load reads them from there
-        meta["base"] = base
-    if os.path.exists(data_path):
-        fsync_path(data_path)
+                self._take(e, st, flat if flat is not None else self.state.optimizer.home_in_ram(st))
+                self.copied_by_step += 1
+            except BaseException as exc:  # noqa: BLE001 - the save fails, the step goes on
+                self.failure = self.failure or exc
+                self._pending = set()
+        self.blocked_s += time.perf_counter() - t0
+
+    def _take(self, e: dict, st: Any, flat: torch.Tensor) -> None:
+        """The copy of one shard's state (under the lock): into staging, then written."""
+        self._make_room(e["nbytes"])
+        data = self.state.optimizer.format.save(flat, st.numel)
+        buf = aligned_empty(data.numel(), data.dtype)
+        buf.copy_(data)
+        self._pending.discard(e["shard"])
+        self._submit(e, buf)
+
+    def _make_room(self, n: int) -> None:
+        """Waits (under the lock) until a copy of ``n`` bytes fits the staging budget beside the
+        copies still being written (or none is): the oldest copy's write first."""
+        while self._inflight and sum(b.numel() * b.element_size() for _, b in self._inflight) + n > CHECKPOINT_STAGING:
+            self._inflight.popleft()[0].wait()
+
+    def _submit(self, e: dict, buf: torch.Tensor) -> None:
+        e["crc32c"] = _crc32c(buf)
+        self._inflight.append((self._io.write(buf, self._data_path, e["offset"]), buf))
+
+    def _complete(self) -> None:
+        if os.path.exists(self._data_path):
+            fsync_path(self._data_path)
+        files = {"meta.json": json.dumps(self._meta).encode(), "rng.pt": self._rng}
+        for name, data in files.items():
+            _write_file(os.path.join(self.tmp, name), data)
+        sums = {"format": CHECKSUMS_FORMAT, "version": CHECKPOINT_VERSION,
+                "files": {name: {"nbytes": len(data), "crc32c": _crc32c_bytes(data)} for name, data in files.items()}}
+        _write_file(os.path.join(self.tmp, CHECKSUMS_NAME), json.dumps(sums).encode())  # last: its presence says done
+        fsync_path(self.tmp)
+        _rename_into_place(self.tmp, self.path, self.save_dir)
+        latest_tmp = os.path.join(self.save_dir, f".latest.tmp-{os.getpid()}")
+        try:
+            _write_file(latest_tmp, self.tag.encode())
+            os.rename(latest_tmp, os.path.join(self.save_dir, "latest"))
+        except BaseException:
+            _unlink_quiet(latest_tmp)
+            raise
+        fsync_path(self.save_dir)
+        self.seconds = time.perf_counter() - self._t0
+        log.info("checkpoint saved: %s (%s)", self.path, format_size(self.data_bytes))
+        if self.keep_last is not None:  # only now: the new checkpoint is complete, fsynced and named by latest
+            rotate(self.save_dir, self.keep_last)
+
+    # ------------------------------------------------------------------------- the caller's side
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def join(self) -> None:
+        """Waits for the write, in slices of WAIT_SLICE_S: Ctrl-C arrives within one (the write goes on)."""
+        t0 = time.perf_counter()
+        try:
+            while not self._finished.wait(WAIT_SLICE_S):
+                if self._thread is None or not self._thread.is_alive():
+                    raise RuntimeError(f"checkpoint {self.path}: the thread writing it died")
+        finally:
+            self.blocked_s += time.perf_counter() - t0
+
+    def wait(self, what: str = "wait_for_checkpoint()") -> None:
+        """``join``, then raises the write's failure, once."""
+        self.join()
+        self.raise_failure(what)
+
+    def raise_failure(self, what: str = "save_checkpoint()") -> None:
+        exc, self.failure = self.failure, None
+        if exc is None:
+            return
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit in the writer: as they came
+            raise exc
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"{what}: the checkpoint {self.path} was not saved ({exc.strerror}); "
+                          "latest still names the previous one", exc.filename) from exc
+        raise RuntimeError(f"{what}: the checkpoint {self.path} was not saved ({exc!r}); latest still names the "
+                           "previous one") from exc
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+
+def check_keep_last(keep_last: Optional[int]) -> None:
+    """``keep_last`` is None (keep every checkpoint) or an integer >= 1."""
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last: expected None or an integer >= 1 (the checkpoints kept), got {keep_last!r}")
+
+
+def complete_checkpoints(save_dir: str) -> list[str]:
+    """The tags of ``save_dir``'s complete checkpoints, oldest first: directories holding
+    ``checksums.json`` (written last, fsynced: its presence says the checkpoint is whole), in the
+    order they were completed (its modification time; the tag breaks a tie). Half-written saves
+    (``.<tag>.tmp-<pid>``), version-1 checkpoints and anything else in the directory are not listed."""
+    found = []
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if name.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            done = os.stat(os.path.join(path, CHECKSUMS_NAME)).st_mtime_ns
+        except OSError:  # not a checkpoint, or removed meanwhile
+            continue
+        found.append((done, name))
+    return [name for _, name in sorted(found)]
+
+
+def rotate(save_dir: str, keep_last: int) -> list[str]:
+    """Removes the oldest complete checkpoints of ``save_dir`` until ``keep_last`` remain
+    (Trainer's ``save_total_limit``); the one ``latest`` names is never removed. Each goes by a
+    rename to a half-written save's name (``.<tag>.tmp-<pid>``), fsynced, then its files: a crash
+    part-way leaves a name the next save's cleanup removes, never a partial checkpoint under its
+    tag. Every checkpoint is a copy of its own, so removing one (here, or by an ``rmtree`` of its
+    folder from outside) changes neither the live state nor another checkpoint. Returns the
+    removed paths."""
+    check_keep_last(keep_last)
     try:
-        meta_bytes = json.dumps(meta).encode()
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"client_state: must be JSON-serialisable ({exc})") from exc
-    rng = _io.BytesIO()
-    torch.save({"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, rng)
-    files = {"meta.json": meta_bytes, "rng.pt": rng.getvalue()}
-    for name, data in files.items():
-        _write_file(os.path.join(tmp, name), data)
-    sums = {"format": CHECKSUMS_FORMAT, "version": CHECKPOINT_VERSION,
-            "files": {name: {"nbytes": len(data), "crc32c": _crc32c_bytes(data)} for name, data in files.items()}}
-    _write_file(os.path.join(tmp, CHECKSUMS_NAME), json.dumps(sums).encode())  # last: its presence says done
-    fsync_path(tmp)
-    return offset
+        with open(os.path.join(save_dir, "latest")) as f:
+            newest = f.read().strip()
+    except OSError:
+        newest = None
+    complete = complete_checkpoints(save_dir)
+    tags = [t for t in complete if t != newest]
+    excess = tags[:max(0, len(tags) - (keep_last - (newest in complete)))]
+    removed = []
+    for tag in excess:
+        path = os.path.join(save_dir, tag)
+        doomed = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
+        shutil.rmtree(doomed, ignore_errors=True)
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:  # removed from outside meanwhile
+            continue
+        fsync_path(save_dir)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+        log.info("checkpoint removed (keep_last=%d): %s", keep_last, path)
+    return removed
 
 
 def _rename_into_place(tmp: str, final: str, save_dir: str) -> None:

@@ -254,6 +254,9 @@ class EngineConfig:
     compute device, 1 on the CPU device, where backward has the cores).
     optimizer_state: "fp32" (exact, 12 bytes a parameter of master and moments) or "8bit" (the fp32
     master, Adam's moments block-wise quantised to a byte each: 6.03 bytes; docs/optimizer_state.md).
+    checkpoint_keep_last: ``save_checkpoint``'s default ``keep_last``: once a new checkpoint is
+    durable, the oldest complete checkpoints of its directory are removed until this many remain
+    (Trainer's ``save_total_limit``); None keeps every one.
     A bf16 master with bf16 moments is DeepSpeed's ``bf16.bf16_master_weights_and_grads`` +
     ``bf16.bf16_optimizer_states``.
     """
@@ -272,6 +275,7 @@ class EngineConfig:
     device_accumulator_bytes: SizeOrAuto = AUTO
     optimizer_threads: Union[int, str] = AUTO
     optimizer_state: str = "fp32"  # fp32 | 8bit
+    checkpoint_keep_last: Optional[int] = None  # save_checkpoint keeps this many in its directory; None: all
 
 
 @dataclass
@@ -581,6 +585,8 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.log_every = _int(d["log_every"], "pyinfinity.log_every", 1)
     if "checksums" in d:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
+    if d.get("checkpoint_keep_last") is not None:
+        e.checkpoint_keep_last = _int(d["checkpoint_keep_last"], "pyinfinity.checkpoint_keep_last", 1)
     for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes", "device_accumulator_bytes"):
         if key in d:
             v = d[key]

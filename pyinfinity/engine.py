@@ -219,6 +219,7 @@ class Engine:
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
         self._capped = False  # this engine set torch's per-process memory fraction (close() puts it back)
+        self._checkpoint_write: Optional[checkpoint.CheckpointWrite] = None  # a save writing in the background
         device_base = 0
         if self.device.type == "cuda" and self.device_memory:
             # the budget is this engine's, on top of what the process holds on the device already
@@ -581,19 +582,44 @@ class Engine:
             optimizer_state=self.optimizer.format.name)
 
     # ------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None) -> str:
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None, *,
+                        keep_last: Optional[int] = None, blocking: bool = True) -> str:
         """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
         written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
         Frozen parameters that all came from the pretrained weights (a LoRA run's base) are not
-        written: the checkpoint records the weights' identity, which a load checks."""
-        return checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity())
+        written: the checkpoint records the weights' identity, which a load checks. ``keep_last``
+        (default: the config's ``pyinfinity.checkpoint_keep_last``): once the new checkpoint is
+        durable, the oldest of ``save_dir`` are removed until that many remain. ``blocking=False``:
+        returns once the point of the state it saves is fixed; the bytes are written while training
+        goes on (each shard's copy taken before its next update), ``latest`` moves when they are
+        all fsynced. The next save, a load, ``export``, ``close`` and ``wait_for_checkpoint`` wait
+        for it and raise its failure. Returns the checkpoint's path."""
+        if keep_last is None:
+            keep_last = self.config.pyinfinity.checkpoint_keep_last
+        self.wait_for_checkpoint("save_checkpoint()")
+        write = checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity(),
+                                keep_last=keep_last, blocking=blocking)
+        if not blocking:
+            self._checkpoint_write = write
+        return write.path
+
+    def wait_for_checkpoint(self, what: str = "wait_for_checkpoint()") -> Optional[checkpoint.CheckpointWrite]:
+        """Waits until a background save is complete (Ctrl-C interrupts the wait within 0.1 s; the
+        write goes on) and raises its failure; returns that save (None: there was none)."""
+        write = self.__dict__.get("_checkpoint_write")
+        if write is None:
+            return None
+        write.join()  # Ctrl-C: the write goes on, to be waited for again
+        self._checkpoint_write = None
+        write.raise_failure(what)  # once
+        return write
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *,
                         convert_optimizer_state: bool = False) -> tuple[str, dict]:
         """Restores a state written by ``save_checkpoint``; returns (path, client_state). A
         checkpoint whose optimizer state is of another format (``pyinfinity.optimizer_state``) is
         refused unless ``convert_optimizer_state`` (then decoded to fp32 and encoded in this one's)."""
+        self.wait_for_checkpoint("load_checkpoint()")
         return checkpoint.load(self.state, load_dir, tag, base=self._base_identity(),
                                convert_optimizer_state=convert_optimizer_state)
 
@@ -620,6 +646,7 @@ class Engine:
         base model (``from_pretrained`` loads it). Returns the files written (``pyinfinity.export``)."""
         from pyinfinity import export
 
+        self.wait_for_checkpoint("export()")
         return export.write(self.state, out_dir, tokenizer_dir=self.weights.path if self.weights is not None else None,
                             merge_adapters=merge_adapters)
 
@@ -635,6 +662,15 @@ class Engine:
         state = self.__dict__.get("state")
         if state is None or state.released:
             return
+        write = self.__dict__.get("_checkpoint_write")
+        failure = None
+        if write is not None:
+            try:
+                self.wait_for_checkpoint("close()")
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - raised once the engine is closed
+                failure = exc
         plan, history = self.__dict__.get("plan"), self.__dict__.get("history")
         if plan is not None and history:
             micro = max(1, self.gradient_accumulation_steps)
@@ -643,6 +679,8 @@ class Engine:
                                         parts=measured_parts(list(history))))
         state.close()
         self._uncap()
+        if failure is not None:
+            raise failure
 
     def _uncap(self) -> None:
         if self.__dict__.get("_capped"):  # the cap was this engine's: later work in the process is not capped

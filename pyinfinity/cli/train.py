@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("engine built in %.1fs", time.perf_counter() - t0)
         if resume_dir is not None:
             train_loop.resume(engine, args, data, resume_dir, resume_tag)
-        records = train_loop.train(engine, args, data).records
+        result = train_loop.train(engine, args, data)
+        records = result.records
         report = engine.memory_report()
         steady = records[1:] or records
         summary = {
@@ -196,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg,
-                       "memory": asdict(report)}, f, indent=1, default=str)
+                       "memory": asdict(report), "saves": [{**asdict(r), "blocked_s": r.blocked_s}
+                                                           for r in result.saves]}, f, indent=1, default=str)
     return 0
 
 

@@ -104,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "DIR/latest names the newest)")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="with --save: also save a checkpoint every N optimizer steps")
+    p.add_argument("--blocking-saves", action="store_true",
+                   help="with --save-every: each periodic save stops training until it is written (default: it "
+                        "is written in the background while training goes on, DIR/latest moved once it is complete)")
+    p.add_argument("--save-total-limit", type=int, default=None, metavar="N",
+                   help="with --save: keep only the newest N checkpoints there; the oldest is removed once a "
+                        "new one is complete and fsynced and DIR/latest names it (Trainer's save_total_limit)")
     p.add_argument("--resume", metavar="DIR",
                    help="continue the run saved there (a --save directory, or one of its global_stepN): "
                         "the step count, LR schedule, optimizer state and data position carry on; give the "
@@ -254,6 +260,13 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
         raise UsageError("--resume-reschedule: needs --resume DIR (the run to continue on a new schedule)")
     if args.save_every and not args.save:
         raise UsageError("--save-every: needs --save DIR (where to write the checkpoints)")
+    if args.blocking_saves and not args.save_every:
+        raise UsageError("--blocking-saves: needs --save-every N (the periodic saves it makes blocking)")
+    if args.save_total_limit is not None:
+        if args.save_total_limit < 1:
+            raise UsageError(f"--save-total-limit: {args.save_total_limit} must be >= 1 (the checkpoints kept)")
+        if not args.save:
+            raise UsageError("--save-total-limit: needs --save DIR (the checkpoints it keeps)")
     if bool(args.model) != bool(args.data):
         raise UsageError("--model and --data go together: a model directory to start from and the data to train on")
     if args.model:

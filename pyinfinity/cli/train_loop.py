@@ -1,7 +1,8 @@
 """The training loop both runs of `pyinfinity train` drive (the built-in corpus, ``train.py``; a
 model directory and your data, ``finetune.py``): --resume, --steps, --stop-after, --save-every,
---save, the progress bar. A run gives its data as a ``Batches``; everything a flag does to the
-loop happens here once, so a flag both runs accept behaves the same in both."""
+--blocking-saves, --save-total-limit, --save, the progress bar. A run gives its data as a
+``Batches``; everything a flag does to the loop happens here once, so a flag both runs accept
+behaves the same in both."""
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,28 @@ class Batches(Protocol):
 
 
 @dataclass
+class SaveRecord:
+    """One --save-every checkpoint: how long training stopped for it and what it wrote."""
+
+    step: int
+    path: str
+    background: bool
+    call_s: float  # the save_checkpoint call (background: fixing the point; blocking: the whole save)
+    wait_s: float = 0.0  # background: what the next save (or the loop's end) waited for it
+    total_s: Optional[float] = None  # from the call to latest moved
+    bytes: int = 0  # the checkpoint's files
+    copied_by_step: int = 0  # background: shard copies a step took before updating its shard
+
+    @property
+    def blocked_s(self) -> float:
+        return self.call_s + self.wait_s
+
+
+@dataclass
 class LoopResult:
     records: list = field(default_factory=list)  # the StepRecord of each optimizer step of this run
     timed: list = field(default_factory=list)  # (tokens, wall seconds) of each step, from batch to step
+    saves: list = field(default_factory=list)  # the SaveRecord of each --save-every checkpoint
 
 
 def run_flags(args: argparse.Namespace) -> dict:
@@ -59,9 +79,46 @@ def check_resume_flags(path: str, client: dict, args: argparse.Namespace) -> Non
                          "the same flags (a new run: leave out --resume)")
 
 
-def save(engine: Any, args: argparse.Namespace, data: Batches) -> str:
-    """A checkpoint in --save with the data position and the run's flags."""
-    return engine.save_checkpoint(args.save, client_state={**data.state(), "flags": run_flags(args)})
+def save(engine: Any, args: argparse.Namespace, data: Batches, *, blocking: bool = True,
+         saves: Optional[list] = None) -> str:
+    """A checkpoint in --save with the data position and the run's flags; --save-total-limit's
+    oldest removed once it is durable. ``blocking=False``: written in the background (the engine
+    waits for it at the next save and at close). ``saves``: the SaveRecords to append to (the
+    previous background one completed first)."""
+    if saves is not None:
+        finish_saves(engine, saves)
+    t0 = time.perf_counter()
+    path = engine.save_checkpoint(args.save, client_state={**data.state(), "flags": run_flags(args)},
+                                  keep_last=args.save_total_limit, blocking=blocking)
+    call = time.perf_counter() - t0
+    if not blocking:
+        log.info("checkpoint %s: writing in the background (training stopped %.3f s for it)", path, call)
+    if saves is not None:
+        saves.append(SaveRecord(engine.global_steps, path, not blocking, call, total_s=None if not blocking else call,
+                                bytes=0 if not blocking else _dir_bytes(path)))
+    return path
+
+
+def finish_saves(engine: Any, saves: list) -> None:
+    """Waits for the last background save of ``saves`` and completes its record."""
+    if not saves or not saves[-1].background or saves[-1].total_s is not None:
+        return
+    t0 = time.perf_counter()
+    write = engine.wait_for_checkpoint()
+    rec = saves[-1]
+    rec.wait_s = time.perf_counter() - t0
+    if write is not None:
+        rec.total_s, rec.copied_by_step = write.seconds, write.copied_by_step
+    rec.bytes = _dir_bytes(rec.path)
+
+
+def _dir_bytes(path: str) -> int:
+    import os
+
+    try:
+        return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    except OSError:  # rotated away meanwhile
+        return 0
 
 
 def resume(engine: Any, args: argparse.Namespace, data: Batches, resume_dir: str, resume_tag: Optional[str]) -> None:
@@ -108,8 +165,9 @@ def train(engine: Any, args: argparse.Namespace, data: Batches,
             if after_step is not None:
                 after_step(rec)
             if args.save_every and engine.global_steps % args.save_every == 0 and engine.global_steps < args.steps:
-                save(engine, args, data)
+                save(engine, args, data, blocking=args.blocking_saves, saves=out.saves)
             t_step, tokens = time.perf_counter(), 0
+        finish_saves(engine, out.saves)
     finally:
         bar.close()
     return out

@@ -105,6 +105,7 @@ class OffloadOptimizer:
                            pipeline=pipeline, streamed=streamed, on_worker=self.worker.is_current,
                            param_out=param_out)
         self.threads = threads
+        self._before_update: Optional[Callable[[ShardOptimState, Optional[torch.Tensor]], None]] = None
 
     # ------------------------------------------------------------------------- knobs
     @property
@@ -194,6 +195,19 @@ class OffloadOptimizer:
         if read:
             self.swapper.read(st.home, buf).wait()
         return buf
+
+    def home_in_ram(self, st: ShardOptimState) -> torch.Tensor:
+        """A shard's state as its home holds it, in RAM (its home there, else read from the disk)."""
+        return self._state_in_ram(st, True)
+
+    def set_before_update(self, fn: Optional[Callable[[ShardOptimState, Optional[torch.Tensor]], None]]) -> None:
+        """``fn(state, flat)`` runs before anything changes a shard's host state (its step, from any
+        thread, with ``flat`` the state about to be stepped, in RAM; a device copy written back to
+        the home, with None: the home is still as it was): a background checkpoint takes its copy
+        there. None removes it."""
+        self._before_update = fn
+        self.cpu.before_update = fn
+        self.on_device.before_update = fn
 
     def to_device(self, shard: FlatShard, device: torch.device) -> int:
         """Keeps the shard's state on ``device`` too, stepped there (``optim.device.DeviceStates``).

@@ -15,6 +15,11 @@ FILE --save-every 2` mid-run and resumes it (the losses must be the uninterrupte
 bit, in fp32); ``changed_base_refused`` resumes a LoRA run over its base with one byte changed at
 97% of a shard (past the first MiB) and must be refused.
 
+Background saves (``save_checkpoint(blocking=False)``): ``saves_killed`` SIGKILLs runs that save
+(rotated) after every step at random points of those saves and resumes each from ``latest`` (bit
+for bit, fp32); ``save_faults`` fails the n-th write of a background save with ENOSPC or EIO (the
+failure raised at the wait, ``latest`` left on the previous checkpoint).
+
 CI runs a short form (``tests/python/test_fault_sweep.py``); the long form, every piece::
 
     python -m tests.python.fault_sweep --long
@@ -268,6 +273,148 @@ def changed_base_refused(root: str) -> tuple[bool, str]:
     return True, f"refused: {last}"
 
 
+# ----------------------------------------------------------------------------------- background saves
+
+# The kill sweep's process: it imports and then only forks (no thread of its own is started before a
+# fork), one child for the uninterrupted run, then per trial one that trains with a background save
+# after every step (keep_last=2) and is SIGKILLed at a random point, and one that resumes from latest.
+# argv: root, trials, seed. One JSON line per trial on stdout.
+_SAVES_KILLED = r"""
+import json, os, random, signal, sys, time
+import torch
+from tests.python import fault_sweep
+
+root, trials, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(seed)
+
+def child(fn, *args):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        code = 0
+        try:
+            torch.set_num_threads(1)
+            out = os.fdopen(w, "w", buffering=1)
+            fn(out, *args)
+        except BaseException as exc:
+            print(repr(exc), file=sys.stderr, flush=True)
+            code = 1
+        os._exit(code)
+    os.close(w)
+    return pid, os.fdopen(r)
+
+def reference(out, d):
+    out.write(json.dumps(fault_sweep.reference(d, "eager")) + "\n")
+
+def saving(out, d):
+    with fault_sweep._engine(d, "eager") as eng:
+        for i, (x, y) in enumerate(fault_sweep._batches()):
+            fault_sweep._train(eng, [(x, y)])
+            out.write(f"saving {i + 1}\n")
+            eng.save_checkpoint(os.path.join(d, "ckpt"), blocking=False, keep_last=2)
+        out.write("done\n")
+
+def resuming(out, d):
+    ckpt = os.path.join(d, "ckpt")
+    if not os.path.exists(os.path.join(ckpt, "latest")):  # killed before any save was complete
+        out.write(json.dumps([0, fault_sweep.reference(d, "eager")]) + "\n")
+        return
+    out.write(json.dumps(fault_sweep._resumed(d, "eager", ckpt)) + "\n")
+
+pid, r = child(reference, os.path.join(root, "ref"))
+ref = json.loads(r.readline())
+os.waitpid(pid, 0)
+for t in range(trials):
+    d = os.path.join(root, f"t{t}")
+    at, delay = rng.randint(1, fault_sweep.STEPS - 1), rng.uniform(0.0, 0.03)
+    pid, r = child(saving, d)
+    for line in r:
+        if line.strip() == f"saving {at}":
+            break
+    time.sleep(delay)
+    ckpt = os.path.join(d, "ckpt")
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    r.close()
+    names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+    in_flight = [n for n in names if n.startswith(".") and ".tmp-" in n]
+    latest = open(os.path.join(ckpt, "latest")).read().strip() if "latest" in names else None
+    pid, r = child(resuming, d)
+    line = r.readline()
+    os.waitpid(pid, 0)
+    step, got = json.loads(line) if line else (None, None)
+    print(json.dumps({"trial": t, "killed_after_save_of": at, "delay_s": round(delay, 4), "in_flight": in_flight,
+                      "latest": latest, "listing": sorted(names), "resumed_from": step,
+                      "held": got is not None and got == ref[step:]}), flush=True)
+"""
+
+
+def saves_killed(root: str, trials: int = 20, seed: int = 0) -> list[dict]:
+    """``trials`` runs, each SIGKILLed at a random point of its background saves (after the save of
+    a random step, a random 0-30 ms later), then resumed from ``latest``: one record per trial.
+    Held: the resumed losses are the uninterrupted run's, bit for bit (fp32), from the step
+    ``latest`` names (which therefore was complete)."""
+    import json
+
+    p = subprocess.run([sys.executable, "-c", _SAVES_KILLED, root, str(trials), str(seed)], capture_output=True,
+                       text=True, timeout=900, cwd=REPO, env=_env())
+    out = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode or len(out) != trials:
+        raise RuntimeError(f"the kill sweep failed (exit {p.returncode}, {len(out)} of {trials} trials): "
+                           f"{p.stderr[-3000:]}")
+    return out
+
+
+def save_fault_case(root: str, nth: int, code: int, ref: list[float]) -> dict:
+    """Saves A (blocking) at step 2, trains step 3, then a background save B whose ``nth`` write
+    piece fails with ``code`` (only the checkpoint writes while it is waited for): held when the
+    failure is raised at the wait, ``latest`` still names A, no part of B stays and training on
+    from A gives the uninterrupted run's losses; or, past B's pieces, when B resumes them."""
+    batches = _batches()
+    ckpt = os.path.join(root, "ckpt")
+    rec = {"nth": nth, "errno": errno.errorcode[code], "injected": False, "raised": "", "held": False}
+    with _engine(root, "eager") as eng:
+        _train(eng, batches[:2])
+        eng.save_checkpoint(ckpt)
+        _train(eng, batches[2:3])
+        eng.synchronize()  # step 3's writes are home: within the window only the save writes
+        before = faults_injected()
+        try:
+            with fault_injection(op="write", nth=nth, action="errno", value=code):
+                eng.save_checkpoint(ckpt, blocking=False, keep_last=1)
+                eng.wait_for_checkpoint()
+        except OSError as exc:
+            rec["raised"] = str(exc)[:200]
+        rec["injected"] = faults_injected() > before
+        if rec["raised"]:
+            with open(os.path.join(ckpt, "latest")) as f:
+                latest = f.read().strip()
+            clean = sorted(os.listdir(ckpt)) == ["global_step2", "latest"] and latest == "global_step2"
+            eng.load_checkpoint(ckpt)
+            rec["held"] = clean and rec["injected"] and _train(eng, batches[2:]) == ref[2:]
+            return rec
+    g, got = _resumed(root, "eager", ckpt)
+    rec["held"] = not rec["injected"] and g == 3 and got == ref[3:]
+    return rec
+
+
+def save_faults(root: str, nths: Iterable[int], codes: Iterable[int] = (errno.ENOSPC, errno.EIO)) -> list[dict]:
+    """``save_fault_case`` for each errno and n, until n is past the save's write pieces."""
+    ref = reference(os.path.join(root, "ref"), "eager")
+    out = []
+    for code in codes:
+        for nth in nths:
+            d = tempfile.mkdtemp(dir=root)
+            try:
+                out.append(save_fault_case(d, nth, code, ref))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+            if not out[-1]["injected"]:
+                break
+    return out
+
+
 def summary(cases: list[Case]) -> str:
     rows = collections.Counter((c.mode, c.op, c.surfaced, c.save, c.held) for c in cases if c.injected)
     lines = ["mode     op     surfaced in   save      held  cases"]
@@ -287,16 +434,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         cases = sweep(root, range(1, args.max_nth + 1, 1 if args.long else 7))
+        killed = saves_killed(tempfile.mkdtemp(dir=root), trials=100 if args.long else 20)
+        save_cases = save_faults(tempfile.mkdtemp(dir=root), range(1, 400, 1 if args.long else 3))
         held, what = finetune_killed(tempfile.mkdtemp(dir=root))
         refused, why = changed_base_refused(tempfile.mkdtemp(dir=root))
     print(summary(cases))
     for c in cases:
         if c.injected and not c.held:
             print("NOT HELD:", c)
+    print(f"background saves SIGKILLed at random points: {sum(t['held'] for t in killed)} of {len(killed)} "
+          f"resumed bit-exact ({sum(bool(t['in_flight']) for t in killed)} killed with a save in flight)")
+    print(f"background saves with a failing write: {sum(c['held'] for c in save_cases)} of {len(save_cases)} held")
     print(f"fine-tune killed with --save-every, resumed: {'held' if held else 'NOT HELD'}: {what}")
     print(f"LoRA resume over a base changed at 97% of a shard: {'refused' if refused else 'NOT REFUSED'}: {why}")
     print(f"{time.perf_counter() - t0:.0f} s")
-    return 0 if held and refused and all(c.held for c in cases if c.injected) else 1
+    return 0 if (held and refused and all(c.held for c in cases if c.injected) and all(t["held"] for t in killed)
+                 and all(c["held"] for c in save_cases)) else 1
 
 
 if __name__ == "__main__":

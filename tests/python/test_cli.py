@@ -43,6 +43,16 @@ def test_a_negative_batch_is_one_line():
     assert_one_line_user_error(cli(*TRAIN[:-2], "--batch", "-4"), "--batch", "-4")
 
 
+@pytest.mark.parametrize("flags, needles", [
+    (["--save", "ck", "--save-total-limit", "0"], ("--save-total-limit", "0", ">= 1")),
+    (["--save-total-limit", "2"], ("--save-total-limit", "needs --save")),
+    (["--save", "ck", "--blocking-saves"], ("--blocking-saves", "needs --save-every")),
+])
+def test_a_bad_save_total_limit_is_one_line(flags, needles, tmp_path):
+    assert_one_line_user_error(cli(*TRAIN, *[str(tmp_path / f) if f == "ck" else f for f in flags]), *needles)
+    assert not (tmp_path / "ck").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_device_this_machine_lacks_is_one_line():
     last = assert_one_line_user_error(cli(*[a if a != "cpu" else "cuda" for a in TRAIN]), "--device", "cuda")
@@ -108,9 +118,13 @@ def test_resume_continues_the_same_run(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "\r" not in whole.stderr  # tqdm is off when stderr is a pipe or a file
     assert sorted(os.listdir(tmp_path / "ck")) == ["global_step3", "global_step6", "latest"]
+    assert "checkpoint " + str(tmp_path / "ck" / "global_step3") + ": writing in the background" in whole.stderr
     resumed = cli(*common, "--resume", str(tmp_path / "ck" / "global_step3"), "--json", str(tmp_path / "b.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed" in resumed.stderr
+    saves = json.loads((tmp_path / "a.json").read_text())["saves"]  # --save-every's, in the background
+    assert [(s["step"], s["background"]) for s in saves] == [(3, True)]
+    assert saves[0]["bytes"] > 0 and saves[0]["total_s"] > 0 and saves[0]["blocked_s"] >= saves[0]["call_s"]
     a = json.loads((tmp_path / "a.json").read_text())["steps"]
     b = json.loads((tmp_path / "b.json").read_text())["steps"]
     assert [s["step"] for s in b] == [s["step"] for s in a[3:]] and len(b) == 3

@@ -245,6 +245,50 @@ def test_gpu_optimizer_state_on_the_device(clip, tiny_lm, lm_batches, tmp_path):
 
 
 @cuda
+@pytest.mark.parametrize("where", ["device_state", "streamed"])
+def test_gpu_a_background_save_while_training_resumes_exactly(where, tiny_lm, lm_batches, tmp_path):
+    """A background save taken while units' optimizer state lives on the GPU (their copies taken
+    when the point is fixed) or while the streamed device step steps every shard (each step's copy
+    taken from the host state before it is streamed): two more steps run before the writer is let
+    go, and the checkpoint resumes with the uninterrupted run's losses."""
+    import threading
+
+    from pyinfinity import checkpoint
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batches = [(x.cuda(), y.cuda()) for x, y in lm_batches(6)]
+    if where == "device_state":
+        cfg = _cfg("cpu", tmp_path, gradient_accumulation_steps=1)
+        cfg["pyinfinity"].update(overlap_step=True, resident_bytes="1GiB", unit_bytes=0,
+                                 device_optimizer_bytes="40KiB")
+    else:
+        cfg = _cfg("nvme", tmp_path, gradient_accumulation_steps=1)
+        cfg["pyinfinity"]["optimizer_step_device"] = "device"
+    release = threading.Event()
+    run = checkpoint.CheckpointWrite.run
+
+    def held(self):
+        release.wait(60)
+        run(self)
+    ckpt = str(tmp_path / "ckpt")
+    with pyinfinity.initialize(tiny_lm(layers=3), cfg) as eng:
+        losses = train_steps(eng, batches[:3])
+        checkpoint.CheckpointWrite.run = held
+        try:
+            eng.save_checkpoint(ckpt, blocking=False)
+            losses += train_steps(eng, batches[3:5])
+            release.set()
+            eng.wait_for_checkpoint()
+        finally:
+            checkpoint.CheckpointWrite.run = run
+        losses += train_steps(eng, batches[5:])
+    with pyinfinity.initialize(tiny_lm(seed=3, layers=3), cfg) as eng:
+        eng.load_checkpoint(ckpt)
+        assert eng.global_steps == 3
+        assert train_steps(eng, batches[3:]) == losses[3:]
+
+
+@cuda
 def test_a_random_init_on_a_gpu_engine_draws_on_the_gpu_a_module_at_a_time(tmp_path):
     """init_empty + a CUDA engine: each module small enough (a quarter of the budget) is initialised
     by the GPU's generator and copied to the host; the same seed gives the same model, a tied

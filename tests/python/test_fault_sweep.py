@@ -1,8 +1,9 @@
 """Faults over the background optimizer step: no accepted checkpoint resumes differently from an
 uninterrupted run (the short form of ``tests/python/fault_sweep.py``), and the late failures that
 once slipped through are refused; a fine-tune SIGKILLed mid-run resumes from its --save-every
-checkpoint with the uninterrupted run's losses, and a LoRA resume over a base changed at the end
-of a shard is refused."""
+checkpoint with the uninterrupted run's losses, and so do runs SIGKILLed at random points of their
+background saves; a failing write of a background save is raised and leaves latest on the
+previous checkpoint; a LoRA resume over a base changed at the end of a shard is refused."""
 from __future__ import annotations
 
 import errno
@@ -28,6 +29,23 @@ def test_every_accepted_checkpoint_resumes_like_an_uninterrupted_run(tmp_path):
 def test_a_fine_tune_killed_mid_run_resumes_from_its_save_every_checkpoint_bit_exact(tmp_path):
     held, what = fault_sweep.finetune_killed(str(tmp_path))
     assert held, what
+
+
+def test_background_saves_killed_at_random_points_resume_from_the_newest_complete_checkpoint_bit_exact(tmp_path):
+    trials = fault_sweep.saves_killed(str(tmp_path), trials=20, seed=0)
+    wrong = [t for t in trials if not t["held"]]
+    assert not wrong, "\n".join(map(str, wrong))
+    # the kills landed inside saves: a half-written checkpoint, a rotation or latest's move in flight
+    assert sum(bool(t["in_flight"]) for t in trials) >= 5, "\n".join(map(str, trials))
+    assert all(t["latest"] is None or t["resumed_from"] == int(t["latest"][len("global_step"):]) for t in trials)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_a_failing_background_save_write_is_raised_and_latest_keeps_the_previous_checkpoint(code, tmp_path):
+    cases = fault_sweep.save_faults(str(tmp_path), range(1, 80, 5), codes=(code,))
+    injected = [c for c in cases if c["injected"]]
+    assert len(injected) >= 3 and all(c["raised"] for c in injected), cases
+    assert all(c["held"] for c in cases), cases
 
 
 def test_a_lora_resume_over_a_base_changed_at_the_end_of_a_shard_is_refused(tmp_path):

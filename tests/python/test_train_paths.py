@@ -36,6 +36,8 @@ CHECKED_BY = {
     "nvme": "the config", "device": "the config", "device_memory": "the config", "dtype": "the config",
     "checkpoint_activations": "the model's gradient_checkpointing_enable", "no_prefetch": "the config",
     "seed": "the resume refusal", "save": "the checkpoints", "save_every": "the checkpoints",
+    "save_total_limit": "the checkpoints the resumed run leaves",
+    "blocking_saves": "the first run's log (test_cli.py: the background default)",
     "resume": "the resumed run", "resume_convert": "the resumed run", "export": "the exported files",
     # read by train.run before either path is built (the schedule check), tested in test_cli.py
     "resume_reschedule": "test_cli.py's resume tests",
@@ -125,12 +127,14 @@ def test_every_flag_both_runs_accept_behaves_the_same_in_each(run, model_and_dat
               "--grad-accum", "2", "--lr", "1e-3", "--clip", "0.5", "--warmup", "1", "--offload", "nvme",
               "--nvme", str(swap), "--offload-optimizer", "cpu", "--optimizer-nvme-ratio", "0.5",
               "--optimizer-step", "cpu", "--device", "cpu", "--gpu-memory", "64MiB", "--dtype", "fp32",
-              "--checkpoint-activations", "--no-prefetch", "--seed", "3", "--save", str(ck)]
-    rc, err = _run_on_a_terminal([*common, "--optimizer-state", "fp32", "--save-every", "2", "--stop-after", "3",
+              "--checkpoint-activations", "--no-prefetch", "--seed", "3", "--save", str(ck), "--save-total-limit", "2"]
+    rc, err = _run_on_a_terminal([*common, "--optimizer-state", "fp32", "--save-every", "2", "--blocking-saves",
+                                  "--stop-after", "3",
                                   "--export", str(ex), "--json", str(tmp_path / "a.json"), "--no-progress"])
     assert rc == 0, err[-3000:]
     assert "gradient checkpointing enabled" in err
     assert not BAR.search(err)  # --no-progress: no bar on the terminal
+    assert "writing in the background" not in err  # --blocking-saves
     a = json.loads((tmp_path / "a.json").read_text())
     c = a["config"]
     assert c["optimizer"]["params"]["betas"] == [0.8, 0.9] and c["optimizer"]["params"]["lr"] == 1e-3
@@ -159,7 +163,8 @@ def test_every_flag_both_runs_accept_behaves_the_same_in_each(run, model_and_dat
     assert b["config"]["pyinfinity"]["optimizer_state"] == "8bit"
     assert [s["step"] for s in b["steps"]] == [3, 4, 5]
     assert repr(b["steps"][0]["loss"]) == repr(a["steps"][2]["loss"])  # step 3 again, from the step-2 save
-    assert sorted(os.listdir(ck)) == ["global_step2", "global_step3", "global_step5", "latest"]  # no --save-every
+    # no --save-every; --save-total-limit 2: the step-2 save went once global_step5 was durable
+    assert sorted(os.listdir(ck)) == ["global_step3", "global_step5", "latest"]
 
     # a resume with other data or schedule flags is refused, naming them
     other = [a if a != "3" else "4" for a in common]  # --seed 4

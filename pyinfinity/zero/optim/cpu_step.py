@@ -45,6 +45,7 @@ class CpuStep:
         self.threads: Optional[int] = None
         self.param_out = param_out
         self._staging: list[torch.Tensor] = []
+        self.before_update: Optional[Callable[[ShardOptimState, Optional[torch.Tensor]], None]] = None
 
     # ------------------------------------------------------------------------- one shard
     def adam(self, st: ShardOptimState, flat: torch.Tensor, hyper: dict, inv_factor: Optional[torch.Tensor],
@@ -53,7 +54,9 @@ class CpuStep:
         default: the shard's gradient); returns the new master (on the host). ``k`` alternates the
         device buffer sets of a streamed step."""
         n = st.numel
-        hyper = step_hyper(st.decay, hyper, lambda: self.format.master(flat, n))
+        if self.before_update is not None:  # a background checkpoint's copy of this shard comes first
+            self.before_update(st, flat)
+        hyper = step_hyper(st.decay, hyper, lambda: self.format.master(flat, n))  # per-range decay, in place
         if self.streamed is None and grad is None and self.fused:
             return self._one_pass(st, flat, hyper, inv_factor)
         t0 = time.perf_counter()

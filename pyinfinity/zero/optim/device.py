@@ -38,6 +38,7 @@ class DeviceStates:
         self.swapper = swapper
         self.phases = phases
         self._state_in_ram = state_in_ram
+        self.before_update: Optional[Callable[[ShardOptimState, Optional[torch.Tensor]], None]] = None
 
     def to_device(self, shard: FlatShard, device: torch.device) -> int:
         """Keeps the shard's state on ``device`` too (a copy of its home): from now on it is stepped
@@ -80,6 +81,8 @@ class DeviceStates:
 
     def _write_back(self, st: ShardOptimState, write_home: Optional[WriteHome]) -> None:
         """The device copy into the host homes: the state's, and the weights' through ``write_home``."""
+        if self.before_update is not None:  # a background checkpoint's copy of the home comes first
+            self.before_update(st, None)
         host = self._state_in_ram(st, False)
         host.copy_(st.dev)  # waits for the step's kernels
         if st.home.tier != Tier.CPU:

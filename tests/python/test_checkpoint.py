@@ -1,0 +1,297 @@
+"""Checkpoint rotation (``keep_last`` / ``pyinfinity.checkpoint_keep_last`` / ``--save-total-limit``):
+only the newest checkpoints stay, the oldest goes only once the newest is durable, and removing a
+checkpoint (by the engine or by an ``rmtree`` from outside) leaves the live state and every other
+checkpoint intact: each kept one resumes bit for bit as the uninterrupted run."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+import pyinfinity
+from pyinfinity.checkpoint import complete_checkpoints
+from pyinfinity.config import ConfigError
+from tests.python.conftest import train_steps
+
+STEPS = 5
+
+
+def _listing(d) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+def _resumed_losses(tiny_lm, engine_config, batches, ckpt, tag=None) -> tuple[int, list[float]]:
+    """The step a checkpoint holds and the losses of the steps after it, from a fresh engine."""
+    with pyinfinity.initialize(tiny_lm(seed=7), engine_config("nvme")) as eng:
+        eng.load_checkpoint(str(ckpt), tag)
+        step = eng.global_steps
+        return step, train_steps(eng, batches[step:])
+
+
+def test_keep_last_keeps_the_newest_checkpoints_and_each_resumes_bit_exact(tiny_lm, lm_batches, engine_config,
+                                                                           tmp_path):
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(STEPS)
+    losses = []
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        for i in range(STEPS):
+            losses += train_steps(eng, batches[i:i + 1])
+            eng.save_checkpoint(str(ckpt), keep_last=2)
+            assert complete_checkpoints(str(ckpt)) == [f"global_step{s}" for s in range(max(1, i), i + 2)]
+    assert _listing(ckpt) == ["global_step4", "global_step5", "latest"]
+    assert (ckpt / "latest").read_text() == "global_step5"
+    assert _resumed_losses(tiny_lm, engine_config, batches, ckpt, "global_step4") == (4, losses[4:])
+    assert _resumed_losses(tiny_lm, engine_config, batches, ckpt) == (5, [])
+
+
+def test_the_oldest_checkpoint_goes_only_once_the_newest_is_durable(tiny_lm, lm_batches, engine_config, tmp_path,
+                                                                    monkeypatch):
+    """A save that fails (ENOSPC on meta.json) removes nothing: the older checkpoints and latest stay."""
+    ckpt = tmp_path / "ckpt"
+    real_open = os.open
+
+    def open_full(path, flags, *args, **kw):
+        if str(path).endswith("meta.json") and flags & os.O_WRONLY:
+            return real_open("/dev/full", os.O_WRONLY)
+        return real_open(path, flags, *args, **kw)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        batches = lm_batches(3)
+        for i in range(2):
+            train_steps(eng, batches[i:i + 1])
+            eng.save_checkpoint(str(ckpt), keep_last=1)
+        assert _listing(ckpt) == ["global_step2", "latest"]
+        train_steps(eng, batches[2:])
+        monkeypatch.setattr(os, "open", open_full)
+        with pytest.raises(OSError, match="meta.json"):
+            eng.save_checkpoint(str(ckpt), keep_last=1)
+        monkeypatch.undo()
+        assert _listing(ckpt) == ["global_step2", "latest"]
+        assert (ckpt / "latest").read_text() == "global_step2"
+
+
+def test_a_checkpoint_removed_from_outside_leaves_training_and_the_other_checkpoints_intact(
+        tiny_lm, lm_batches, engine_config, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        losses = train_steps(eng, batches[:1])
+        eng.save_checkpoint(str(ckpt))
+        losses += train_steps(eng, batches[1:2])
+        eng.save_checkpoint(str(ckpt))
+        losses += train_steps(eng, batches[2:3])
+        eng.save_checkpoint(str(ckpt), tag="other")  # not a global_step name: rotation goes by save order
+        shutil.rmtree(ckpt / "global_step2")  # Trainer's rotation, or a user, removes one under the engine
+        losses += train_steps(eng, batches[3:4])
+        eng.save_checkpoint(str(ckpt), keep_last=2)
+        losses += train_steps(eng, batches[4:])
+    assert _listing(ckpt) == ["global_step4", "latest", "other"]
+    assert _resumed_losses(tiny_lm, engine_config, batches, ckpt, "other") == (3, losses[3:])
+    assert _resumed_losses(tiny_lm, engine_config, batches, ckpt) == (4, losses[4:])
+
+
+def test_rotation_leaves_what_is_not_a_complete_checkpoint_alone(tiny_lm, lm_batches, engine_config, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "notes").mkdir(parents=True)
+    (ckpt / "README").write_text("mine")
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        for i, (x, y) in enumerate(lm_batches(3)):
+            train_steps(eng, [(x, y)])
+            eng.save_checkpoint(str(ckpt), keep_last=1)
+    assert _listing(ckpt) == ["README", "global_step3", "latest", "notes"]
+
+
+def test_the_configs_checkpoint_keep_last_is_the_default_and_a_call_overrides_it(tiny_lm, lm_batches,
+                                                                                  engine_config, tmp_path):
+    cfg = engine_config("nvme")
+    cfg["pyinfinity"]["checkpoint_keep_last"] = 1
+    with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+        for x, y in lm_batches(2):
+            train_steps(eng, [(x, y)])
+            eng.save_checkpoint(str(tmp_path / "a"))
+            eng.save_checkpoint(str(tmp_path / "b"), keep_last=3)
+    assert _listing(tmp_path / "a") == ["global_step2", "latest"]
+    assert _listing(tmp_path / "b") == ["global_step1", "global_step2", "latest"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_a_bad_keep_last_is_refused_before_anything_is_written(bad, tiny_lm, engine_config, tmp_path):
+    with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
+        with pytest.raises(ValueError, match="keep_last: expected None or an integer >= 1"):
+            eng.save_checkpoint(str(tmp_path / "ckpt"), keep_last=bad)
+    assert not (tmp_path / "ckpt").exists()
+    cfg = engine_config("cpu")
+    cfg["pyinfinity"]["checkpoint_keep_last"] = 0
+    with pytest.raises(ConfigError, match="pyinfinity.checkpoint_keep_last"):
+        pyinfinity.initialize(tiny_lm(), cfg)
+
+
+# ----------------------------------------------------------------------------------- background saves
+
+
+@pytest.fixture
+def held_writer(monkeypatch):
+    """Background saves' writers wait for ``release.set()`` before they copy or write anything
+    (training goes on meanwhile: every step then takes its shard's copy itself)."""
+    import threading
+
+    from pyinfinity import checkpoint
+
+    release = threading.Event()
+    run = checkpoint.CheckpointWrite.run
+
+    def held(self):
+        if self._thread is not None:
+            release.wait(60)
+        run(self)
+    monkeypatch.setattr(checkpoint.CheckpointWrite, "run", held)
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_STAGING", 4096)  # a shard at a time: the steps wait for room
+    yield release
+    release.set()
+
+
+@pytest.mark.parametrize("tier, state", [("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "8bit"), ("cpu", "overlap")])
+def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(tier, state, tiny_lm, lm_batches,
+                                                                              engine_config, tmp_path, held_writer):
+    """Each step after the save reaches every shard before the (held) writer: each takes its
+    shard's copy first, in the serial step, in the background worker (overlap_step, shards
+    stepped during backward) and from an 8-bit state."""
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(STEPS)
+
+    def config(tier):
+        cfg = engine_config(tier)
+        if state == "8bit":
+            cfg["pyinfinity"]["optimizer_state"] = "8bit"
+        if state == "overlap":
+            cfg["pyinfinity"]["overlap_step"] = True
+        return cfg
+    with pyinfinity.initialize(tiny_lm(), config(tier)) as eng:
+        losses = train_steps(eng, batches[:1])
+        eng.save_checkpoint(str(ckpt))
+        losses += train_steps(eng, batches[1:2])
+        path = eng.save_checkpoint(str(ckpt), blocking=False)
+        assert path == str(ckpt / "global_step2")
+        assert (ckpt / "latest").read_text() == "global_step1"  # not before it is complete
+        assert not os.path.exists(path)
+        losses += train_steps(eng, batches[2:4])  # every shard's copy taken by its step, before updating it
+        held_writer.set()
+        write = eng.wait_for_checkpoint()
+        assert write.copied_by_step == len(eng.optimizer.states) > 1
+        assert (ckpt / "latest").read_text() == "global_step2"
+        losses += train_steps(eng, batches[4:])
+    assert _resumed_losses(tiny_lm, config, batches, ckpt) == (2, losses[2:])
+
+
+def test_a_background_save_the_writer_copies_alone_equals_a_blocking_save(tiny_lm, lm_batches, engine_config,
+                                                                          tmp_path):
+    import json
+
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(2))
+        eng.save_checkpoint(str(tmp_path / "a"))
+        eng.save_checkpoint(str(tmp_path / "b"), blocking=False)
+        eng.wait_for_checkpoint()
+    a, b = tmp_path / "a" / "global_step2", tmp_path / "b" / "global_step2"
+    assert (a / "state.bin").read_bytes() == (b / "state.bin").read_bytes()
+    assert json.loads((a / "meta.json").read_text()) == json.loads((b / "meta.json").read_text())
+
+
+def test_a_background_save_failure_is_raised_at_the_next_call_and_latest_stays(tiny_lm, lm_batches,
+                                                                                engine_config, tmp_path,
+                                                                                monkeypatch, held_writer):
+    ckpt = tmp_path / "ckpt"
+    real_open = os.open
+
+    def open_full(path, flags, *args, **kw):
+        if str(path).endswith("meta.json") and flags & os.O_WRONLY:
+            return real_open("/dev/full", os.O_WRONLY)
+        return real_open(path, flags, *args, **kw)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        batches = lm_batches(3)
+        train_steps(eng, batches[:1])
+        eng.save_checkpoint(str(ckpt))
+        train_steps(eng, batches[1:2])
+        monkeypatch.setattr(os, "open", open_full)
+        eng.save_checkpoint(str(ckpt), blocking=False, keep_last=1)
+        train_steps(eng, batches[2:])  # training is not disturbed by the failing write
+        held_writer.set()
+        with pytest.raises(OSError, match=r"save_checkpoint\(\): the checkpoint .*global_step2 was not saved "
+                                          r"\(No space left on device: writing checkpoint file meta\.json .*\); latest still names "
+                                          r"the previous one") as ei:
+            eng.save_checkpoint(str(ckpt), blocking=False)
+        monkeypatch.undo()
+        assert ei.value.errno == 28
+        assert _listing(ckpt) == ["global_step1", "latest"]  # the half-written one is gone, nothing rotated
+        assert (ckpt / "latest").read_text() == "global_step1"
+        assert eng.wait_for_checkpoint() is None  # raised once
+        eng.save_checkpoint(str(ckpt), blocking=False)
+    assert _listing(ckpt) == ["global_step1", "global_step3", "latest"]  # close() waited for it
+
+
+@pytest.mark.parametrize("call", ["close", "export", "load_checkpoint"])
+def test_close_export_and_load_wait_for_a_background_save(call, tiny_lm, lm_batches, engine_config, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    eng = pyinfinity.initialize(tiny_lm(), engine_config("nvme"))
+    try:
+        train_steps(eng, lm_batches(1))
+        eng.save_checkpoint(str(ckpt), blocking=False)
+        if call == "close":
+            eng.close()
+        elif call == "export":
+            eng.export(str(tmp_path / "out"))
+        else:
+            eng.load_checkpoint(str(ckpt))
+        assert (ckpt / "latest").read_text() == "global_step1"
+        assert _listing(ckpt) == ["global_step1", "latest"]
+    finally:
+        eng.close()
+
+
+def test_ctrl_c_interrupts_a_wait_for_a_background_save_within_a_tenth_of_a_second(tiny_lm, lm_batches,
+                                                                                    engine_config, tmp_path,
+                                                                                    held_writer):
+    import signal
+    import threading
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    sent = []
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+            train_steps(eng, lm_batches(1))
+            eng.save_checkpoint(str(ckpt), blocking=False)
+            timer = threading.Timer(0.3, lambda: (sent.append(time.perf_counter()), os.kill(os.getpid(),
+                                                                                              signal.SIGINT)))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                eng.wait_for_checkpoint()
+            late = time.perf_counter() - sent[0]
+            assert late < 0.1 + 0.05, late
+            held_writer.set()  # the write went on: the next wait finds it complete
+            assert eng.wait_for_checkpoint().path == str(ckpt / "global_step1")
+            assert (ckpt / "latest").read_text() == "global_step1"
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_during_a_blocking_save_is_a_keyboard_interrupt_and_leaves_nothing(tiny_lm, lm_batches,
+                                                                                  engine_config, tmp_path,
+                                                                                  monkeypatch):
+    from pyinfinity import checkpoint
+
+    def interrupted(buf):
+        raise KeyboardInterrupt
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        monkeypatch.setattr(checkpoint, "_crc32c", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            eng.save_checkpoint(str(tmp_path / "ckpt"))
+        monkeypatch.undo()
+        assert _listing(tmp_path / "ckpt") == []
+        eng.save_checkpoint(str(tmp_path / "ckpt"))
+    assert _listing(tmp_path / "ckpt") == ["global_step1", "latest"]
