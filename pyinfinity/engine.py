@@ -192,10 +192,11 @@ class Engine:
         sizes = model_sizes(model, dtype, unit_bytes=int(cfg.pyinfinity.unit_bytes))
         # every "auto" decided by the planner (placement, sizes, budgets), logged below
         from pyinfinity.plan import plan_engine_config
+        from pyinfinity.probes import MachineProbes
 
         checkpointing = _recomputes_activations(model)
         cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device, seq_len=seq_len,
-                                                       checkpointing=checkpointing)
+                                                       checkpointing=checkpointing, probes=MachineProbes())
         # for the shape check at the first forward: the planner's sizes, or (a config with nothing
         # left to plan) the model's own, counted before the partition empties its parameters
         plan_sizes = self.plan.inputs[0] if self.plan is not None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.plan.budgets import Budgets, measure_budgets
 from pyinfinity.plan.evaluation import Placement, evaluate, flops_compute, train_at_seq_len
 from pyinfinity.plan.placement import Fixed, solve
-from pyinfinity.plan.rates import Rates, measure_rates
+from pyinfinity.plan.rates import Rates
 from pyinfinity.plan.sizes import model_sizes
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,26 @@ UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes", "device_accumulat
 # (``budget_sizing``): most configs leave it out, and absent means "auto"
 SIZED_ALONE = {"max_live"}
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
+
+
+class Probes(Protocol):
+    """What the planner asks of the machine when it is not handed rates (the engine passes
+    ``pyinfinity.probes.MachineProbes``): the rates of a run of the parsed config ``cfg`` on
+    ``device`` (matmuls of ``rows`` x the model's width in ``dtype``; ``rates_file`` figures first),
+    and the seconds of one micro-batch of ``model`` on the device (None: FLOPs / matmul rate
+    stands in)."""
+
+    def rates(self, cfg: Any, device: torch.device, sizes: ModelSizes, dtype: torch.dtype, rows: int,
+              rates_file: Optional[str] = None) -> Rates: ...
+
+    def compute(self, model: Any, train: TrainShape, device: torch.device, device_memory: Optional[int],
+                dtype: torch.dtype) -> Optional[float]: ...
+
+
+def no_rates(what: str) -> ValueError:
+    """The error of a plan asked for without rates and without probes to measure them."""
+    return ValueError(f"{what}: the config leaves its placement to the planner, which needs rates: pass rates "
+                      "(a Rates) or probes (pyinfinity.probes.MachineProbes() measures this machine)")
 
 
 @dataclass
@@ -236,16 +256,17 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
                  rates: Optional[Rates] = None, *, seq_len: Optional[int] = None, checkpointing: bool = False,
                  device: Optional[Union[str, torch.device]] = None, rates_file: Optional[str] = None,
                  fill_absent: bool = False, compute_seconds: Optional[float] = None,
-                 activation_bytes: Optional[int] = None) -> tuple[dict, Placement]:
+                 activation_bytes: Optional[int] = None, probes: Optional[Probes] = None) -> tuple[dict, Placement]:
     """Every ``"auto"`` of ``config_dict`` decided by the planner: returns (a new dict the config
     loader accepts, the Placement). ``model_or_sizes``: an nn.Module (possibly from
-    ``init_empty``), a transformers config (dict or path) or ModelSizes. ``budgets``/``rates``
-    default to measuring this machine. fill_absent: keys the dict does not set are decided too
+    ``init_empty``), a transformers config (dict or path) or ModelSizes. ``budgets`` defaults to
+    measuring this machine, ``rates`` to asking ``probes`` (``pyinfinity.probes.MachineProbes()``
+    times this machine; without either, ValueError). fill_absent: keys the dict does not set are decided too
     (the CLI's resolved config spells every knob out).
 
     The training shape comes from the config (micro-batch, accumulation, bf16/fp16) plus
     ``seq_len`` (default 1024) and ``checkpointing``; ``compute_seconds``/``activation_bytes`` are
-    measured figures of one micro-batch (``rates.measure_decoder_compute``) that replace the
+    measured figures of one micro-batch (``probes.measure_decoder_compute``) that replace the
     estimates. Raises ConfigError for a bad config and
     PlanError (a ValueError) when no placement fits, with the numbers.
     """
@@ -257,14 +278,10 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
         budgets = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
                                   host_memory=hm if isinstance(hm, int) else None)
     if rates is None:
-        m = sizes.hidden or 1024
-        rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=rates_file,
-                              aio=aio_options(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
-                                                                                * (seq_len or DEFAULT_SEQ_LEN))), m, m),
-                              dtype=run_dtype(cfg, model_or_sizes), cache=True,
-                              optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev),
-                              optimizer_state=cfg.optimizer_state_format,
-                              accumulation=cfg.gradient_accumulation_steps > 1)
+        if probes is None:
+            raise no_rates("resolve_auto")
+        rows = min(4096, max(64, cfg.train_micro_batch_size_per_gpu * (seq_len or DEFAULT_SEQ_LEN)))
+        rates = probes.rates(cfg, dev, sizes, run_dtype(cfg, model_or_sizes), rows, rates_file)
     fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
     train = _train_shape(cfg, seq_len, checkpointing)
     train.compute_seconds, train.activation_bytes = compute_seconds, activation_bytes
@@ -289,44 +306,14 @@ def aio_options(cfg: Any) -> dict:
             "backend": a.backend}
 
 
-def measured_compute(model: Any, train: TrainShape, device: torch.device, device_memory: Optional[int],
-                     dtype: torch.dtype) -> Optional[float]:
-    """Seconds of one micro-batch's forward + backward on a GPU, measured with 1 and 2 layers of
-    the model (``rates.measure_decoder_compute``): a step of small kernels around the matmuls runs
-    well below the matmul probe's rate (at 1.1B on an H200 about half of it), so FLOPs / matmul
-    rate under-predicts. None (the FLOPs estimate stays) for a model that is not a transformers
-    decoder, one with frozen parameters (adapters: their backward skips the weight gradients the
-    probe computes), or when the probe would not fit 3/4 of the device budget."""
-    from pyinfinity.plan.rates import decoder_probe_bytes, measure_decoder_compute
-
-    conf = getattr(model, "config", None)
-    to_dict = getattr(conf, "to_dict", None)
-    if not callable(to_dict) or getattr(conf, "is_encoder_decoder", False) or not isinstance(model, torch.nn.Module):
-        return None
-    if any(not p.requires_grad for p in model.parameters()):
-        return None
-    d = to_dict()
-    if int(d.get("num_hidden_layers") or 0) < 2 or not d.get("model_type"):
-        return None
-    need = decoder_probe_bytes(d, train.micro_batch, train.seq_len, torch.empty((), dtype=dtype).element_size(),
-                               train.checkpointing)
-    if device_memory and need > device_memory * 3 // 4:
-        return None
-    try:
-        seconds, _ = measure_decoder_compute(d, device, train.micro_batch, train.seq_len, dtype, train.checkpointing)
-    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:  # OOM is a RuntimeError
-        log.info("plan: the compute probe did not run (%s); compute from FLOPs / matmul rate", exc)
-        torch.cuda.empty_cache()
-        return None
-    return seconds if seconds > 0 else None
-
-
 def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *,
                        seq_len: Optional[int] = None, rates: Optional[Rates] = None,
                        budgets: Optional[Budgets] = None,
-                       checkpointing: bool = False) -> tuple[Any, list[Decision], Optional[Placement]]:
+                       checkpointing: bool = False,
+                       probes: Optional[Probes] = None) -> tuple[Any, list[Decision], Optional[Placement]]:
     """For ``Engine.__init__``: (Config with every "auto" decided, the decisions, the Placement or
-    None when only budgets were "auto"). Rates are probed once per process (cached). Without
+    None when only budgets were "auto"). Without ``rates``, ``probes`` measure them (and, on a GPU,
+    one micro-batch of the model) when there is a placement to plan. Without
     ``seq_len`` the activations are charged at DEFAULT_SEQ_LEN tokens per sequence (the engine
     plans before it sees a batch); ``checkpointing``: the model recomputes activations."""
     dev = torch.device(device)
@@ -363,19 +350,16 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
     dtype = run_dtype(c, model)
     if rates is None:
-        m = sizes.hidden or 1024
-        rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=aio_options(c),
-                              matmul_shape=(1024, m, m), dtype=dtype, cache=True,
-                              optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev),
-                              optimizer_state=c.optimizer_state_format,
-                              accumulation=c.gradient_accumulation_steps > 1)
+        if probes is None:
+            raise no_rates("plan_engine_config")
+        rates = probes.rates(c, dev, sizes, dtype, 1024)
     fixed, owned = _fixed_from(c, None)
     train = _train_shape(c, seq_len, checkpointing)
     if not str(dev).startswith("cuda"):
         # the CPU device: activations live in host RAM beside it, not in the device budget
         train.activation_bytes = 0
-    else:
-        train.compute_seconds = measured_compute(model, train, dev, budgets.device_memory, dtype)
+    elif probes is not None:
+        train.compute_seconds = probes.compute(model, train, dev, budgets.device_memory, dtype)
     try:
         out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
         planned_at = f"{DEFAULT_SEQ_LEN} tokens per sequence"
@@ -426,8 +410,6 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
     engine logs ``budget_summary``. Activations are charged as ``plan_engine_config`` charges
     them: not on the CPU device, and on a GPU only when ``seq_len`` is known (the first forward
     checks a batch's shape against the budget)."""
-    from pyinfinity.plan.rates import Rates
-
     dev = torch.device(device)
     ub = cfg.pyinfinity.unit_bytes
     sizes = model_sizes(model, compute_dtype(cfg), unit_bytes=ub if isinstance(ub, int) else None)
@@ -524,4 +506,4 @@ def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
 
 __all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config",
            "Decision", "DEFAULT_SEQ_LEN", "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads",
-           "measured_compute", "run_dtype"]
+           "run_dtype", "Probes"]
