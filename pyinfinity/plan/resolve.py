@@ -14,7 +14,8 @@ from typing import Any, Optional, Protocol, Union
 
 import torch
 
-from pyinfinity.config import default_optimizer_threads, load_config, optimizer_threads, overlap_step_blocker
+from pyinfinity.config import (auto_overlap_off, default_optimizer_threads, load_config, optimizer_threads,
+                               overlap_step_blocker)
 from pyinfinity.layout.charges import PlanError, TrainShape, fmt, largest_shape
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.layout.sizes import ModelSizes
@@ -23,11 +24,15 @@ from pyinfinity.plan.evaluation import Placement, evaluate, flops_compute, train
 from pyinfinity.plan.placement import Fixed, solve
 from pyinfinity.plan.rates import Rates
 from pyinfinity.plan.sizes import model_sizes
+from pyinfinity.units import auto_unit_bytes
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 DEFAULT_SEQ_LEN = 1024
+# "auto" overlap_step on a CPU compute device: off. Backward then runs on the same cores as the
+# background step (see config.auto_overlap_off).
+AUTO_OVERLAP_ON_CPU = False
 
 # Fixed field -> dotted config key
 KEYS = {
@@ -246,6 +251,36 @@ def _threads(e: Any) -> list[Decision]:
                      "one on the CPU device, else every CPU of this process")]
 
 
+def _unit_bytes(c: Any, model: Any) -> list[Decision]:
+    """``pyinfinity.unit_bytes`` "auto" decided before the sizes are counted (the planner counts the
+    units the partition makes): ``units.auto_unit_bytes`` of the model, within a device budget the
+    config sets."""
+    e = c.pyinfinity
+    if e.unit_bytes != AUTO:
+        return []
+    whole = model_sizes(model, compute_dtype(c))
+    dm = e.device_memory
+    e.unit_bytes = auto_unit_bytes(whole.param_bytes, whole.largest_module_bytes, dm if isinstance(dm, int) else None)
+    return [Decision("pyinfinity.unit_bytes", e.unit_bytes,
+                     "at most a quarter of the model and an eighth of a set device budget, at least its largest module")]
+
+
+def _overlap_step(c: Any, device: torch.device) -> list[Decision]:
+    """``pyinfinity.overlap_step`` "auto" decided for the resolved placement: off where
+    ``config.overlap_step_blocker`` names a reason (the optimizer steps on the compute device) or
+    ``config.auto_overlap_off`` does (the CPU device with the optimizer state all in RAM; the
+    planner's prediction asks the same rule), else on. Clipping and fp16 loss scaling do not turn
+    it off: the step then runs after backward, unit by unit, while the next forward goes on."""
+    e = c.pyinfinity
+    if e.overlap_step != AUTO:
+        return []
+    oo = c.zero_optimization.offload_optimizer
+    why = overlap_step_blocker(c) or auto_overlap_off(device.type == "cuda", oo.device == "nvme" and oo.ratio > 0,
+                                                      AUTO_OVERLAP_ON_CPU)
+    e.overlap_step = why is None
+    return [] if why is None else [Decision("pyinfinity.overlap_step", False, why)]
+
+
 def engine_optimizer_threads(e: Any, device: Union[str, torch.device]) -> int:
     """The threads the engine's CPU Adam step runs on under the ``pyinfinity`` section ``e`` on
     ``device`` (what ``Engine`` gives the optimizer): the rate probe times the kernel on as many."""
@@ -312,7 +347,10 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
                        checkpointing: bool = False,
                        probes: Optional[Probes] = None) -> tuple[Any, list[Decision], Optional[Placement]]:
     """For ``Engine.__init__``: (Config with every "auto" decided, the decisions, the Placement or
-    None when only budgets were "auto"). Without ``rates``, ``probes`` measure them (and, on a GPU,
+    None when only budgets were "auto"). Every "auto" of the config is decided here, the one place
+    (the placement and its buffers, ``unit_bytes``, the budgets, ``optimizer_threads``,
+    ``overlap_step``): the engine and its training state read resolved values. Without ``rates``,
+    ``probes`` measure them (and, on a GPU,
     one micro-batch of the model) when there is a placement to plan. Without
     ``seq_len`` the activations are charged at DEFAULT_SEQ_LEN tokens per sequence (the engine
     plans before it sees a batch); ``checkpointing``: the model recomputes activations."""
@@ -324,8 +362,10 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     if budgets is None:
         budgets = measure_budgets(dev, c.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
                                   host_memory=hm if isinstance(hm, int) else None)
+    units = _unit_bytes(c, model)
+    sizes = model_sizes(model, compute_dtype(c), unit_bytes=int(c.pyinfinity.unit_bytes))
     if not _placement_is_possible(c):
-        decisions = []
+        decisions = units
         if c.pyinfinity.resident_bytes == AUTO:
             c.pyinfinity.resident_bytes = 0
         if c.pyinfinity.device_optimizer_bytes == AUTO:
@@ -339,15 +379,12 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
             c.pyinfinity.host_memory = budgets.host_memory
             decisions.append(Decision("pyinfinity.host_memory", budgets.host_memory, "measured host budget"))
         decisions += _threads(c.pyinfinity)
-        ub = c.pyinfinity.unit_bytes
-        sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
         for name, value in budget_sizing(c, sizes, int(c.pyinfinity.device_memory)).items():
             key = KEYS[name]
             setattr(c.zero_optimization, key.rsplit(".", 1)[1], value)
             decisions.append(Decision(key, value, "the device budget (the placement is the config's)"))
+        decisions += _overlap_step(c, dev)
         return c, decisions, None
-    ub = c.pyinfinity.unit_bytes
-    sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
     dtype = run_dtype(c, model)
     if rates is None:
         if probes is None:
@@ -394,7 +431,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
                                "1 and 2 of the model's layers (FLOPs / matmul rate would say "
                                f"{flops_compute(sizes, train, rates):.3f})")
     log.info("plan:\n%s", placement.table())
-    return out, decisions, placement
+    return out, units + decisions + _overlap_step(out, dev), placement
 
 
 UNPROBED = "not probed: the config fixes the placement"
