@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from pyinfinity.config_values import MIN_QUANTIZED_NUMEL, STATE_FORMATS, StateFormat
 from pyinfinity.layout.charges import (GRAD_BYTES_PER_PARAM, OPT_BYTES_PER_PARAM, DeviceCharges, TrainShape,
-                                       device_charges, device_state_cost, step_scratch)
+                                       accumulator_bytes, device_charges, device_state_cost, step_scratch)
 from pyinfinity.layout.shards import Knobs, ShardLayout, param_tiers, shard_layout
 from pyinfinity.layout.sizes import ModelSizes
 
@@ -53,6 +53,17 @@ def home_slack(state: StateFormat, n_modules: int) -> int:
     if state.name == "fp32":
         return 0
     return int(n_modules * home_bytes(state, MIN_QUANTIZED_NUMEL - 1))
+
+
+def ram_state_bytes(sizes: ModelSizes, state: StateFormat) -> int:
+    """Bytes of the whole training state in host RAM: the weights, and each trainable parameter's
+    optimizer state and fp32 gradient."""
+    return int(sizes.trainable_numel * (state.state_bytes + GRAD_BYTES_PER_PARAM) + sizes.param_bytes)
+
+
+def state_numel_within(state: StateFormat, ram_bytes: int) -> int:
+    """Parameters whose optimizer state in ``state``'s format fits ``ram_bytes``."""
+    return int(max(0, ram_bytes) // state.state_bytes)
 
 
 @dataclass
@@ -131,7 +142,7 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
     for i in sl.device_state:
         dev_state_cost += device_state_cost(sizes.shard_itemsize(i), train.grad_accum, state_fmt.name) * numels[i]
     dev_acc_numel = sum(numels[i] for i in sl.device_accumulators)
-    accumulator_bytes = GRAD_BYTES_PER_PARAM * dev_acc_numel
+    acc_bytes = accumulator_bytes(dev_acc_numel)
     # -- optimizer states: the shard's state, moved whole (compressed on disk)
     optim = Share()
     biggest_disk_state = first_disk_state = 0
@@ -155,8 +166,8 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
         if total_train - dev_state_numel - dev_acc_numel > 0:
             largest_trainable = max((nbytes[i] for i, t in enumerate(sizes.shard_trainable) if t), default=0)
             grad_staging = GRAD_STAGING_SLOTS * largest_trainable + ADD_SCRATCH
-        grads = Share(device=accumulator_bytes,
-                      ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
+        grads = Share(device=acc_bytes,
+                      ram=accumulator_bytes(total_train - dev_state_numel) + grad_staging)
     else:
         grads = Share(ram=sum(nbytes[i] for i, (t, pt) in enumerate(zip(sizes.shard_trainable, sl.param))
                               if t and (pt != "ram" or state_fmt.weights_are_master) and i not in dev_state))
@@ -168,7 +179,7 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
                              persistent=0 if k.param_device == "none" else persistent,
                              prefetch=k.prefetch_bytes if k.prefetch else 0,
                              device_state=device_state_bytes + step_scratch(state_fmt.name) if dev_state else 0,
-                             accumulators=accumulator_bytes, all_resident=everything)
+                             accumulators=acc_bytes, all_resident=everything)
     device_bytes = charges.total
     if k.optimizer_step_device == "device":  # two sets of the state + grad buffers, after release_all
         device_bytes = max(device_bytes, persistent + 2 * int(state_fmt.shard_bytes(sizes.largest_shard_numel)
@@ -193,11 +204,11 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
         per = math.ceil(swap_bytes / len(swap_dirs)) + spaces * SWAP_GROW + 2 * len(numels) * SWAP_SLOT_ALIGN
         swap_per_dir = {d: per for d in swap_dirs}
     # of host_bytes: the gradient staging and the buffers device accumulators land in are pinned too
-    pinned_all = pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + accumulator_bytes if cuda else 0)
+    pinned_all = pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + acc_bytes if cuda else 0)
     return Layout(shards=sl, params=params, grads=grads, optimizer=optim, charges=charges, device_bytes=device_bytes,
                   host_bytes=host_bytes, pinned_bytes=pinned_all, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                   staging=staging, writeback=writeback, device_state_bytes=device_state_bytes,
-                  device_state_numel=dev_state_numel, accumulator_bytes=accumulator_bytes,
+                  device_state_numel=dev_state_numel, accumulator_bytes=acc_bytes,
                   accumulator_numel=dev_acc_numel, resident_bytes=resident_bytes, persistent_bytes=persistent,
                   fetch_ram=fetch_ram, fetch_disk=fetch_disk, biggest_disk_state=biggest_disk_state,
                   first_disk_state=first_disk_state, grad_staging=grad_staging)
@@ -249,7 +260,7 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
     # on NVMe or on the device need a buffer of their own (at most the trainable parameters' bytes);
     # accumulation keeps an fp32 sum
     if int(cfg.gradient_accumulation_steps) > 1:
-        grads = train * GRAD_BYTES_PER_PARAM
+        grads = accumulator_bytes(train)
     else:
         grads = min(param_disk + (sizes.param_bytes if op.device == "none" else 0), train * itemsize)
     thr = int(z.stage3_param_persistence_threshold) if persistence_threshold is None else persistence_threshold
@@ -267,4 +278,4 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
 
 
 __all__ = ["Share", "Layout", "plan_layout", "EnginePools", "engine_pools", "home_bytes", "home_bytes_per_param",
-           "home_slack", "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH", "PINNED_SLACK"]
+           "home_slack", "ram_state_bytes", "state_numel_within", "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH", "PINNED_SLACK"]

@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from pyinfinity.config import auto_overlap_off
-from pyinfinity.layout.charges import GRAD_BYTES_PER_PARAM, DeviceCharges, TrainShape, fmt
+from pyinfinity.layout.charges import DeviceCharges, TrainShape, accumulator_bytes, fmt
 from pyinfinity.layout.pools import Layout, Share, plan_layout
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.layout.sizes import ModelSizes
@@ -376,7 +376,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     g = train.grad_accum
     host_acc = train_numel - device_stepped - device_accumulated if g > 1 else train_numel
     grads_off = (_div((train_numel - device_stepped - device_accumulated) * isz, rates.d2h)
-                 + _div(device_accumulated * GRAD_BYTES_PER_PARAM / g, rates.d2h)) if cuda else 0.0
+                 + _div(accumulator_bytes(device_accumulated) / g, rates.d2h)) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
     # (the gradient adds at their own probe's pace where measured, Rates.accumulate); the first
     # micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4 bytes

@@ -204,7 +204,7 @@ def budget_sizing(cfg: Any, sizes: ModelSizes, device_memory: int) -> dict[str, 
     _, owned = _fixed_from(cfg, None)
     if "max_live" not in owned:
         return {}
-    return {"max_live": max(1, device_memory // sizes.narrowest_itemsize)}
+    return {"max_live": sizes.live_elements(device_memory)}
 
 
 def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, train: TrainShape,
