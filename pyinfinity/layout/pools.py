@@ -143,13 +143,15 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
         dev_state_cost += device_state_cost(sizes.shard_itemsize(i), train.grad_accum, state_fmt.name) * numels[i]
     dev_acc_numel = sum(numels[i] for i in sl.device_accumulators)
     acc_bytes = accumulator_bytes(dev_acc_numel)
-    # -- optimizer states: the shard's state, moved whole (compressed on disk)
+    # -- optimizer states: the shard's home, moved whole (compressed on disk). Under accumulation a
+    # bf16 master's home keeps its gradient slot beside the fp32 accumulator (home_bytes); without
+    # accumulation that slot is the gradient buffer the gradients' share counts below
     optim = Share()
     biggest_disk_state = first_disk_state = 0
     for i, tier in enumerate(sl.optimizer):
         if not tier:
             continue
-        nb = int(state_fmt.shard_bytes(numels[i]))
+        nb = int(home_bytes(state_fmt, numels[i]) if train.grad_accum > 1 else state_fmt.shard_bytes(numels[i]))
         if tier == "ram":
             optim.ram += nb
         else:
