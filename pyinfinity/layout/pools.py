@@ -17,8 +17,9 @@ from pyinfinity.layout.charges import (GRAD_BYTES_PER_PARAM, OPT_BYTES_PER_PARAM
 from pyinfinity.layout.shards import Knobs, ShardLayout, param_tiers, shard_layout
 from pyinfinity.layout.sizes import ModelSizes
 
-SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
+SWAP_GROW = 256 << 20  # SwapSpace grows each file in steps of at most this (smaller when the need is)
 SWAP_SLOT_ALIGN = 4096
+SWAP_STRIPE_MIN = 4 << 20  # SwapSpace: slots below this go to one file, round-robin
 # under accumulation: the host staging buffers gradients land in, taken in turn while the worker adds
 # the last ones (zero.accumulate.STAGING_SLOTS, each of the largest trainable unit), and the worker's
 # fp32 chunk (zero.accumulate.ADD_CHUNK)
@@ -64,6 +65,31 @@ def ram_state_bytes(sizes: ModelSizes, state: StateFormat) -> int:
 def state_numel_within(state: StateFormat, ram_bytes: int) -> int:
     """Parameters whose optimizer state in ``state``'s format fits ``ram_bytes``."""
     return int(max(0, ram_bytes) // state.state_bytes)
+
+
+@dataclass
+class SwapFile:
+    """One state class's swap file in each of its directories, as the engine claims it: the bytes
+    a file reaches at most (:attr:`nbytes`) and the step the swap space grows it in."""
+
+    payload: int  # bytes of state the engine puts in the space (over all its directories)
+    per_dir: int  # upper bound of one file's bytes before the last step's rounding
+    grow: int  # the preallocation step
+
+    @property
+    def nbytes(self) -> int:
+        """What one file is preallocated to at most: :attr:`per_dir` in whole :attr:`grow` steps."""
+        return -(-max(1, self.per_dir) // self.grow) * self.grow if self.payload else 0
+
+
+def swap_file(payload: int, slots: int, n_dirs: int) -> SwapFile:
+    """The swap file of a state class holding ``payload`` bytes in ``slots`` slots striped over
+    ``n_dirs`` directories (each slot aligned; a second directory adds the striping's slack); the
+    step is the file's own size in whole MiB, at most SWAP_GROW."""
+    n = max(1, n_dirs)
+    per_dir = -(-(int(payload) + slots * SWAP_SLOT_ALIGN) // n) + (SWAP_STRIPE_MIN if n > 1 else 0)
+    grow = min(SWAP_GROW, max(1 << 20, -(-per_dir // (1 << 20)) * (1 << 20)))
+    return SwapFile(payload=int(payload), per_dir=per_dir, grow=grow)
 
 
 @dataclass
@@ -231,11 +257,33 @@ class EnginePools:
     optim_pinned: int  # the optimizer swapper's pinned pool
     persistent: int = 0  # small shards kept on the device (stage3_param_persistence_threshold)
     n_tensors: int = 1  # tensors a swap directory holds at most per state class (one a module)
+    param_dirs: tuple[str, ...] = ()  # the parameters' swap directories (offload_param.nvme_path on nvme)
+    optim_dirs: tuple[str, ...] = ()  # the optimizer state's (offload_optimizer.nvme_path on nvme)
 
     @property
     def host(self) -> int:
         """Host RAM the training state needs: homes in RAM and gradients."""
         return self.param_ram + self.optim_ram + self.grads
+
+    @property
+    def param_file(self) -> SwapFile:
+        """The parameters' swap file in each of :attr:`param_dirs`."""
+        return swap_file(self.param_disk if self.param_dirs else 0, self.n_tensors, len(self.param_dirs))
+
+    @property
+    def optim_file(self) -> SwapFile:
+        """The optimizer state's swap file in each of :attr:`optim_dirs`."""
+        return swap_file(self.optim_disk if self.optim_dirs else 0, self.n_tensors, len(self.optim_dirs))
+
+    @property
+    def swap_per_dir(self) -> dict[str, int]:
+        """Bytes the engine claims in each swap directory (every state class's file there)."""
+        out: dict[str, int] = {}
+        for dirs, f in ((self.param_dirs, self.param_file), (self.optim_dirs, self.optim_file)):
+            for d in dirs:
+                if f.nbytes:
+                    out[d] = out.get(d, 0) + f.nbytes
+        return out
 
 
 def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_threshold: Optional[int] = None
@@ -276,8 +324,11 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
     return EnginePools(param_ram=param_ram, param_disk=param_disk, optim_ram=optim_ram, optim_disk=optim_disk,
                        grads=grads, device_need=device_need, param_pinned=param_pinned,
                        optim_pinned=page_rounded(optim_ram + PINNED_SLACK), persistent=persistent,
-                       n_tensors=n_modules)
+                       n_tensors=n_modules,
+                       param_dirs=tuple(op.nvme_path or ()) if op.device == "nvme" else (),
+                       optim_dirs=tuple(oo.nvme_path or ()) if oo.device == "nvme" else ())
 
 
 __all__ = ["Share", "Layout", "plan_layout", "EnginePools", "engine_pools", "home_bytes", "home_bytes_per_param",
-           "home_slack", "ram_state_bytes", "state_numel_within", "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH", "PINNED_SLACK"]
+           "home_slack", "ram_state_bytes", "state_numel_within", "SwapFile", "swap_file", "SWAP_STRIPE_MIN",
+           "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH", "PINNED_SLACK"]

@@ -325,16 +325,26 @@ def _violations(lay: Layout, train: TrainShape, budgets: Budgets, dirs: Sequence
     if lay.swap_bytes and not dirs:
         out.append(f"swap: needs {fmt(lay.swap_bytes)} on disk but no nvme_path is given")
     elif lay.swap_bytes:
-        by_fs: dict[int, tuple[list[str], int, int]] = {}
-        for i, d in enumerate(budgets.swap):
-            if d.path in lay.swap_per_dir:
-                paths, need, free = by_fs.get(d.fs_id or -(i + 1), ([], 0, d.free))
-                by_fs[d.fs_id or -(i + 1)] = (paths + [d.path], need + lay.swap_per_dir[d.path], free)
-        for paths, need, free in by_fs.values():
-            if need > free:
-                out.append(f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; "
-                           f"add {fmt(need - free)}, or a second path")
+        out += swap_violations(lay.swap_per_dir, budgets)
     return out
+
+
+def swap_shortfalls(swap_per_dir: dict[str, int], budgets: Budgets) -> list[tuple[list[str], int, int]]:
+    """The swap filesystems the files of ``swap_per_dir`` (bytes per directory) do not fit:
+    (its directories, the bytes they need, its free bytes) each; directories on one filesystem
+    add up."""
+    by_fs: dict[int, tuple[list[str], int, int]] = {}
+    for i, d in enumerate(budgets.swap):
+        if d.path in swap_per_dir:
+            paths, need, free = by_fs.get(d.fs_id or -(i + 1), ([], 0, d.free))
+            by_fs[d.fs_id or -(i + 1)] = (paths + [d.path], need + swap_per_dir[d.path], free)
+    return [(paths, need, free) for paths, need, free in by_fs.values() if need > free]
+
+
+def swap_violations(swap_per_dir: dict[str, int], budgets: Budgets) -> list[str]:
+    """:func:`swap_shortfalls` as the plan's violations, one line each."""
+    return [f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; add {fmt(need - free)}, "
+            "or a second path" for paths, need, free in swap_shortfalls(swap_per_dir, budgets)]
 
 
 def _notes(lay: Layout, k: Knobs) -> list[str]:
@@ -465,4 +475,4 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
 
 __all__ = ["StepTime", "Placement", "evaluate", "predict", "on_cuda", "flops_compute", "train_at_seq_len",
-           "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]
+           "swap_violations", "swap_shortfalls", "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE"]

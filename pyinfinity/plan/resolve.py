@@ -8,19 +8,23 @@
 from __future__ import annotations
 
 import copy
+import errno
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol, Union
 
 import torch
 
-from pyinfinity.config import (auto_overlap_off, default_optimizer_threads, load_config, optimizer_threads,
-                               overlap_step_blocker)
+from pyinfinity.config import (auto_overlap_off, default_optimizer_threads, format_size, load_config,
+                               optimizer_threads, overlap_step_blocker)
+from pyinfinity.config_values import SwapSpaceTooSmall
 from pyinfinity.layout.charges import PlanError, TrainShape, fmt, largest_shape
+from pyinfinity.layout.pools import EnginePools, engine_pools
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.plan.budgets import Budgets, measure_budgets
-from pyinfinity.plan.evaluation import Placement, evaluate, flops_compute, train_at_seq_len
+from pyinfinity.plan.evaluation import (Placement, evaluate, flops_compute, swap_shortfalls, swap_violations,
+                                       train_at_seq_len)
 from pyinfinity.plan.placement import Fixed, solve
 from pyinfinity.plan.rates import Rates
 from pyinfinity.plan.sizes import model_sizes
@@ -440,9 +444,13 @@ UNPROBED = "not probed: the config fixes the placement"
 def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, seq_len: Optional[int] = None,
                     checkpointing: bool = False, budgets: Optional[Budgets] = None) -> Placement:
     """The placement of a resolved config that fixes every placement knob (``plan_engine_config``
-    returned no plan), checked against this machine's host RAM before the engine writes a byte:
-    PlanError, one line naming the bytes, as ``solve`` refuses a plan (the device budget and each
-    swap filesystem's free space are the engine's own start checks, before any write too). No rate is probed (bytes need none),
+    returned no plan), checked against this machine before the engine writes a byte: PlanError,
+    one line naming each pool, its need and its budget, as ``solve`` refuses a plan. The pools:
+    host RAM; each swap filesystem, for the files the engine claims there
+    (``layout.pools.EnginePools.swap_per_dir``); on a GPU the device, for what the engine cannot
+    give up (the layout's peak less the prefetch bucket, which it shrinks to stay within the
+    budget). A shortfall of swap space alone is ``SwapSpaceTooSmall`` (ENOSPC, the directory), as
+    the swap directories' claim raises it. No rate is probed (bytes need none),
     so the Placement's times are not a prediction: ``Placement.table`` is not for this one; the
     engine logs ``budget_summary``. Activations are charged as ``plan_engine_config`` charges
     them: not on the CPU device, and on a GPU only when ``seq_len`` is known (the first forward
@@ -463,11 +471,16 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
                   device=str(dev), source={f: UNPROBED for f in ("h2d", "d2h", "disk_read", "disk_write", "adam",
                                                                   "matmul", "memcpy")})
     placement = evaluate(sizes, train, budgets, rates, k, cfg.nvme_paths)
-    # the device and the swap directories: the engine's own start checks (``check_budgets``, the
-    # swap claim's free-space check) hold them before anything is written, against what the engine
-    # takes (it gives up device-kept units and states to stay within the budget, and sizes its swap
-    # files from its shards); the host RAM only the planner's figures see whole
+    pools = claimed_pools(cfg, sizes, model)
+    if pools is not None:
+        placement.swap_per_dir = pools.swap_per_dir
     violations: list[str] = []
+    c = placement.charges
+    if dev.type == "cuda" and not budgets.device_is_host and c is not None:
+        need = placement.device_bytes - c.prefetch
+        if need > budgets.device_memory:
+            violations.append(f"device memory: needs {fmt(need)} ({replace(c, prefetch=0).describe()}; the "
+                              f"prefetch bucket aside, which the engine shrinks), budget {fmt(budgets.device_memory)}")
     # on the CPU device the device pool is host RAM that the device budget bounds (the device memory
     # check): the host check here is of what the tiers, gradients and staging take beside it
     pool = placement.device_bytes if budgets.device_is_host else 0
@@ -479,11 +492,35 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
                           f"{fmt(p.optimizer.ram)}, gradient buffers {fmt(p.grads.ram)}, staging {fmt(staging)})"
                           + (f" beside the device pool's {fmt(pool)}" if pool else "")
                           + f", budget {fmt(budgets.host_memory)}")
+    short = swap_shortfalls(placement.swap_per_dir, budgets) if placement.swap_bytes else []
+    for paths, need, free in short:
+        parts = [f"{name} {format_size(f.nbytes)} in {d}" for d in paths if pools is not None
+                 for name, dirs, f in (("params", pools.param_dirs, pools.param_file),
+                                       ("optimizer", pools.optim_dirs, pools.optim_file)) if d in dirs and f.nbytes]
+        violations.append(f"swap: the swap files they need {format_size(need)}"
+                          + (f" ({', '.join(parts)})" if parts else "")
+                          + f", the filesystem of {', '.join(paths)} has {format_size(free)} free: "
+                          f"{format_size(need - free)} missing")
     placement.violations = violations
     if violations:
-        raise PlanError("the config's placement does not fit this machine (nothing was written): "
-                        + "; ".join(violations + _fixed_hints(placement)))
+        message = ("the config's placement does not fit this machine (nothing was written): "
+                   + "; ".join(violations + _fixed_hints(placement)))
+        if short and len(short) == len(violations):
+            # the swap space alone: as the swap directories' own claim refuses, ENOSPC naming the
+            # first directory short of room (with another budget broken too, a PlanError)
+            raise SwapSpaceTooSmall(errno.ENOSPC, message, short[0][0][0])
+        raise PlanError(message)
     return placement
+
+
+def claimed_pools(cfg: Any, sizes: ModelSizes, model: Any) -> Optional[EnginePools]:
+    """What the engine checks and claims for the resolved config ``cfg`` and a model of ``sizes``
+    (``layout.pools.engine_pools``, one swap slot a module that owns parameters), among them the
+    bytes of each swap directory; None when ``model`` is not a module (its modules are not known)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    n_modules = sum(1 for m in model.modules() if m._parameters)  # as the engine counts them
+    return engine_pools(cfg, sizes, n_modules)
 
 
 def _fixed_hints(p: Placement) -> list[str]:
@@ -524,7 +561,14 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     if owned - UNPLANNED_ALONE - SIZED_ALONE:
         raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
     k = _fixed_knobs(cfg, sizes, budgets.device_memory)
-    return evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
+    placement = evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
+    pools = claimed_pools(cfg, sizes, model_or_sizes)
+    if pools is not None:  # the files the engine claims, and the budgets they break
+        placement.swap_per_dir = pools.swap_per_dir
+        placement.violations = [v for v in placement.violations if not v.startswith("swap: needs")]
+        if placement.swap_bytes and cfg.nvme_paths:
+            placement.violations += swap_violations(pools.swap_per_dir, budgets)
+    return placement
 
 
 def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
