@@ -98,6 +98,12 @@ def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Calla
                  min_seconds: float = 0.0) -> float:
     """Median seconds of one ``fn()``; with ``min_seconds``, each repetition loops ``fn`` often enough
     to last that long (a few-millisecond kernel timed alone is mostly scheduling noise)."""
+    return _timed(fn, reps, warmup, sync, min_seconds)[0]
+
+
+def _timed(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Callable[[], None] = lambda: None,
+           min_seconds: float = 0.0) -> tuple[float, float]:
+    """:func:`_median_time`, and the slowest repetition's time over the fastest's."""
     for _ in range(warmup):
         fn()
     sync()
@@ -115,7 +121,7 @@ def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, sync: Calla
             fn()
         sync()
         times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
+    return statistics.median(times), max(times) / max(min(times), 1e-12)
 
 
 # ----------------------------------------------------------------------------------- probes
@@ -274,14 +280,26 @@ def measure_accumulate(numel: int = ACCUMULATE_PROBE_NUMEL, reps: int = 5, threa
         torch.set_num_threads(was)
 
 
-def measure_matmul(device: Union[str, torch.device] = "cpu", m: int = 1024, k: int = 1024, n: int = 1024,
-                   dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
-    """FLOP/s of an (m x k) @ (k x n) matmul on ``device`` in ``dtype`` (the model's shape)."""
+COMPUTE_SPREAD_LIMIT = 2.0
+"""A matmul probe whose samples differ by more than this factor timed something else besides the
+kernel (another process on the same cores or device): its rate is named uncertain."""
+
+
+def matmul_probe(device: Union[str, torch.device] = "cpu", m: int = 1024, k: int = 1024, n: int = 1024,
+                 dtype: torch.dtype = torch.float32, reps: int = 5) -> tuple[float, float]:
+    """:func:`measure_matmul`'s FLOP/s, and its samples' spread (the slowest over the fastest)."""
     dev = torch.device(device)
     a = torch.randn(m, k, device=dev).to(dtype)
     b = torch.randn(k, n, device=dev).to(dtype)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    return 2.0 * m * k * n / _median_time(lambda: a @ b, reps, warmup=2, sync=sync, min_seconds=0.05)
+    seconds, spread = _timed(lambda: a @ b, reps, warmup=2, sync=sync, min_seconds=0.05)
+    return 2.0 * m * k * n / seconds, spread
+
+
+def measure_matmul(device: Union[str, torch.device] = "cpu", m: int = 1024, k: int = 1024, n: int = 1024,
+                   dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
+    """FLOP/s of an (m x k) @ (k x n) matmul on ``device`` in ``dtype`` (the model's shape)."""
+    return matmul_probe(device, m, k, n, dtype, reps)[0]
 
 
 def measure_copies(device: Union[str, torch.device], nbytes: int = 256 << 20,
@@ -570,7 +588,12 @@ def measure_rates(device: Union[str, torch.device] = "cpu", swap_dir: Optional[s
         vals.setdefault("h2d_pageable", pg)
     if "matmul" not in vals:
         m, k, n = matmul_shape
-        vals["matmul"] = measure_matmul(dev, m, k, n, dtype, reps)
+        vals["matmul"], spread = matmul_probe(dev, m, k, n, dtype, reps)
+        if spread > COMPUTE_SPREAD_LIMIT:
+            note = (f"probe, uncertain: its samples differ {spread:.1f}x (another process on the same cores or "
+                    "device while it ran; probe again on a quiet machine, or pass --tflops)")
+            log.warning("compute probe on %s: %s", dev, note)
+            source["matmul"] = note
     if "disk_read" not in vals or "disk_write" not in vals:
         if swap_dir:
             try:
@@ -707,5 +730,6 @@ class MachineProbes:
 __all__ = ["MachineProbes", "measure_rates", "preset_rates", "measured_compute", "all_cpus", "disk_probe_size",
            "ADAM_PROBE_NUMEL", "MEMCPY_PROBE_BYTES", "MIN_DISK_PROBE", "measure_decoder_compute", "decoder_probe_bytes",
            "measure_accumulate", "ACCUMULATE_PROBE_NUMEL", "measure_adam", "measure_device_adam",
-           "DEVICE_ADAM_PROBE_NUMEL", "measure_memcpy", "measure_matmul", "measure_copies", "measure_disk", "DiskProbe",
+           "DEVICE_ADAM_PROBE_NUMEL", "measure_memcpy", "measure_matmul", "matmul_probe",
+           "COMPUTE_SPREAD_LIMIT", "measure_copies", "measure_disk", "DiskProbe",
            "DISK_SPREAD_LIMIT"]

@@ -563,7 +563,7 @@ def test_the_rates_of_a_gpu_include_the_planned_formats_device_step(oom, monkeyp
     monkeypatch.setattr(probes_mod, "measure_adam", lambda *a, **k: 3e9)
     monkeypatch.setattr(probes_mod, "measure_memcpy", lambda *a, **k: 20e9)
     monkeypatch.setattr(probes_mod, "measure_copies", lambda *a, **k: (50e9, 50e9, 20e9))
-    monkeypatch.setattr(probes_mod, "measure_matmul", lambda *a, **k: 600e12)
+    monkeypatch.setattr(probes_mod, "matmul_probe", lambda *a, **k: (600e12, 1.0))  # FLOP/s, samples' spread
     r = probes_mod.measure_rates("cuda:0", optimizer_state="8bit", optimizer_threads=1)
     if oom:
         assert r.device_adam_8bit == 0 and "no device memory to time the 8bit optimizer step" in caplog.text

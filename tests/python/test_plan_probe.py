@@ -125,3 +125,20 @@ def test_a_step_that_waits_for_the_norm_hides_behind_the_next_forward_only(clip)
     hidden = p.micro_batch * ((1 - share) if clip else share)
     assert p.optimizer_phase == pytest.approx(p.optimizer - hidden, rel=1e-9)
     assert p.total == pytest.approx(p.micro_batch + p.optimizer - hidden, rel=1e-9)
+
+
+@pytest.mark.parametrize("spread", [1.2, 3.0])
+def test_a_compute_probe_whose_samples_drift_is_named_uncertain(monkeypatch, caplog, spread):
+    """As the disk probe: a matmul probe whose slowest sample took more than COMPUTE_SPREAD_LIMIT
+    times the fastest timed a machine under load, and its rate's source says so (and a warning)."""
+    monkeypatch.setattr(probes_mod, "_CACHE", {})
+    monkeypatch.setattr(probes_mod, "measure_adam", lambda *a, **k: 1e9)
+    monkeypatch.setattr(probes_mod, "measure_memcpy", lambda *a, **k: 10e9)
+    monkeypatch.setattr(probes_mod, "matmul_probe", lambda *a, **k: (1e11, spread))
+    r = probes_mod.measure_rates("cpu", optimizer_threads=1)
+    assert r.matmul == 1e11
+    if spread > probes_mod.COMPUTE_SPREAD_LIMIT:
+        assert r.source["matmul"].startswith(f"probe, uncertain: its samples differ {spread:.1f}x"), r.source
+        assert "compute probe on cpu" in caplog.text
+    else:
+        assert r.source["matmul"] == "probe"
