@@ -1,6 +1,7 @@
 """A config that fixes its placement: the planner's check before the engine writes a byte
-(``plan.resolve.check_placement``) refuses in one line for each pool it does not fit, and the
-layout's swap figure for it is what the engine claims in each directory."""
+(``plan.resolve.check_placement``) refuses in one line for each pool it does not fit, the
+layout's swap figure for it is what the engine claims in each directory, and the units the
+engine places on the device are the layout's."""
 from __future__ import annotations
 
 import errno
@@ -79,3 +80,34 @@ def test_a_fixed_placement_over_the_device_budget_is_refused_in_one_line(tiny_lm
     # the same config within a budget that holds it passes
     roomy = Budgets(device_memory=GiB, host_memory=1 << 34)
     assert check_placement(_resolved(cfg, model, "cuda:0", roomy), model, "cuda:0", budgets=roomy).violations == []
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_engine_applies_the_device_side_the_layout_decides(tiny_lm, engine_config, accumulation):
+    """One rule, decided once: the units the engine keeps on the device, steps there and
+    accumulates there are those the layout of the same resolved config places (``plan_layout``
+    over the sizes counted from the module before the partition): the layout decides, the engine
+    applies."""
+    from pyinfinity.layout.pools import plan_layout
+    from pyinfinity.plan.resolve import _fixed_knobs, _train_shape
+    from pyinfinity.plan.sizes import model_sizes
+
+    cfg = engine_config("cpu", gradient_accumulation_steps=accumulation,
+                        pyinfinity={"device": "cpu", "device_memory": "64MiB", "resident_bytes": "12KiB",
+                                    "device_optimizer_bytes": "8KiB", "device_accumulator_bytes": "1MiB",
+                                    "unit_bytes": 0})
+    model = tiny_lm()
+    budgets = Budgets(device_memory=64 * MiB, host_memory=1 << 34, device_is_host=True)
+    c = _resolved(cfg, model, "cpu", budgets)
+    sizes = model_sizes(model, None, unit_bytes=int(c.pyinfinity.unit_bytes))
+    lay = plan_layout(sizes, _train_shape(c, 8, False), _fixed_knobs(c, sizes, 64 * MiB), 64 * MiB,
+                      device_is_host=True)
+    with pyinfinity.initialize(model, cfg) as eng:
+        dp = eng.state.placement
+        resident = {sh.index for sh in dp.resident_units}
+        stepped = sorted(sh.index for sh in eng.partition.shards if sh.device_step)
+        accumulated = sorted(sh.index for sh in eng.partition.shards if sh.grad_on_device)
+    assert resident == lay.shards.resident and resident
+    assert stepped == sorted(lay.shards.device_state) and stepped
+    assert accumulated == sorted(lay.shards.device_accumulators)
+    assert bool(accumulated) == (accumulation > 1)
