@@ -18,6 +18,13 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key (dotted path)."""
 
 
+class SwapSpaceTooSmall(OSError, ConfigError):
+    """The swap files this config needs do not fit a swap directory's filesystem: a ``ConfigError``
+    (the config asks for more than the disk has) and ``OSError`` ENOSPC (filename = the directory),
+    raised before anything is written (by the planner's check of a fixed placement, and by the
+    swap directories' claim); the message has the need, the free bytes and what is missing."""
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGTP]?i?B?)?\s*$", re.I)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "KI": 2**10, "M": 10**6, "MB": 10**6,
           "MIB": 2**20, "MI": 2**20, "G": 10**9, "GB": 10**9, "GIB": 2**30, "GI": 2**30,
@@ -131,5 +138,6 @@ STATE_FORMATS: dict[str, StateFormat] = {
 """The optimizer-state formats by name (``Config.optimizer_state_format``)."""
 
 
-__all__ = ["AUTO", "ConfigError", "parse_size", "format_size", "device_budget", "WHOLE_DEVICE", "OPTIMIZER_STATES", "STATE_FORMATS", "StateFormat",
+__all__ = ["AUTO", "ConfigError", "SwapSpaceTooSmall", "parse_size", "format_size", "device_budget", "WHOLE_DEVICE",
+           "OPTIMIZER_STATES", "STATE_FORMATS", "StateFormat",
            "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

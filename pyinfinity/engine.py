@@ -26,11 +26,9 @@ import torch
 from torch import nn
 
 from pyinfinity import checkpoint, guards
-from pyinfinity.config import (AUTO, Config, ConfigError, auto_overlap_off, format_size, load_config,
-                               overlap_step_blocker)
+from pyinfinity.config import Config, ConfigError, format_size, load_config
 from pyinfinity.layout.charges import PlanError
 from pyinfinity.telemetry import MemoryReport, StepRecord, default_logging, host_rss, measured_parts
-from pyinfinity.units import auto_unit_bytes
 from pyinfinity.zero.budget import DeviceBudgetExceeded
 from pyinfinity.zero.coordinator import ParameterCoordinator
 from pyinfinity.zero.device_placement import SHRINK_AT
@@ -41,11 +39,6 @@ from pyinfinity.zero.state import TrainingState
 log = logging.getLogger(__name__)
 
 HISTORY_STEPS = 10_000  # telemetry records kept (a run of days must not grow without bound)
-_overlap_off_logged: set[str] = set()  # why "auto" turned overlap_step off, logged once per process
-# "auto" on a CPU compute device: off. Backward then runs on the same cores as the background step;
-# measured on 2 cores (`pyinfinity train --model-size small --device cpu`): 7% slower steps with the
-# background step on one intra-op thread (overlap_threads), 40% with a full OpenMP team.
-AUTO_OVERLAP_ON_CPU = False
 
 
 # ----------------------------------------------------------------------------------- engine
@@ -95,36 +88,13 @@ def _resolve_device(spec: str) -> torch.device:
         raise ConfigError(f"pyinfinity.device: {e}") from None
 
 
-def _resolve_overlap_step(cfg: Config, device: torch.device) -> str:
-    """``pyinfinity.overlap_step`` -> "on" | "off". true/false as given (load_config refused true
-    where it cannot be exact); "auto" = off where ``config.overlap_step_blocker`` names a reason
-    (the optimizer steps on the compute device) or ``config.auto_overlap_off`` does (the CPU device
-    with the optimizer state all in RAM; the planner's prediction asks the same rule), else on. Clipping and fp16 loss scaling do not turn it off: the step then runs after backward,
-    unit by unit in forward order, while the next forward goes on (``zero.optimizer``)."""
-    v = cfg.pyinfinity.overlap_step
-    if v != AUTO:
-        return "on" if v else "off"
-    oo = cfg.zero_optimization.offload_optimizer
-    why = overlap_step_blocker(cfg) or auto_overlap_off(device.type == "cuda", oo.device == "nvme" and oo.ratio > 0,
-                                                        AUTO_OVERLAP_ON_CPU)
-    if why is None:
-        return "on"
-    _log_overlap_off(why)
-    return "off"
-
-
-def _log_overlap_off(why: str) -> None:
-    if why not in _overlap_off_logged:
-        _overlap_off_logged.add(why)
-        log.info("auto: pyinfinity.overlap_step = false (%s)", why)
-
-
 def _log_decisions(decisions: list) -> None:
     """The planner's "auto" decisions, one line per reason (the planner's decisions share theirs:
     the predicted step, which the plan's table logs once)."""
     by_why: dict[str, list[str]] = {}
     for d in decisions:
-        by_why.setdefault(d.why, []).append(f"{d.key} = {d.value}")
+        value = str(d.value).lower() if isinstance(d.value, bool) else d.value  # as the config spells it
+        by_why.setdefault(d.why, []).append(f"{d.key} = {value}")
     for why, what in by_why.items():
         if why.startswith("planner: "):
             why = "planner: see the plan above"
@@ -183,19 +153,18 @@ class Engine:
         from pyinfinity.plan.sizes import model_sizes
 
         dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
-        sizes = model_sizes(model, dtype)
-        if cfg.pyinfinity.unit_bytes == AUTO:  # before the planner: it counts the units the partition makes
-            dm = cfg.pyinfinity.device_memory
-            cfg.pyinfinity.unit_bytes = auto_unit_bytes(sizes.param_bytes, sizes.largest_module_bytes,
-                                                        dm if isinstance(dm, int) else None)
-        # the one ModelSizes of the model as the partition cuts it (the layout's input)
-        sizes = model_sizes(model, dtype, unit_bytes=int(cfg.pyinfinity.unit_bytes))
-        # every "auto" decided by the planner (placement, sizes, budgets), logged below
+        # every "auto" decided in one place, the planner's plan_engine_config (the placement, the unit
+        # size, the buffers, the budgets, the threads, overlap_step), logged below; the engine and
+        # the training state read the resolved values
         from pyinfinity.plan import plan_engine_config
+        from pyinfinity.probes import MachineProbes
 
         checkpointing = _recomputes_activations(model)
         cfg, decisions, self.plan = plan_engine_config(cfg, model, self.device, seq_len=seq_len,
-                                                       checkpointing=checkpointing)
+                                                       checkpointing=checkpointing, probes=MachineProbes())
+        # the one ModelSizes of the model as the partition cuts it (the layout's input), counted
+        # before the partition empties the parameters
+        sizes = model_sizes(model, dtype, unit_bytes=int(cfg.pyinfinity.unit_bytes))
         # for the shape check at the first forward: the planner's sizes, or (a config with nothing
         # left to plan) the model's own, counted before the partition empties its parameters
         plan_sizes = self.plan.inputs[0] if self.plan is not None else None
@@ -214,7 +183,7 @@ class Engine:
         self.auto_decisions = decisions
         planned = {d.key for d in decisions}
         self.module = model
-        self._overlap_mode = _resolve_overlap_step(cfg, self.device)
+        self._overlap_mode = "on" if cfg.pyinfinity.overlap_step else "off"
         self.history: collections.deque[StepRecord] = collections.deque(maxlen=HISTORY_STEPS)
         dm = cfg.pyinfinity.device_memory
         self.device_memory: Optional[int] = int(dm) if isinstance(dm, int) else None
@@ -727,4 +696,4 @@ def _count_tokens(args: tuple, kwargs: dict) -> int:
 
 
 __all__ = ["initialize", "from_pretrained", "init_empty", "Engine", "StepRecord", "MemoryReport", "retry_micro_batch",
-           "HISTORY_STEPS", "SHRINK_AT", "AUTO_OVERLAP_ON_CPU"]
+           "HISTORY_STEPS", "SHRINK_AT"]

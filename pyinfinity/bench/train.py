@@ -267,7 +267,7 @@ def step_shapes(settings: Settings, fields: dict[str, dict[str, Any]], device: s
     every system then running that shape; the batch or accumulation the user gave kept."""
     from pyinfinity.layout.charges import TrainShape
     from pyinfinity.plan.budgets import measure_budgets
-    from pyinfinity.plan.rates import preset_rates
+    from pyinfinity.probes import preset_rates
     from pyinfinity.plan.sizes import llama_sizes
     from pyinfinity.plan.step_shape import choose_step_shape
 

@@ -93,16 +93,16 @@ def adam_rate_for(rates: dict[str, Any], state_format: str) -> float:
     format's kernel is probed the first time a run uses it and kept in ``rates``."""
     key = adam_rate_key(state_format)
     if key not in rates:
-        from pyinfinity.plan.rates import ADAM_PROBE_NUMEL, measure_adam
+        from pyinfinity.probes import ADAM_PROBE_NUMEL, measure_adam
 
         rates[key] = measure_adam(ADAM_PROBE_NUMEL, 5, state=state_format)
     return float(rates[key])
 
 
 def device_adam_rate_for(rates: dict[str, Any], state_format: str, device: str) -> float:
-    """``state_format``'s step rate on ``device`` (``plan.rates.measure_device_adam``), probed the
+    """``state_format``'s step rate on ``device`` (``probes.measure_device_adam``), probed the
     first time a run steps units there and kept in ``rates``."""
-    from pyinfinity.plan.rates import DEVICE_ADAM_PROBE_NUMEL, measure_device_adam
+    from pyinfinity.probes import DEVICE_ADAM_PROBE_NUMEL, measure_device_adam
 
     key = device_adam_key(state_format)
     if key not in rates:
@@ -168,7 +168,7 @@ def bound(system: str, facts: dict[str, Any], rates: dict[str, float], cuda: boo
 
 def measure_bound_rates(device: str, nvme_dir: str) -> dict[str, Any]:
     """Host<->device copies, disk, CPU Adam (measured once per invocation); matmul per size later."""
-    from pyinfinity.plan.rates import ADAM_PROBE_NUMEL, measure_adam, measure_copies
+    from pyinfinity.probes import ADAM_PROBE_NUMEL, measure_adam, measure_copies
 
     t0 = time.perf_counter()
     out: dict[str, Any] = {"adam": measure_adam(ADAM_PROBE_NUMEL, 5)}
@@ -181,7 +181,7 @@ def measure_bound_rates(device: str, nvme_dir: str) -> dict[str, Any]:
 
 def probe_disk(nvme_dir: str) -> dict[str, Any]:
     """One probe of the swap directory's disk: read and write bytes/s (0 when it cannot be measured)."""
-    from pyinfinity.plan.rates import measure_disk
+    from pyinfinity.probes import measure_disk
 
     try:
         probe = measure_disk(nvme_dir, 256 << 20, 3)
@@ -207,7 +207,7 @@ def measure_matmul_rate(device: str, dtype: str, fields: dict[str, Any], tokens:
     """FLOP/s of the model's biggest matmul shape (tokens x hidden @ hidden x intermediate)."""
     import torch
 
-    from pyinfinity.plan.rates import measure_matmul
+    from pyinfinity.probes import measure_matmul
 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     m = min(tokens, 8192)

@@ -275,7 +275,7 @@ def what_would_change_it(config_dict: dict, sizes: Any, budgets: Any, rates: Any
     from dataclasses import replace
 
     from pyinfinity.plan import resolve_auto
-    from pyinfinity.plan.rates import LINK_PRESETS
+    from pyinfinity.plan.hardware import LINK_PRESETS
 
     bound = placement.predicted.bottleneck
     tries: list[tuple[str, Any, Any]] = []
@@ -374,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before the planner (and torch) is imported
     from pyinfinity.config import ConfigError, load_config
     from pyinfinity.plan import resolve_auto
-    from pyinfinity.plan.rates import measure_rates
+    from pyinfinity.probes import measure_rates
     from pyinfinity.plan.resolve import aio_options, compute_dtype, planned_device, engine_optimizer_threads
     from pyinfinity.plan.sizes import sizes_from_config
 
@@ -424,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
         cfg_dict, cfg = step_shape_config(cfg_dict, cfg, sizes, budgets, rates, args)
     compute_s = acts = None
     if here and (args.calibrate == "on" or (args.calibrate == "auto" and dev.type == "cuda")):
-        from pyinfinity.plan.rates import measure_decoder_compute
+        from pyinfinity.probes import measure_decoder_compute
         from pyinfinity.layout.sizes import parse_dtype
         from pyinfinity.plan.sizes import load_model_config
 

@@ -524,10 +524,11 @@ def apply_tokens_per_step(args: argparse.Namespace, cfg: dict, device: str, mode
         return
     from pyinfinity.layout.charges import PlanError
     from pyinfinity.plan.step_shape import plan_step_shape
+    from pyinfinity.probes import MachineProbes
 
     given = args.given
     try:
-        shape = plan_step_shape(cfg, model, device, tokens, args.seq,
+        shape = plan_step_shape(cfg, model, device, tokens, args.seq, probes=MachineProbes(),
                                 micro_batch=args.batch if "batch" in given else None,
                                 grad_accum=args.grad_accum if "grad_accum" in given else None,
                                 checkpointing=True if args.checkpoint_activations else None)

@@ -103,6 +103,24 @@ class DeviceCharges:
         return ", ".join(f"{n.replace('_', ' ')} {fmt(v)}" for n, v in parts if v)
 
 
+def accumulator_bytes(numel: int) -> int:
+    """Bytes of the fp32 gradient accumulators of ``numel`` parameters (on the host or the device)."""
+    return GRAD_BYTES_PER_PARAM * int(numel)
+
+
+def state_room_freeing_accumulators(room: int, per_param: float) -> int:
+    """Device bytes of optimizer state (``per_param`` a parameter, ``device_state_cost``) that
+    ``room`` holds when every accumulator is on the device already: a unit stepped there frees
+    its own accumulator."""
+    return int(room * per_param // (per_param - GRAD_BYTES_PER_PARAM))
+
+
+def prefetch_cap(sizes: ModelSizes, device_is_host: bool) -> int:
+    """The most a prefetch bucket is worth: four of the largest blocks (units) ahead on a GPU, two
+    on the CPU device (a copy there is a memcpy the compute thread makes itself)."""
+    return (2 if device_is_host else 4) * max(sizes.block_bytes, sizes.largest_shard_bytes)
+
+
 def grad_buffer_bytes(largest_trainable_shard_bytes: int, largest_param_bytes: int) -> int:
     """Device bytes of gradients in backward beyond the activations: GRAD_BUFFERS_LIVE flat unit
     gradients (``coordinator._collect``) and the parameter gradient autograd hands over before it
@@ -220,6 +238,7 @@ def device_state_cost(itemsize: int, grad_accum: int, state: str = "fp32",
 
 
 __all__ = ["PlanError", "TrainShape", "DeviceCharges", "device_charges", "grad_buffer_bytes", "working_set_bytes",
+           "accumulator_bytes", "state_room_freeing_accumulators", "prefetch_cap",
            "activation_charge", "loss_room", "largest_shape", "shape_refusal", "device_state_cost", "step_scratch",
            "fmt", "DEVICE_HEADROOM", "OPT_BYTES_PER_PARAM", "GRAD_BYTES_PER_PARAM", "DEVICE_STEP_SCRATCH",
            "FORMAT_STEP_SCRATCH", "GRAD_BUFFERS_LIVE"]

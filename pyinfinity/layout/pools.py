@@ -13,12 +13,13 @@ from typing import Any, Optional, Sequence
 
 from pyinfinity.config_values import MIN_QUANTIZED_NUMEL, STATE_FORMATS, StateFormat
 from pyinfinity.layout.charges import (GRAD_BYTES_PER_PARAM, OPT_BYTES_PER_PARAM, DeviceCharges, TrainShape,
-                                       device_charges, device_state_cost, step_scratch)
+                                       accumulator_bytes, device_charges, device_state_cost, step_scratch)
 from pyinfinity.layout.shards import Knobs, ShardLayout, device_units, is_persistent, param_tiers, shard_layout
 from pyinfinity.layout.sizes import ModelSizes
 
-SWAP_GROW = 256 << 20  # SwapSpace grows each file in these steps
+SWAP_GROW = 256 << 20  # SwapSpace grows each file in steps of at most this (smaller when the need is)
 SWAP_SLOT_ALIGN = 4096
+SWAP_STRIPE_MIN = 4 << 20  # SwapSpace: slots below this go to one file, round-robin
 # under accumulation: the host staging buffers gradients land in, taken in turn while the worker adds
 # the last ones (zero.accumulate.STAGING_SLOTS, each of the largest trainable unit), and the worker's
 # fp32 chunk (zero.accumulate.ADD_CHUNK)
@@ -53,6 +54,42 @@ def home_slack(state: StateFormat, n_modules: int) -> int:
     if state.name == "fp32":
         return 0
     return int(n_modules * home_bytes(state, MIN_QUANTIZED_NUMEL - 1))
+
+
+def ram_state_bytes(sizes: ModelSizes, state: StateFormat) -> int:
+    """Bytes of the whole training state in host RAM: the weights, and each trainable parameter's
+    optimizer state and fp32 gradient."""
+    return int(sizes.trainable_numel * (state.state_bytes + GRAD_BYTES_PER_PARAM) + sizes.param_bytes)
+
+
+def state_numel_within(state: StateFormat, ram_bytes: int) -> int:
+    """Parameters whose optimizer state in ``state``'s format fits ``ram_bytes``."""
+    return int(max(0, ram_bytes) // state.state_bytes)
+
+
+@dataclass
+class SwapFile:
+    """One state class's swap file in each of its directories, as the engine claims it: the bytes
+    a file reaches at most (:attr:`nbytes`) and the step the swap space grows it in."""
+
+    payload: int  # bytes of state the engine puts in the space (over all its directories)
+    per_dir: int  # upper bound of one file's bytes before the last step's rounding
+    grow: int  # the preallocation step
+
+    @property
+    def nbytes(self) -> int:
+        """What one file is preallocated to at most: :attr:`per_dir` in whole :attr:`grow` steps."""
+        return -(-max(1, self.per_dir) // self.grow) * self.grow if self.payload else 0
+
+
+def swap_file(payload: int, slots: int, n_dirs: int) -> SwapFile:
+    """The swap file of a state class holding ``payload`` bytes in ``slots`` slots striped over
+    ``n_dirs`` directories (each slot aligned; a second directory adds the striping's slack); the
+    step is the file's own size in whole MiB, at most SWAP_GROW."""
+    n = max(1, n_dirs)
+    per_dir = -(-(int(payload) + slots * SWAP_SLOT_ALIGN) // n) + (SWAP_STRIPE_MIN if n > 1 else 0)
+    grow = min(SWAP_GROW, max(1 << 20, -(-per_dir // (1 << 20)) * (1 << 20)))
+    return SwapFile(payload=int(payload), per_dir=per_dir, grow=grow)
 
 
 @dataclass
@@ -131,14 +168,16 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
     for i in sl.device_state:
         dev_state_cost += device_state_cost(sizes.shard_itemsize(i), train.grad_accum, state_fmt.name) * numels[i]
     dev_acc_numel = sum(numels[i] for i in sl.device_accumulators)
-    accumulator_bytes = GRAD_BYTES_PER_PARAM * dev_acc_numel
-    # -- optimizer states: the shard's state, moved whole (compressed on disk)
+    acc_bytes = accumulator_bytes(dev_acc_numel)
+    # -- optimizer states: the shard's home, moved whole (compressed on disk). Under accumulation a
+    # bf16 master's home keeps its gradient slot beside the fp32 accumulator (home_bytes); without
+    # accumulation that slot is the gradient buffer the gradients' share counts below
     optim = Share()
     biggest_disk_state = first_disk_state = 0
     for i, tier in enumerate(sl.optimizer):
         if not tier:
             continue
-        nb = int(state_fmt.shard_bytes(numels[i]))
+        nb = int(home_bytes(state_fmt, numels[i]) if train.grad_accum > 1 else state_fmt.shard_bytes(numels[i]))
         if tier == "ram":
             optim.ram += nb
         else:
@@ -155,8 +194,8 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
         if total_train - dev_state_numel - dev_acc_numel > 0:
             largest_trainable = max((nbytes[i] for i, t in enumerate(sizes.shard_trainable) if t), default=0)
             grad_staging = GRAD_STAGING_SLOTS * largest_trainable + ADD_SCRATCH
-        grads = Share(device=accumulator_bytes,
-                      ram=GRAD_BYTES_PER_PARAM * (total_train - dev_state_numel) + grad_staging)
+        grads = Share(device=acc_bytes,
+                      ram=accumulator_bytes(total_train - dev_state_numel) + grad_staging)
     else:
         grads = Share(ram=sum(nbytes[i] for i, (t, pt) in enumerate(zip(sizes.shard_trainable, sl.param))
                               if t and (pt != "ram" or state_fmt.weights_are_master) and i not in dev_state))
@@ -168,7 +207,7 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
                              persistent=0 if k.param_device == "none" else persistent,
                              prefetch=k.prefetch_bytes if k.prefetch else 0,
                              device_state=device_state_bytes + step_scratch(state_fmt.name) if dev_state else 0,
-                             accumulators=accumulator_bytes, all_resident=everything)
+                             accumulators=acc_bytes, all_resident=everything)
     device_bytes = charges.total
     if k.optimizer_step_device == "device":  # two sets of the state + grad buffers, after release_all
         device_bytes = max(device_bytes, persistent + 2 * int(state_fmt.shard_bytes(sizes.largest_shard_numel)
@@ -193,11 +232,11 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
         per = math.ceil(swap_bytes / len(swap_dirs)) + spaces * SWAP_GROW + 2 * len(numels) * SWAP_SLOT_ALIGN
         swap_per_dir = {d: per for d in swap_dirs}
     # of host_bytes: the gradient staging and the buffers device accumulators land in are pinned too
-    pinned_all = pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + accumulator_bytes if cuda else 0)
+    pinned_all = pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + acc_bytes if cuda else 0)
     return Layout(shards=sl, params=params, grads=grads, optimizer=optim, charges=charges, device_bytes=device_bytes,
                   host_bytes=host_bytes, pinned_bytes=pinned_all, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                   staging=staging, writeback=writeback, device_state_bytes=device_state_bytes,
-                  device_state_numel=dev_state_numel, accumulator_bytes=accumulator_bytes,
+                  device_state_numel=dev_state_numel, accumulator_bytes=acc_bytes,
                   accumulator_numel=dev_acc_numel, resident_bytes=resident_bytes, persistent_bytes=persistent,
                   fetch_ram=fetch_ram, fetch_disk=fetch_disk, biggest_disk_state=biggest_disk_state,
                   first_disk_state=first_disk_state, grad_staging=grad_staging)
@@ -218,11 +257,33 @@ class EnginePools:
     optim_pinned: int  # the optimizer swapper's pinned pool
     persistent: int = 0  # small shards kept on the device (stage3_param_persistence_threshold)
     n_tensors: int = 1  # tensors a swap directory holds at most per state class (one a module)
+    param_dirs: tuple[str, ...] = ()  # the parameters' swap directories (offload_param.nvme_path on nvme)
+    optim_dirs: tuple[str, ...] = ()  # the optimizer state's (offload_optimizer.nvme_path on nvme)
 
     @property
     def host(self) -> int:
         """Host RAM the training state needs: homes in RAM and gradients."""
         return self.param_ram + self.optim_ram + self.grads
+
+    @property
+    def param_file(self) -> SwapFile:
+        """The parameters' swap file in each of :attr:`param_dirs`."""
+        return swap_file(self.param_disk if self.param_dirs else 0, self.n_tensors, len(self.param_dirs))
+
+    @property
+    def optim_file(self) -> SwapFile:
+        """The optimizer state's swap file in each of :attr:`optim_dirs`."""
+        return swap_file(self.optim_disk if self.optim_dirs else 0, self.n_tensors, len(self.optim_dirs))
+
+    @property
+    def swap_per_dir(self) -> dict[str, int]:
+        """Bytes the engine claims in each swap directory (every state class's file there)."""
+        out: dict[str, int] = {}
+        for dirs, f in ((self.param_dirs, self.param_file), (self.optim_dirs, self.optim_file)):
+            for d in dirs:
+                if f.nbytes:
+                    out[d] = out.get(d, 0) + f.nbytes
+        return out
 
 
 def config_knobs(cfg: Any) -> Knobs:
@@ -273,7 +334,7 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
     # accumulation keeps an fp32 sum on the host for every unit whose state does not step on the device
     accumulation = int(cfg.gradient_accumulation_steps)
     if accumulation > 1:
-        grads = (train - device_state_numel(cfg, sizes, fmt, accumulation)) * GRAD_BYTES_PER_PARAM
+        grads = accumulator_bytes(train - device_state_numel(cfg, sizes, fmt, accumulation))
     else:
         grads = min(param_disk + (sizes.param_bytes if op.device == "none" else 0), train * itemsize)
     thr = int(z.stage3_param_persistence_threshold) if persistence_threshold is None else persistence_threshold
@@ -287,8 +348,12 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
     return EnginePools(param_ram=param_ram, param_disk=param_disk, optim_ram=optim_ram, optim_disk=optim_disk,
                        grads=grads, device_need=device_need, param_pinned=param_pinned,
                        optim_pinned=page_rounded(optim_ram + PINNED_SLACK), persistent=persistent,
-                       n_tensors=n_modules)
+                       n_tensors=n_modules,
+                       param_dirs=tuple(op.nvme_path or ()) if op.device == "nvme" else (),
+                       optim_dirs=tuple(oo.nvme_path or ()) if oo.device == "nvme" else ())
 
 
-__all__ = ["Share", "Layout", "plan_layout", "EnginePools", "engine_pools", "config_knobs", "device_state_numel", "home_bytes", "home_bytes_per_param",
-           "home_slack", "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH", "PINNED_SLACK"]
+__all__ = ["Share", "Layout", "plan_layout", "EnginePools", "engine_pools", "config_knobs", "device_state_numel",
+           "home_bytes", "home_bytes_per_param", "home_slack", "ram_state_bytes", "state_numel_within", "SwapFile",
+           "swap_file", "SWAP_STRIPE_MIN", "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH",
+           "PINNED_SLACK"]

@@ -90,6 +90,11 @@ class ModelSizes:
         what the live-parameter cap counts elements at."""
         return min(self.shard_itemsizes or [self.itemsize])
 
+    def live_elements(self, nbytes: int) -> int:
+        """The live-parameter cap (elements, at least 1) that holds ``nbytes`` of shards: counted at
+        :attr:`narrowest_itemsize`."""
+        return max(1, int(nbytes) // self.narrowest_itemsize)
+
     @property
     def largest_shard_bytes(self) -> int:
         return max((self.shard_bytes(i) for i in range(len(self.shard_numels))), default=0)

@@ -15,7 +15,7 @@ _HOME = {
     "Knobs": "layout.shards", "ModelSizes": "layout.sizes",
     "Placement": "plan.evaluation", "StepTime": "plan.evaluation", "evaluate": "plan.evaluation",
     "Fixed": "plan.placement", "solve": "plan.placement",
-    "Rates": "plan.rates", "measure_rates": "plan.rates",
+    "Rates": "plan.rates",
     "Decision": "plan.resolve", "placement_of": "plan.resolve", "plan_engine_config": "plan.resolve",
     "resolve_auto": "plan.resolve",
     "model_sizes": "plan.sizes", "sizes_from_config": "plan.sizes", "sizes_from_module": "plan.sizes",

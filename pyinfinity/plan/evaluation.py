@@ -46,7 +46,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from pyinfinity.config import auto_overlap_off
-from pyinfinity.layout.charges import GRAD_BYTES_PER_PARAM, DeviceCharges, TrainShape, fmt
+from pyinfinity.layout.charges import DeviceCharges, TrainShape, accumulator_bytes, fmt
 from pyinfinity.layout.pools import Layout, Share, plan_layout
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.layout.sizes import ModelSizes
@@ -330,16 +330,26 @@ def _violations(lay: Layout, train: TrainShape, budgets: Budgets, dirs: Sequence
     if lay.swap_bytes and not dirs:
         out.append(f"swap: needs {fmt(lay.swap_bytes)} on disk but no nvme_path is given")
     elif lay.swap_bytes:
-        by_fs: dict[int, tuple[list[str], int, int]] = {}
-        for i, d in enumerate(budgets.swap):
-            if d.path in lay.swap_per_dir:
-                paths, need, free = by_fs.get(d.fs_id or -(i + 1), ([], 0, d.free))
-                by_fs[d.fs_id or -(i + 1)] = (paths + [d.path], need + lay.swap_per_dir[d.path], free)
-        for paths, need, free in by_fs.values():
-            if need > free:
-                out.append(f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; "
-                           f"add {fmt(need - free)}, or a second path")
+        out += swap_violations(lay.swap_per_dir, budgets)
     return out
+
+
+def swap_shortfalls(swap_per_dir: dict[str, int], budgets: Budgets) -> list[tuple[list[str], int, int]]:
+    """The swap filesystems the files of ``swap_per_dir`` (bytes per directory) do not fit:
+    (its directories, the bytes they need, its free bytes) each; directories on one filesystem
+    add up."""
+    by_fs: dict[int, tuple[list[str], int, int]] = {}
+    for i, d in enumerate(budgets.swap):
+        if d.path in swap_per_dir:
+            paths, need, free = by_fs.get(d.fs_id or -(i + 1), ([], 0, d.free))
+            by_fs[d.fs_id or -(i + 1)] = (paths + [d.path], need + swap_per_dir[d.path], free)
+    return [(paths, need, free) for paths, need, free in by_fs.values() if need > free]
+
+
+def swap_violations(swap_per_dir: dict[str, int], budgets: Budgets) -> list[str]:
+    """:func:`swap_shortfalls` as the plan's violations, one line each."""
+    return [f"swap: needs {fmt(need)} of swap, {fmt(free)} free at {', '.join(paths)}; add {fmt(need - free)}, "
+            "or a second path" for paths, need, free in swap_shortfalls(swap_per_dir, budgets)]
 
 
 def _notes(lay: Layout, k: Knobs) -> list[str]:
@@ -381,7 +391,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     g = train.grad_accum
     host_acc = train_numel - device_stepped - device_accumulated if g > 1 else train_numel
     grads_off = (_div((train_numel - device_stepped - device_accumulated) * isz, rates.d2h)
-                 + _div(device_accumulated * GRAD_BYTES_PER_PARAM / g, rates.d2h)) if cuda else 0.0
+                 + _div(accumulator_bytes(device_accumulated) / g, rates.d2h)) if cuda else 0.0
     # memory-bound host work: bytes touched / (2 x memcpy rate), a memcpy touching each byte twice
     # (the gradient adds at their own probe's pace where measured, Rates.accumulate); the first
     # micro-batch of a window copies its gradient into the fp32 accumulator (isz + 4 bytes
@@ -472,4 +482,5 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
 
 
 __all__ = ["StepTime", "Placement", "evaluate", "predict", "on_cuda", "flops_compute", "train_at_seq_len",
-           "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE", "DEVICE_ADD_RATE"]
+           "swap_violations", "swap_shortfalls", "FETCH_PASSES", "BACKWARD_SHARE", "ELEMENTWISE_SHARE",
+           "DEVICE_ADD_RATE"]

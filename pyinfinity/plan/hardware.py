@@ -1,7 +1,7 @@
 """Named hardware of a machine the plan is made for, when it is not this one: host<->device links
 (``plan --link``), swap drive classes (``plan --disk``) and the matmul rate assumed for a GPU.
 Plain data, importable without torch (the command line's help lists it);
-:func:`pyinfinity.plan.rates.preset_rates` turns it into rates."""
+:func:`pyinfinity.probes.preset_rates` turns it into rates."""
 from __future__ import annotations
 
 from dataclasses import dataclass

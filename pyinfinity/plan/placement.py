@@ -21,8 +21,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Iterable, Optional, Sequence
 
 from pyinfinity.config_values import STATE_FORMATS, StateFormat
-from pyinfinity.layout.charges import (GRAD_BYTES_PER_PARAM, PlanError, TrainShape, activation_charge, device_charges,
-                                       device_state_cost, fmt, largest_shape, step_scratch, working_set_bytes)
+from pyinfinity.layout.charges import (PlanError, TrainShape, accumulator_bytes, activation_charge, device_charges,
+                                       device_state_cost, fmt, largest_shape, prefetch_cap,
+                                       state_room_freeing_accumulators, step_scratch, working_set_bytes)
+from pyinfinity.layout.pools import ram_state_bytes, state_numel_within
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.layout.sizes import SMALL_SHARD_NUMEL, ModelSizes
 from pyinfinity.plan.budgets import Budgets
@@ -61,7 +63,7 @@ def _optimizer_split(sizes: ModelSizes, ram_bytes: int, state: StateFormat = STA
     total = sizes.trainable_numel
     if total == 0:
         return 0.0
-    fit = int(max(0, ram_bytes) // state.state_bytes)
+    fit = state_numel_within(state, ram_bytes)
     if fit >= total:
         return 0.0
     return min(1.0, max(0.0, 1.0 - fit / total))
@@ -84,7 +86,7 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
     base = device_charges(sizes, train, budgets.device_memory, persistent=persistent, activations=acts,
                           device_is_host=budgets.device_is_host)
     room = budgets.device_memory - base.total  # what the budget leaves for resident units and prefetch
-    cap = (2 if budgets.device_is_host else 4) * max(sizes.block_bytes, sizes.largest_shard_bytes)
+    cap = prefetch_cap(sizes, budgets.device_is_host)
     if fixed.prefetch_bytes is None:
         k.prefetch_bytes = max(0, min(room, cap))
     if fixed.prefetch is None:
@@ -106,7 +108,7 @@ def _fill(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rates, 
     if fixed.max_live is None:
         # elements the coordinator may hold at once (it counts resident units too), at the narrowest
         # dtype the shards have (a LoRA run's bf16 base beside fp32 adapters)
-        k.max_live = max(1, (persistent + k.resident_bytes + working + k.prefetch_bytes) // sizes.narrowest_itemsize)
+        k.max_live = sizes.live_elements(persistent + k.resident_bytes + working + k.prefetch_bytes)
     if fixed.param_buffer_size is None:
         k.param_buffer_size = max(1, sizes.largest_shard_bytes)
     if fixed.param_buffer_count is None:
@@ -151,7 +153,7 @@ def _split_device_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, r
     all of it goes to optimizer state."""
     state_room = _device_state_room(sizes, train, budgets, rates, k, persistent, acts)
     acc_room = _device_room(sizes, train, budgets, rates, k, persistent, acts) if train.grad_accum > 1 else 0
-    need = GRAD_BYTES_PER_PARAM * sizes.trainable_numel
+    need = accumulator_bytes(sizes.trainable_numel)
     if fixed.device_optimizer_bytes is not None:
         acc_room = max(0, acc_room - fixed.device_optimizer_bytes)
     acc = fixed.device_accumulator_bytes if fixed.device_accumulator_bytes is not None else min(acc_room, need)
@@ -162,7 +164,7 @@ def _split_device_room(sizes: ModelSizes, train: TrainShape, budgets: Budgets, r
     left = max(0, state_room - min(acc, need))
     if acc >= need and left:  # every accumulator is on the device: a unit stepped there frees its own
         per = device_state_cost(sizes.itemsize, train.grad_accum, train.optimizer_state)
-        left = int(left * per // (per - GRAD_BYTES_PER_PARAM))
+        left = state_room_freeing_accumulators(left, per)
     return acc, left
 
 
@@ -209,7 +211,7 @@ def _accumulators_first(sizes: ModelSizes, train: TrainShape, budgets: Budgets, 
     if (train.grad_accum <= 1 or budgets.device_is_host or not on_cuda(rates, budgets)
             or fixed.resident_bytes is not None or fixed.device_accumulator_bytes is not None):
         return None
-    need = GRAD_BYTES_PER_PARAM * sizes.trainable_numel
+    need = accumulator_bytes(sizes.trainable_numel)
     if base.device_accumulator_bytes >= need:
         return None
     persistent = sizes.small_shard_bytes(base.persistence_threshold) if base.persistence_threshold else 0
@@ -337,12 +339,12 @@ def _explain(sizes: ModelSizes, train: TrainShape, budgets: Budgets, evaluated: 
                          + (f" (the largest micro-batch x sequence that fits with nothing resident is {mb} x {seq})"
                             if mb and not budgets.device_is_host else ""))
         elif v.startswith("host RAM") and not paths:
-            state = sizes.trainable_numel * (train.state_format.state_bytes + GRAD_BYTES_PER_PARAM) + sizes.param_bytes
+            state = ram_state_bytes(sizes, train.state_format)
             hints.append(f"give a swap directory (--nvme DIR / nvme_path) with at least "
                          f"{fmt(max(0, (best.host_bytes if best else state) - budgets.host_memory))} free, or raise the "
                          "host budget (--cpu-memory / pyinfinity.host_memory)")
         elif v.startswith("host RAM"):
-            grads = best.grads.ram if best else sizes.trainable_numel * GRAD_BYTES_PER_PARAM
+            grads = best.grads.ram if best else accumulator_bytes(sizes.trainable_numel)
             hints.append("raise the host budget (--cpu-memory / pyinfinity.host_memory): "
                          + (f"the {train.host_grads} ({fmt(grads)}) and " if grads else "")
                          + "the staging buffers stay in RAM")

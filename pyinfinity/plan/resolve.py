@@ -8,26 +8,35 @@
 from __future__ import annotations
 
 import copy
+import errno
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
-from pyinfinity.config import default_optimizer_threads, load_config, optimizer_threads, overlap_step_blocker
+from pyinfinity.config import (auto_overlap_off, default_optimizer_threads, format_size, load_config,
+                               optimizer_threads, overlap_step_blocker)
+from pyinfinity.config_values import SwapSpaceTooSmall
 from pyinfinity.layout.charges import PlanError, TrainShape, fmt, largest_shape
+from pyinfinity.layout.pools import EnginePools, engine_pools
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.layout.sizes import ModelSizes
 from pyinfinity.plan.budgets import Budgets, measure_budgets
-from pyinfinity.plan.evaluation import Placement, evaluate, flops_compute, train_at_seq_len
+from pyinfinity.plan.evaluation import (Placement, evaluate, flops_compute, swap_shortfalls, swap_violations,
+                                       train_at_seq_len)
 from pyinfinity.plan.placement import Fixed, solve
-from pyinfinity.plan.rates import Rates, measure_rates
+from pyinfinity.plan.rates import Rates
 from pyinfinity.plan.sizes import model_sizes
+from pyinfinity.units import auto_unit_bytes
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 DEFAULT_SEQ_LEN = 1024
+# "auto" overlap_step on a CPU compute device: off. Backward then runs on the same cores as the
+# background step (see config.auto_overlap_off).
+AUTO_OVERLAP_ON_CPU = False
 
 # Fixed field -> dotted config key
 KEYS = {
@@ -53,6 +62,26 @@ UNPLANNED_ALONE = {"resident_bytes", "device_optimizer_bytes", "device_accumulat
 # (``budget_sizing``): most configs leave it out, and absent means "auto"
 SIZED_ALONE = {"max_live"}
 SPLIT_OF = {"max_in_cpu": "param_device", "ratio": "optimizer_device"}
+
+
+class Probes(Protocol):
+    """What the planner asks of the machine when it is not handed rates (the engine passes
+    ``pyinfinity.probes.MachineProbes``): the rates of a run of the parsed config ``cfg`` on
+    ``device`` (matmuls of ``rows`` x the model's width in ``dtype``; ``rates_file`` figures first),
+    and the seconds of one micro-batch of ``model`` on the device (None: FLOPs / matmul rate
+    stands in)."""
+
+    def rates(self, cfg: Any, device: torch.device, sizes: ModelSizes, dtype: torch.dtype, rows: int,
+              rates_file: Optional[str] = None) -> Rates: ...
+
+    def compute(self, model: Any, train: TrainShape, device: torch.device, device_memory: Optional[int],
+                dtype: torch.dtype) -> Optional[float]: ...
+
+
+def no_rates(what: str) -> ValueError:
+    """The error of a plan asked for without rates and without probes to measure them."""
+    return ValueError(f"{what}: the config leaves its placement to the planner, which needs rates: pass rates "
+                      "(a Rates) or probes (pyinfinity.probes.MachineProbes() measures this machine)")
 
 
 @dataclass
@@ -189,7 +218,7 @@ def budget_sizing(cfg: Any, sizes: ModelSizes, device_memory: int) -> dict[str, 
     _, owned = _fixed_from(cfg, None)
     if "max_live" not in owned:
         return {}
-    return {"max_live": max(1, device_memory // sizes.narrowest_itemsize)}
+    return {"max_live": sizes.live_elements(device_memory)}
 
 
 def plan_config(cfg: Any, sizes: ModelSizes, budgets: Budgets, rates: Rates, train: TrainShape,
@@ -236,6 +265,36 @@ def _threads(e: Any) -> list[Decision]:
                      "one on the CPU device, else every CPU of this process")]
 
 
+def _unit_bytes(c: Any, model: Any) -> list[Decision]:
+    """``pyinfinity.unit_bytes`` "auto" decided before the sizes are counted (the planner counts the
+    units the partition makes): ``units.auto_unit_bytes`` of the model, within a device budget the
+    config sets."""
+    e = c.pyinfinity
+    if e.unit_bytes != AUTO:
+        return []
+    whole = model_sizes(model, compute_dtype(c))
+    dm = e.device_memory
+    e.unit_bytes = auto_unit_bytes(whole.param_bytes, whole.largest_module_bytes, dm if isinstance(dm, int) else None)
+    return [Decision("pyinfinity.unit_bytes", e.unit_bytes,
+                     "at most a quarter of the model and an eighth of a set device budget, at least its largest module")]
+
+
+def _overlap_step(c: Any, device: torch.device) -> list[Decision]:
+    """``pyinfinity.overlap_step`` "auto" decided for the resolved placement: off where
+    ``config.overlap_step_blocker`` names a reason (the optimizer steps on the compute device) or
+    ``config.auto_overlap_off`` does (the CPU device with the optimizer state all in RAM; the
+    planner's prediction asks the same rule), else on. Clipping and fp16 loss scaling do not turn
+    it off: the step then runs after backward, unit by unit, while the next forward goes on."""
+    e = c.pyinfinity
+    if e.overlap_step != AUTO:
+        return []
+    oo = c.zero_optimization.offload_optimizer
+    why = overlap_step_blocker(c) or auto_overlap_off(device.type == "cuda", oo.device == "nvme" and oo.ratio > 0,
+                                                      AUTO_OVERLAP_ON_CPU)
+    e.overlap_step = why is None
+    return [] if why is None else [Decision("pyinfinity.overlap_step", False, why)]
+
+
 def engine_optimizer_threads(e: Any, device: Union[str, torch.device]) -> int:
     """The threads the engine's CPU Adam step runs on under the ``pyinfinity`` section ``e`` on
     ``device`` (what ``Engine`` gives the optimizer): the rate probe times the kernel on as many."""
@@ -246,16 +305,17 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
                  rates: Optional[Rates] = None, *, seq_len: Optional[int] = None, checkpointing: bool = False,
                  device: Optional[Union[str, torch.device]] = None, rates_file: Optional[str] = None,
                  fill_absent: bool = False, compute_seconds: Optional[float] = None,
-                 activation_bytes: Optional[int] = None) -> tuple[dict, Placement]:
+                 activation_bytes: Optional[int] = None, probes: Optional[Probes] = None) -> tuple[dict, Placement]:
     """Every ``"auto"`` of ``config_dict`` decided by the planner: returns (a new dict the config
     loader accepts, the Placement). ``model_or_sizes``: an nn.Module (possibly from
-    ``init_empty``), a transformers config (dict or path) or ModelSizes. ``budgets``/``rates``
-    default to measuring this machine. fill_absent: keys the dict does not set are decided too
+    ``init_empty``), a transformers config (dict or path) or ModelSizes. ``budgets`` defaults to
+    measuring this machine, ``rates`` to asking ``probes`` (``pyinfinity.probes.MachineProbes()``
+    times this machine; without either, ValueError). fill_absent: keys the dict does not set are decided too
     (the CLI's resolved config spells every knob out).
 
     The training shape comes from the config (micro-batch, accumulation, bf16/fp16) plus
     ``seq_len`` (default 1024) and ``checkpointing``; ``compute_seconds``/``activation_bytes`` are
-    measured figures of one micro-batch (``rates.measure_decoder_compute``) that replace the
+    measured figures of one micro-batch (``probes.measure_decoder_compute``) that replace the
     estimates. Raises ConfigError for a bad config and
     PlanError (a ValueError) when no placement fits, with the numbers.
     """
@@ -267,14 +327,10 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
         budgets = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
                                   host_memory=hm if isinstance(hm, int) else None)
     if rates is None:
-        m = sizes.hidden or 1024
-        rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, rates_file=rates_file,
-                              aio=aio_options(cfg), matmul_shape=(min(4096, max(64, cfg.train_micro_batch_size_per_gpu
-                                                                                * (seq_len or DEFAULT_SEQ_LEN))), m, m),
-                              dtype=run_dtype(cfg, model_or_sizes), cache=True,
-                              optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev),
-                              optimizer_state=cfg.optimizer_state_format,
-                              accumulation=cfg.gradient_accumulation_steps > 1)
+        if probes is None:
+            raise no_rates("resolve_auto")
+        rows = min(4096, max(64, cfg.train_micro_batch_size_per_gpu * (seq_len or DEFAULT_SEQ_LEN)))
+        rates = probes.rates(cfg, dev, sizes, run_dtype(cfg, model_or_sizes), rows, rates_file)
     fixed, owned = _fixed_from(cfg, config_dict if fill_absent else None)
     train = _train_shape(cfg, seq_len, checkpointing)
     train.compute_seconds, train.activation_bytes = compute_seconds, activation_bytes
@@ -299,44 +355,17 @@ def aio_options(cfg: Any) -> dict:
             "backend": a.backend}
 
 
-def measured_compute(model: Any, train: TrainShape, device: torch.device, device_memory: Optional[int],
-                     dtype: torch.dtype) -> Optional[float]:
-    """Seconds of one micro-batch's forward + backward on a GPU, measured with 1 and 2 layers of
-    the model (``rates.measure_decoder_compute``): a step of small kernels around the matmuls runs
-    well below the matmul probe's rate (at 1.1B on an H200 about half of it), so FLOPs / matmul
-    rate under-predicts. None (the FLOPs estimate stays) for a model that is not a transformers
-    decoder, one with frozen parameters (adapters: their backward skips the weight gradients the
-    probe computes), or when the probe would not fit 3/4 of the device budget."""
-    from pyinfinity.plan.rates import decoder_probe_bytes, measure_decoder_compute
-
-    conf = getattr(model, "config", None)
-    to_dict = getattr(conf, "to_dict", None)
-    if not callable(to_dict) or getattr(conf, "is_encoder_decoder", False) or not isinstance(model, torch.nn.Module):
-        return None
-    if any(not p.requires_grad for p in model.parameters()):
-        return None
-    d = to_dict()
-    if int(d.get("num_hidden_layers") or 0) < 2 or not d.get("model_type"):
-        return None
-    need = decoder_probe_bytes(d, train.micro_batch, train.seq_len, torch.empty((), dtype=dtype).element_size(),
-                               train.checkpointing)
-    if device_memory and need > device_memory * 3 // 4:
-        return None
-    try:
-        seconds, _ = measure_decoder_compute(d, device, train.micro_batch, train.seq_len, dtype, train.checkpointing)
-    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:  # OOM is a RuntimeError
-        log.info("plan: the compute probe did not run (%s); compute from FLOPs / matmul rate", exc)
-        torch.cuda.empty_cache()
-        return None
-    return seconds if seconds > 0 else None
-
-
 def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *,
                        seq_len: Optional[int] = None, rates: Optional[Rates] = None,
                        budgets: Optional[Budgets] = None,
-                       checkpointing: bool = False) -> tuple[Any, list[Decision], Optional[Placement]]:
+                       checkpointing: bool = False,
+                       probes: Optional[Probes] = None) -> tuple[Any, list[Decision], Optional[Placement]]:
     """For ``Engine.__init__``: (Config with every "auto" decided, the decisions, the Placement or
-    None when only budgets were "auto"). Rates are probed once per process (cached). Without
+    None when only budgets were "auto"). Every "auto" of the config is decided here, the one place
+    (the placement and its buffers, ``unit_bytes``, the budgets, ``optimizer_threads``,
+    ``overlap_step``): the engine and its training state read resolved values. Without ``rates``,
+    ``probes`` measure them (and, on a GPU,
+    one micro-batch of the model) when there is a placement to plan. Without
     ``seq_len`` the activations are charged at DEFAULT_SEQ_LEN tokens per sequence (the engine
     plans before it sees a batch); ``checkpointing``: the model recomputes activations."""
     dev = torch.device(device)
@@ -347,8 +376,10 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
     if budgets is None:
         budgets = measure_budgets(dev, c.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
                                   host_memory=hm if isinstance(hm, int) else None)
+    units = _unit_bytes(c, model)
+    sizes = model_sizes(model, compute_dtype(c), unit_bytes=int(c.pyinfinity.unit_bytes))
     if not _placement_is_possible(c):
-        decisions = []
+        decisions = units
         if c.pyinfinity.resident_bytes == AUTO:
             c.pyinfinity.resident_bytes = 0
         if c.pyinfinity.device_optimizer_bytes == AUTO:
@@ -362,30 +393,24 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
             c.pyinfinity.host_memory = budgets.host_memory
             decisions.append(Decision("pyinfinity.host_memory", budgets.host_memory, "measured host budget"))
         decisions += _threads(c.pyinfinity)
-        ub = c.pyinfinity.unit_bytes
-        sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
         for name, value in budget_sizing(c, sizes, int(c.pyinfinity.device_memory)).items():
             key = KEYS[name]
             setattr(c.zero_optimization, key.rsplit(".", 1)[1], value)
             decisions.append(Decision(key, value, "the device budget (the placement is the config's)"))
+        decisions += _overlap_step(c, dev)
         return c, decisions, None
-    ub = c.pyinfinity.unit_bytes
-    sizes = model_sizes(model, compute_dtype(c), unit_bytes=ub if isinstance(ub, int) else None)
     dtype = run_dtype(c, model)
     if rates is None:
-        m = sizes.hidden or 1024
-        rates = measure_rates(dev, c.nvme_paths[0] if c.nvme_paths else None, aio=aio_options(c),
-                              matmul_shape=(1024, m, m), dtype=dtype, cache=True,
-                              optimizer_threads=engine_optimizer_threads(c.pyinfinity, dev),
-                              optimizer_state=c.optimizer_state_format,
-                              accumulation=c.gradient_accumulation_steps > 1)
+        if probes is None:
+            raise no_rates("plan_engine_config")
+        rates = probes.rates(c, dev, sizes, dtype, 1024)
     fixed, owned = _fixed_from(c, None)
     train = _train_shape(c, seq_len, checkpointing)
     if not str(dev).startswith("cuda"):
         # the CPU device: activations live in host RAM beside it, not in the device budget
         train.activation_bytes = 0
-    else:
-        train.compute_seconds = measured_compute(model, train, dev, budgets.device_memory, dtype)
+    elif probes is not None:
+        train.compute_seconds = probes.compute(model, train, dev, budgets.device_memory, dtype)
     try:
         out, decisions, placement = plan_config(c, sizes, budgets, rates, train, owned, fixed)
         planned_at = f"{DEFAULT_SEQ_LEN} tokens per sequence"
@@ -420,7 +445,7 @@ def plan_engine_config(cfg: Any, model: Any, device: Union[str, torch.device], *
                                "1 and 2 of the model's layers (FLOPs / matmul rate would say "
                                f"{flops_compute(sizes, train, rates):.3f})")
     log.info("plan:\n%s", placement.table())
-    return out, decisions, placement
+    return out, units + decisions + _overlap_step(out, dev), placement
 
 
 UNPROBED = "not probed: the config fixes the placement"
@@ -429,15 +454,17 @@ UNPROBED = "not probed: the config fixes the placement"
 def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, seq_len: Optional[int] = None,
                     checkpointing: bool = False, budgets: Optional[Budgets] = None) -> Placement:
     """The placement of a resolved config that fixes every placement knob (``plan_engine_config``
-    returned no plan), checked against this machine's host RAM before the engine writes a byte:
-    PlanError, one line naming the bytes, as ``solve`` refuses a plan (the device budget and each
-    swap filesystem's free space are the engine's own start checks, before any write too). No rate is probed (bytes need none),
+    returned no plan), checked against this machine before the engine writes a byte: PlanError,
+    one line naming each pool, its need and its budget, as ``solve`` refuses a plan. The pools:
+    host RAM; each swap filesystem, for the files the engine claims there
+    (``layout.pools.EnginePools.swap_per_dir``); on a GPU the device, for what the engine cannot
+    give up (the layout's peak less the prefetch bucket, which it shrinks to stay within the
+    budget). A shortfall of swap space alone is ``SwapSpaceTooSmall`` (ENOSPC, the directory), as
+    the swap directories' claim raises it. No rate is probed (bytes need none),
     so the Placement's times are not a prediction: ``Placement.table`` is not for this one; the
     engine logs ``budget_summary``. Activations are charged as ``plan_engine_config`` charges
     them: not on the CPU device, and on a GPU only when ``seq_len`` is known (the first forward
     checks a batch's shape against the budget)."""
-    from pyinfinity.plan.rates import Rates
-
     dev = torch.device(device)
     ub = cfg.pyinfinity.unit_bytes
     sizes = model_sizes(model, compute_dtype(cfg), unit_bytes=ub if isinstance(ub, int) else None)
@@ -454,11 +481,16 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
                   device=str(dev), source={f: UNPROBED for f in ("h2d", "d2h", "disk_read", "disk_write", "adam",
                                                                   "matmul", "memcpy")})
     placement = evaluate(sizes, train, budgets, rates, k, cfg.nvme_paths)
-    # the device and the swap directories: the engine's own start checks (``check_budgets``, the
-    # swap claim's free-space check) hold them before anything is written, against what the engine
-    # takes (it gives up device-kept units and states to stay within the budget, and sizes its swap
-    # files from its shards); the host RAM only the planner's figures see whole
+    pools = claimed_pools(cfg, sizes, model)
+    if pools is not None:
+        placement.swap_per_dir = pools.swap_per_dir
     violations: list[str] = []
+    c = placement.charges
+    if dev.type == "cuda" and not budgets.device_is_host and c is not None:
+        need = placement.device_bytes - c.prefetch
+        if need > budgets.device_memory:
+            violations.append(f"device memory: needs {fmt(need)} ({replace(c, prefetch=0).describe()}; the "
+                              f"prefetch bucket aside, which the engine shrinks), budget {fmt(budgets.device_memory)}")
     # on the CPU device the device pool is host RAM that the device budget bounds (the device memory
     # check): the host check here is of what the tiers, gradients and staging take beside it
     pool = placement.device_bytes if budgets.device_is_host else 0
@@ -470,11 +502,35 @@ def check_placement(cfg: Any, model: Any, device: Union[str, torch.device], *, s
                           f"{fmt(p.optimizer.ram)}, gradient buffers {fmt(p.grads.ram)}, staging {fmt(staging)})"
                           + (f" beside the device pool's {fmt(pool)}" if pool else "")
                           + f", budget {fmt(budgets.host_memory)}")
+    short = swap_shortfalls(placement.swap_per_dir, budgets) if placement.swap_bytes else []
+    for paths, need, free in short:
+        parts = [f"{name} {format_size(f.nbytes)} in {d}" for d in paths if pools is not None
+                 for name, dirs, f in (("params", pools.param_dirs, pools.param_file),
+                                       ("optimizer", pools.optim_dirs, pools.optim_file)) if d in dirs and f.nbytes]
+        violations.append(f"swap: the swap files they need {format_size(need)}"
+                          + (f" ({', '.join(parts)})" if parts else "")
+                          + f", the filesystem of {', '.join(paths)} has {format_size(free)} free: "
+                          f"{format_size(need - free)} missing")
     placement.violations = violations
     if violations:
-        raise PlanError("the config's placement does not fit this machine (nothing was written): "
-                        + "; ".join(violations + _fixed_hints(placement)))
+        message = ("the config's placement does not fit this machine (nothing was written): "
+                   + "; ".join(violations + _fixed_hints(placement)))
+        if short and len(short) == len(violations):
+            # the swap space alone: as the swap directories' own claim refuses, ENOSPC naming the
+            # first directory short of room (with another budget broken too, a PlanError)
+            raise SwapSpaceTooSmall(errno.ENOSPC, message, short[0][0][0])
+        raise PlanError(message)
     return placement
+
+
+def claimed_pools(cfg: Any, sizes: ModelSizes, model: Any) -> Optional[EnginePools]:
+    """What the engine checks and claims for the resolved config ``cfg`` and a model of ``sizes``
+    (``layout.pools.engine_pools``, one swap slot a module that owns parameters), among them the
+    bytes of each swap directory; None when ``model`` is not a module (its modules are not known)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    n_modules = sum(1 for m in model.modules() if m._parameters)  # as the engine counts them
+    return engine_pools(cfg, sizes, n_modules)
 
 
 def _fixed_hints(p: Placement) -> list[str]:
@@ -515,7 +571,14 @@ def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets
     if owned - UNPLANNED_ALONE - SIZED_ALONE:
         raise ValueError(f"placement_of: the config leaves {sorted(KEYS[o] for o in owned)} to the planner")
     k = _fixed_knobs(cfg, sizes, budgets.device_memory)
-    return evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
+    placement = evaluate(sizes, _train_shape(cfg, seq_len, checkpointing), budgets, rates, k, cfg.nvme_paths)
+    pools = claimed_pools(cfg, sizes, model_or_sizes)
+    if pools is not None:  # the files the engine claims, and the budgets they break
+        placement.swap_per_dir = pools.swap_per_dir
+        placement.violations = [v for v in placement.violations if not v.startswith("swap: needs")]
+        if placement.swap_bytes and cfg.nvme_paths:
+            placement.violations += swap_violations(pools.swap_per_dir, budgets)
+    return placement
 
 
 def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
@@ -534,4 +597,4 @@ def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
 
 __all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config",
            "Decision", "DEFAULT_SEQ_LEN", "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads",
-           "measured_compute", "run_dtype", "planned_train_shape", "planned_fixed"]
+           "run_dtype", "Probes", "planned_train_shape", "planned_fixed"]

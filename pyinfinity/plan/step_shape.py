@@ -118,12 +118,13 @@ def choose_step_shape(sizes: ModelSizes, train: TrainShape, budgets: Budgets, ra
     return best[1]
 
 
-def plan_step_shape(config: dict, model: Any, device: Any, tokens: int, seq_len: int, *,
+def plan_step_shape(config: dict, model: Any, device: Any, tokens: int, seq_len: int, *, probes: Any,
                     micro_batch: Optional[int] = None, grad_accum: Optional[int] = None,
                     checkpointing: Optional[bool] = None) -> StepShape:
     """:func:`choose_step_shape` for an engine config (DeepSpeed format) and a model (a module, a
-    transformers config or its dict) on ``device``, with this machine's budgets and rates measured
-    as ``pyinfinity.initialize`` measures them (the rates are cached for the engine that follows).
+    transformers config or its dict) on ``device``, with this machine's budgets and the rates
+    ``probes`` measures (``plan.resolve.Probes``; ``pyinfinity.probes.MachineProbes()`` measures as
+    ``pyinfinity.initialize`` does and caches them for the engine that follows).
     Put the result's ``micro_batch`` and ``grad_accum`` into the config
     (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``), draw the data at that
     micro-batch and enable checkpointing when ``checkpointing`` says so."""
@@ -131,9 +132,7 @@ def plan_step_shape(config: dict, model: Any, device: Any, tokens: int, seq_len:
 
     from pyinfinity.config import load_config
     from pyinfinity.plan.budgets import measure_budgets
-    from pyinfinity.plan.rates import measure_rates
-    from pyinfinity.plan.resolve import (aio_options, compute_dtype, engine_optimizer_threads, planned_fixed,
-                                         planned_train_shape, run_dtype)
+    from pyinfinity.plan.resolve import compute_dtype, planned_fixed, planned_train_shape, run_dtype
     from pyinfinity.plan.sizes import model_sizes
 
     cfg = load_config(dict(config))
@@ -144,11 +143,9 @@ def plan_step_shape(config: dict, model: Any, device: Any, tokens: int, seq_len:
     dm, hm = cfg.pyinfinity.device_memory, cfg.pyinfinity.host_memory
     budgets = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
                               host_memory=hm if isinstance(hm, int) else None)
-    m = sizes.hidden or 1024
-    rates = measure_rates(dev, cfg.nvme_paths[0] if cfg.nvme_paths else None, aio=aio_options(cfg),
-                          matmul_shape=(1024, m, m), dtype=run_dtype(cfg, model), cache=True,
-                          optimizer_threads=engine_optimizer_threads(cfg.pyinfinity, dev),
-                          optimizer_state=cfg.optimizer_state_format, accumulation=True)
+    # probed as a run that accumulates (the shapes tried may): the gradient add is timed too
+    probe_cfg = load_config({**dict(config), "gradient_accumulation_steps": 2})
+    rates = probes.rates(probe_cfg, dev, sizes, run_dtype(cfg, model), 1024)
     train = planned_train_shape(cfg, seq_len, bool(checkpointing))
     if dev.type != "cuda":
         train.activation_bytes = 0  # the CPU device: activations live in host RAM, not its pool

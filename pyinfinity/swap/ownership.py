@@ -36,7 +36,7 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from pyinfinity.config import ConfigError
+from pyinfinity.config_values import SwapSpaceTooSmall
 from pyinfinity.swap.directories import make_swap_dir, mount_of, remove_created_dirs
 from pyinfinity.swap.manifest import (LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileEntry, Owner,
                                       SwapFileError, fsync_path, pid_running, read_manifest, write_atomic,
@@ -44,20 +44,11 @@ from pyinfinity.swap.manifest import (LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME,
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
-GROW_MAX = 256 << 20  # SwapSpace's default preallocation step; smaller when the need is smaller
-STRIPE_MIN = 4 << 20  # SwapSpace's default: slots below this go to one file, round-robin
 
 
 class CapacityError(ValueError):
     """The training state cannot fit the budgets given; the message says how much is missing and
     where (which tier, which config key)."""
-
-
-class SwapSpaceTooSmall(OSError, ConfigError):
-    """The swap files this config needs do not fit a swap directory's filesystem: a ``ConfigError``
-    (the config asks for more than the disk has) and ``OSError`` ENOSPC (filename = the directory),
-    raised before anything is written; the message has the need, the free bytes and what is missing."""
 
 
 class SwapDirBusyError(OSError):
@@ -76,34 +67,21 @@ def _fmt(n: float) -> str:
     return f"{n} B"
 
 
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 
 # ----------------------------------------------------------------------------------- ownership
 
 
 @dataclass
 class SpacePlan:
-    """What one swap space (a state class) will need: its directories and bytes."""
+    """What one swap space (a state class) will need, as the layout sizes it
+    (``layout.pools.SwapFile``): its directories, the payload, the bytes each of its files
+    reaches and the step the space grows them in."""
 
     name: str
     dirs: list[str]
     nbytes: int  # payload bytes the engine will put there
-    slots: int  # how many slots (per-slot alignment slack)
-
-    def per_dir(self) -> int:
-        """Upper bound of the bytes one of its files reaches (alignment and striping slack)."""
-        n = len(self.dirs)
-        return -(-(self.nbytes + self.slots * ALIGN) // n) + (STRIPE_MIN if n > 1 else 0)
-
-    def grow_bytes(self) -> int:
-        return min(GROW_MAX, max(1 << 20, _round_up(self.per_dir(), 1 << 20)))
-
-    def file_bytes(self) -> int:
-        """What the file is preallocated to (SwapSpace grows files in ``grow_bytes`` steps)."""
-        return _round_up(max(1, self.per_dir()), self.grow_bytes()) if self.nbytes else 0
+    file_bytes: int  # what each file is preallocated to at most
+    grow_bytes: int  # SwapSpace's preallocation step
 
 
 class SwapOwnership:
@@ -273,8 +251,8 @@ class SwapOwnership:
                 st = os.statvfs(d)
                 dev = os.stat(d).st_dev
                 entry = need.setdefault(dev, [d, st.f_bavail * st.f_frsize, 0, []])
-                entry[2] += plan.file_bytes()
-                entry[3].append(f"{plan.name} {_fmt(plan.file_bytes())} in {d}")
+                entry[2] += plan.file_bytes
+                entry[3].append(f"{plan.name} {_fmt(plan.file_bytes)} in {d}")
         for d, free, n, parts in need.values():
             if n > free:
                 raise SwapSpaceTooSmall(errno.ENOSPC, f"not enough free space for the swap files: they need {_fmt(n)} "
@@ -301,7 +279,7 @@ class SwapOwnership:
             for d in dirs:
                 self._write_manifest(d)
         plan = self.plans.get(name)
-        space = make(grow_bytes=plan.grow_bytes()) if plan is not None and plan.nbytes else make()
+        space = make(grow_bytes=plan.grow_bytes) if plan is not None and plan.nbytes else make()
         with self._lock:
             for d, e in entries:
                 st = os.stat(os.path.join(d, e.name))
@@ -494,13 +472,9 @@ def claim_swap_dirs(cfg: Any, pools: Any) -> SwapOwnership:
     cleaned of a crashed run's files, checked for the layout's bytes of free space). An ownership
     with no directories when nothing goes to NVMe."""
     check_budgets(cfg, pools)
-    z = cfg.zero_optimization
-    op, oo = z.offload_param, z.offload_optimizer
-    plans = []
-    if op.device == "nvme":
-        plans.append(SpacePlan("params", list(op.nvme_path), pools.param_disk, pools.n_tensors))
-    if oo.device == "nvme":
-        plans.append(SpacePlan("optimizer", list(oo.nvme_path), pools.optim_disk, pools.n_tensors))
+    plans = [SpacePlan(name, list(dirs), f.payload, f.nbytes, f.grow)
+             for name, dirs, f in (("params", pools.param_dirs, pools.param_file),
+                                   ("optimizer", pools.optim_dirs, pools.optim_file)) if dirs]
     dirs = [d for p in plans for d in p.dirs]
     return SwapOwnership.acquire(dirs, plans) if dirs else SwapOwnership()
 

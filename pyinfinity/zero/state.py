@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from pyinfinity.config import Config, optimizer_threads
+from pyinfinity.config import Config
 from pyinfinity.layout.charges import device_state_cost
 from pyinfinity.layout.pools import config_knobs, engine_pools
 from pyinfinity.layout.shards import ParamTiers, device_units
@@ -156,8 +156,8 @@ class TrainingState:
             accumulate_steps=cfg.gradient_accumulation_steps, state_format=self.state_format,
             write_param=self.homes.write_param, param_out=self.homes.param_out, release_grad=self.homes.release_grad,
             copy_to_host=self.copies.copy_to_host, background=background,
-            # on the CPU device backward has the cores (see engine.AUTO_OVERLAP_ON_CPU)
-            threads=optimizer_threads(cfg.pyinfinity.optimizer_threads, str(device)),
+            # "auto" decided by the planner (plan.resolve): one on the CPU device, where backward has the cores
+            threads=int(cfg.pyinfinity.optimizer_threads),
             total_numel=sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values()))
         # each shard's home, in creation order (layout.shards.ParamTiers)
         self._param_tiers = ParamTiers(op.device, int(op.max_in_cpu) if op.device == "nvme" else 0)

@@ -614,10 +614,10 @@ def test_the_cpu_adam_bound_leaves_out_what_a_run_steps_on_the_gpu():
 
 def test_the_device_step_rate_is_probed_once_per_format(monkeypatch):
     from pyinfinity.bench import train_bound
-    from pyinfinity.plan import rates as rates_mod
+    from pyinfinity import probes as probes_mod
 
     calls = []
-    monkeypatch.setattr(rates_mod, "measure_device_adam", lambda dev, fmt, n, reps: calls.append((dev, fmt)) or 3e9)
+    monkeypatch.setattr(probes_mod, "measure_device_adam", lambda dev, fmt, n, reps: calls.append((dev, fmt)) or 3e9)
     rates: dict = {}
     assert train_bound.device_adam_rate_for(rates, "8bit", "cuda:0") == 3e9 == rates["device_adam_8bit"]
     assert train_bound.device_adam_rate_for(rates, "8bit", "cuda:0") == 3e9 and calls == [("cuda:0", "8bit")]

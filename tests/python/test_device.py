@@ -118,6 +118,7 @@ def test_the_engine_caps_an_indexed_device(gpus, monkeypatch, tiny_lm, engine_co
 
     def plan(c, model, device, **kw):  # the planner would probe the (absent) GPU's rates
         planned.append(device)
+        c.pyinfinity.unit_bytes = 1 << 20  # the planner decides every "auto"; this one the engine reads first
         return c, [], None
     monkeypatch.setattr(pyinfinity.plan, "plan_engine_config", plan)
     with pytest.raises(Stop):

@@ -332,7 +332,7 @@ def test_a_random_init_on_a_gpu_engine_draws_on_the_gpu_a_module_at_a_time(tmp_p
 def test_the_plan_times_the_formats_step_on_the_gpu_and_gives_the_memory_back():
     """On a GPU the rates include the planned format's device step, timed as the engine runs it
     (``Rates.device_adam_rate``); the probe's tensors are released, for every format."""
-    from pyinfinity.plan.rates import measure_device_adam, measure_rates
+    from pyinfinity.probes import measure_device_adam, measure_rates
 
     before = torch.cuda.memory_allocated()
     rates = measure_rates("cuda", optimizer_state="8bit", quick=True)

@@ -85,7 +85,7 @@ def test_finetune_7b_shape_defaults_fit_the_box_it_documents(tmp_path):
     from pyinfinity.cli.train_args import add_arguments, build_config
     from pyinfinity.plan import PlanError
     from pyinfinity.plan.budgets import Budgets, SwapDir
-    from pyinfinity.plan.rates import preset_rates
+    from pyinfinity.probes import preset_rates
     from pyinfinity.plan.resolve import resolve_auto
 
     ex = _finetune_example()

@@ -60,8 +60,8 @@ def test_a_home_holds_the_formats_bytes_and_small_8bit_shards_are_kept_fp32():
 def test_the_engines_pools_split_the_parameters_as_the_shards_are_placed():
     sizes = ModelSizes(shard_numels=[1000, 3000, 500], shard_trainable=[True, True, True], itemsize=2,
                        block_bytes=6000, flops_per_token=0.0, largest_module_bytes=6000)
-    z = SimpleNamespace(offload_param=SimpleNamespace(device="nvme", max_in_cpu=1600),
-                        offload_optimizer=SimpleNamespace(device="cpu", ratio=1.0),
+    z = SimpleNamespace(offload_param=SimpleNamespace(device="nvme", max_in_cpu=1600, nvme_path=["/swap"]),
+                        offload_optimizer=SimpleNamespace(device="cpu", ratio=1.0, nvme_path=None),
                         stage3_param_persistence_threshold=0)
     cfg = SimpleNamespace(zero_optimization=z, optimizer_state_format="fp32", gradient_accumulation_steps=1)
     pools = engine_pools(cfg, sizes, 3)
@@ -86,3 +86,21 @@ def test_under_accumulation_the_engine_charges_no_host_gradient_for_units_steppe
     assert engine_pools(cfg, sizes, 3).grads == 1000 * 4
     e.device_optimizer_bytes = 0
     assert engine_pools(cfg, sizes, 3).grads == 3000 * 4
+
+
+def test_a_swap_file_is_its_directorys_share_in_whole_steps_of_its_own_size():
+    """``layout.pools.swap_file``: what the engine's claim preallocates in each directory and a fixed
+    placement's check compares with the free space: the payload and one aligned slot a tensor,
+    split over the directories (a second one adds the striping's slack), grown in steps of the
+    file's own size in whole MiB, never more than SWAP_GROW a step."""
+    from pyinfinity.layout.pools import SWAP_GROW, SWAP_SLOT_ALIGN, SWAP_STRIPE_MIN, swap_file
+
+    MiB = 1 << 20
+
+    small = swap_file(5 * MiB + 1, 3, 1)
+    assert small.per_dir == 5 * MiB + 1 + 3 * SWAP_SLOT_ALIGN and small.grow == 6 * MiB and small.nbytes == 6 * MiB
+    two = swap_file(10 * MiB, 0, 2)
+    assert two.per_dir == 5 * MiB + SWAP_STRIPE_MIN and two.nbytes == 9 * MiB
+    big = swap_file(3 * SWAP_GROW + 1, 0, 1)
+    assert big.grow == SWAP_GROW and big.nbytes == 4 * SWAP_GROW
+    assert swap_file(0, 3, 1).nbytes == 0

@@ -75,12 +75,13 @@ def _swap_files(swap: str) -> dict[str, int]:
     return out
 
 
-def _homes(state: Share, fmt: str) -> Share:
+def _homes(state: Share, fmt: str, accumulation: int) -> Share:
     """The bytes of the optimizer state's homes (``layout.pools.home_bytes``) for the planner's
     state bytes ``state``: a bf16 master's home holds the gradient's slot beside the moments, which
-    the planner counts with the gradients."""
+    the planner counts with the gradients without accumulation (the slot is the gradient buffer)
+    and with the home under it (the gradients are the fp32 accumulators)."""
     f = STATE_FORMATS[fmt]
-    scale = home_bytes_per_param(f) / f.state_bytes if f.weights_are_master else 1.0
+    scale = home_bytes_per_param(f) / f.state_bytes if f.weights_are_master and accumulation == 1 else 1.0
     return Share(ram=int(state.ram * scale), disk=int(state.disk * scale))
 
 
@@ -118,7 +119,7 @@ def test_what_the_engine_reserves_is_what_the_layout_says(tiny_lm, engine_config
         assert params.get("nvme", 0) == plan.params.disk
         # the optimizer state's homes: the format's bytes (and their sections' alignment), within
         # what the engine reserves for them
-        homes = _homes(plan.optimizer, fmt)
+        homes = _homes(plan.optimizer, fmt, accumulation)
         assert homes.ram <= optim.get("cpu", 0) <= homes.ram + HOME_ALIGN_SLACK * shards
         assert optim.get("cpu", 0) <= pools.optim_ram
         assert homes.disk <= optim.get("nvme", 0) <= homes.disk + HOME_ALIGN_SLACK * shards

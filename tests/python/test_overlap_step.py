@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import pyinfinity
+import pyinfinity.plan.resolve
 from pyinfinity.config import ConfigError
 from pyinfinity.swap.faults import fault_injection
 from tests.python.conftest import engine_state, train_steps
@@ -157,11 +158,10 @@ def test_true_with_a_device_step_is_an_error(engine_config):
 @pytest.fixture
 def auto_on_cpu(monkeypatch):
     """"auto" decides as on a GPU (it is off on a CPU compute device, tested below)."""
-    monkeypatch.setattr(pyinfinity.engine, "AUTO_OVERLAP_ON_CPU", True)
+    monkeypatch.setattr(pyinfinity.plan.resolve, "AUTO_OVERLAP_ON_CPU", True)
 
 
 def test_auto_is_off_on_a_cpu_compute_device(tiny_lm, lm_batches, engine_config, caplog):
-    pyinfinity.engine._overlap_off_logged.clear()
     with caplog.at_level(logging.INFO, logger="pyinfinity.engine"):
         with pyinfinity.initialize(tiny_lm(), engine_config()) as eng:
             for x, y in lm_batches(2):

@@ -333,7 +333,7 @@ def test_cli_writes_a_config_the_loader_accepts(tmp_path, capsys):
 
 def test_calibrated_compute_replaces_the_flops_estimate(tmp_path):
     """The model built with 1 and 2 layers is timed; the plan's compute is that figure per micro-batch."""
-    from pyinfinity.plan.rates import measure_decoder_compute
+    from pyinfinity.probes import measure_decoder_compute
 
     seconds, acts = measure_decoder_compute(TINY_LLAMA, "cpu", micro_batch=1, seq_len=16, dtype=torch.float32, reps=2)
     assert 0 < seconds < 10 and acts == 0  # activation bytes are only measured on a GPU
@@ -473,7 +473,7 @@ def test_rates_per_state_format():
 
 
 def test_the_rate_probe_times_the_planned_formats_kernel(monkeypatch):
-    from pyinfinity.plan import rates as rates_mod
+    from pyinfinity import probes as probes_mod
 
     calls = []
 
@@ -481,14 +481,14 @@ def test_the_rate_probe_times_the_planned_formats_kernel(monkeypatch):
         calls.append(state)
         return {"fp32": 1e9, "8bit": 2e9}[state]
 
-    monkeypatch.setattr(rates_mod, "measure_adam", fake)
-    monkeypatch.setattr(rates_mod, "_CACHE", {})
-    r = rates_mod.measure_rates("cpu", optimizer_threads=1, cache=True, optimizer_state="8bit")
+    monkeypatch.setattr(probes_mod, "measure_adam", fake)
+    monkeypatch.setattr(probes_mod, "_CACHE", {})
+    r = probes_mod.measure_rates("cpu", optimizer_threads=1, cache=True, optimizer_state="8bit")
     assert calls == ["fp32", "8bit"] and r.adam_rate("8bit") == 2e9 and r.source["adam_8bit"] == "probe, 1 thread"
-    assert rates_mod.measure_rates("cpu", optimizer_threads=1, cache=True, optimizer_state="8bit") is r
+    assert probes_mod.measure_rates("cpu", optimizer_threads=1, cache=True, optimizer_state="8bit") is r
     monkeypatch.undo()
     for state in ("8bit", "bf16"):  # the real kernels, briefly
-        assert rates_mod.measure_adam(1 << 16, 1, threads=1, state=state) > 0
+        assert probes_mod.measure_adam(1 << 16, 1, threads=1, state=state) > 0
 
 
 def test_device_step_rates_per_state_format():
@@ -523,7 +523,7 @@ def test_device_step_rates_per_state_format():
 def test_the_device_step_probe_times_the_engines_own_step(state, monkeypatch):
     """measure_device_adam runs the format's step_device (any device: here the CPU's tensors) and
     gives params/s; the probe runs on the planned format's step."""
-    from pyinfinity.plan import rates as rates_mod
+    from pyinfinity import probes as probes_mod
     from pyinfinity.zero.optim import formats
 
     calls = []
@@ -541,7 +541,7 @@ def test_the_device_step_probe_times_the_engines_own_step(state, monkeypatch):
         return fmt
 
     monkeypatch.setattr(formats, "make_state_format", spy)
-    rate = rates_mod.measure_device_adam("cpu", state, numel=1 << 16, reps=1)
+    rate = probes_mod.measure_device_adam("cpu", state, numel=1 << 16, reps=1)
     assert rate > 0 and calls and set(calls) == {state}
 
 
@@ -549,24 +549,25 @@ def test_the_device_step_probe_times_the_engines_own_step(state, monkeypatch):
 def test_the_rates_of_a_gpu_include_the_planned_formats_device_step(oom, monkeypatch, caplog):
     """On a GPU the rates time the planned format's device step; with no device memory to spare the
     assumed figure stands in, with a warning (the probes stubbed: this machine has no GPU)."""
-    from pyinfinity.plan import rates as rates_mod
+    from pyinfinity import probes as probes_mod
+    from pyinfinity.plan.rates import DEVICE_ADAM_ASSUMED
 
     def device_step(dev, state, numel, reps):
         if oom:
             raise torch.OutOfMemoryError("CUDA out of memory")
         return 40e9
 
-    monkeypatch.setattr(rates_mod, "_CACHE", {})
-    monkeypatch.setattr(rates_mod, "device_is_here", lambda dev: True)
-    monkeypatch.setattr(rates_mod, "measure_device_adam", device_step)
-    monkeypatch.setattr(rates_mod, "measure_adam", lambda *a, **k: 3e9)
-    monkeypatch.setattr(rates_mod, "measure_memcpy", lambda *a, **k: 20e9)
-    monkeypatch.setattr(rates_mod, "measure_copies", lambda *a, **k: (50e9, 50e9, 20e9))
-    monkeypatch.setattr(rates_mod, "measure_matmul", lambda *a, **k: 600e12)
-    r = rates_mod.measure_rates("cuda:0", optimizer_state="8bit", optimizer_threads=1)
+    monkeypatch.setattr(probes_mod, "_CACHE", {})
+    monkeypatch.setattr(probes_mod, "device_is_here", lambda dev: True)
+    monkeypatch.setattr(probes_mod, "measure_device_adam", device_step)
+    monkeypatch.setattr(probes_mod, "measure_adam", lambda *a, **k: 3e9)
+    monkeypatch.setattr(probes_mod, "measure_memcpy", lambda *a, **k: 20e9)
+    monkeypatch.setattr(probes_mod, "measure_copies", lambda *a, **k: (50e9, 50e9, 20e9))
+    monkeypatch.setattr(probes_mod, "matmul_probe", lambda *a, **k: (600e12, 1.0))  # FLOP/s, samples' spread
+    r = probes_mod.measure_rates("cuda:0", optimizer_state="8bit", optimizer_threads=1)
     if oom:
         assert r.device_adam_8bit == 0 and "no device memory to time the 8bit optimizer step" in caplog.text
-        assert r.device_adam_rate("8bit") == rates_mod.DEVICE_ADAM_ASSUMED["8bit"]
+        assert r.device_adam_rate("8bit") == DEVICE_ADAM_ASSUMED["8bit"]
     else:
         assert r.device_adam_rate("8bit") == 40e9 and r.source["device_adam_8bit"] == "probe"
     assert r.device_adam == 0  # only the planned format's step is timed
@@ -625,7 +626,8 @@ def test_the_device_steps_scratch_is_charged_as_the_step_takes_it():
 
 
 def test_preset_rates_name_their_figures_and_sources():
-    from pyinfinity.plan.rates import DISK_PRESETS, LINK_PRESETS, preset_rates
+    from pyinfinity.plan.hardware import DISK_PRESETS, LINK_PRESETS
+    from pyinfinity.probes import preset_rates
 
     r = preset_rates("cuda", link="pcie4x16", disk="nvme-gen4", matmul=150e12, adam=2e9, memcpy=10e9)
     assert (r.h2d, r.d2h) == (LINK_PRESETS["pcie4x16"].h2d, LINK_PRESETS["pcie4x16"].d2h)
@@ -740,8 +742,8 @@ def test_the_engine_measures_a_decoder_s_compute_where_it_fits_and_keeps_the_flo
     None for a model with frozen parameters (the probe's backward would compute weight gradients
     adapters skip), a module without a transformers config, or a probe above 3/4 of the budget.
     The probe leaves torch's RNG where it was (a seed gives the same model with or without it)."""
-    from pyinfinity.plan.rates import decoder_probe_bytes
-    from pyinfinity.plan.resolve import measured_compute
+    from pyinfinity.probes import decoder_probe_bytes
+    from pyinfinity.probes import measured_compute
 
     train = TrainShape(micro_batch=2, seq_len=32, checkpointing=True)
     model = _tiny_llama()
@@ -776,7 +778,7 @@ def test_the_gradient_add_is_timed_under_accumulation_and_its_rate_prices_the_ho
     resident and added most gradients on the host, predicted 0.71 s/step and ran 1.05)."""
     from pyinfinity.layout.shards import Knobs
     from pyinfinity.plan.evaluation import evaluate
-    from pyinfinity.plan.rates import measure_accumulate
+    from pyinfinity.probes import measure_accumulate
 
     rate = measure_accumulate(1 << 20, reps=2, threads=1)
     assert 1e6 < rate < 1e11
@@ -816,7 +818,7 @@ def test_the_probes_time_the_dtype_most_of_the_model_computes_in():
 def test_the_disk_probe_times_a_read_and_a_write_together(tmp_path):
     """measure_disk times a read and a write issued at once against the two alone: the duplex share
     lies between the larger alone's share and 1, and the probe leaves nothing in the directory."""
-    from pyinfinity.plan.rates import DiskProbe, measure_disk
+    from pyinfinity.probes import DiskProbe, measure_disk
 
     probe = measure_disk(str(tmp_path), 4 << 20, reps=2)
     assert isinstance(probe, DiskProbe)
@@ -860,18 +862,18 @@ def test_a_disk_probe_on_a_busy_machine_is_never_many_times_the_transfer_it_time
     the one timed (subtracting 64 delayed page reads made it up to 20x); samples that differ more
     than DISK_SPREAD_LIMIT name the probe uncertain in the rates table."""
     import pyinfinity.swap
-    from pyinfinity.plan import rates as rates_mod
+    from pyinfinity import probes as probes_mod
 
     nbytes = 4 << 20
     monkeypatch.setattr(pyinfinity.swap, "SwapEngine", _TimedSwapEngine)
     monkeypatch.setattr(_TimedSwapEngine, "plan", {"read": [0.04], "write": [0.04], "page": [0.005]})
-    probe = rates_mod.measure_disk(str(tmp_path), nbytes, reps=3, aio={"block_size": 64 << 10})
+    probe = probes_mod.measure_disk(str(tmp_path), nbytes, reps=3, aio={"block_size": 64 << 10})
     assert probe.read <= 2 * nbytes / 0.04 and probe.write <= 2 * nbytes / 0.04, probe
-    assert probe.spread < rates_mod.DISK_SPREAD_LIMIT
+    assert probe.spread < probes_mod.DISK_SPREAD_LIMIT
     monkeypatch.setattr(_TimedSwapEngine, "plan", {"read": [0.04], "write": [0.03, 0.12], "page": [0.005, 1e-5]})
-    probe = rates_mod.measure_disk(str(tmp_path), nbytes, reps=3, aio={"block_size": 64 << 10})
-    assert probe.latency < 0.001 and probe.spread > rates_mod.DISK_SPREAD_LIMIT, probe
-    r = rates_mod.measure_rates("cpu", str(tmp_path), matmul=1e12, aio={"block_size": 64 << 10})
+    probe = probes_mod.measure_disk(str(tmp_path), nbytes, reps=3, aio={"block_size": 64 << 10})
+    assert probe.latency < 0.001 and probe.spread > probes_mod.DISK_SPREAD_LIMIT, probe
+    r = probes_mod.measure_rates("cpu", str(tmp_path), matmul=1e12, aio={"block_size": 64 << 10})
     assert "uncertain: its samples differ" in r.source["disk_write"], r.source
 
 @pytest.mark.parametrize("pipeline", [True, False])

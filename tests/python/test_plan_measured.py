@@ -14,7 +14,8 @@ from torch import nn
 
 import pyinfinity
 from pyinfinity.cli.plan import measure_engine_overhead
-from pyinfinity.plan import Budgets, measure_rates, placement_of, resolve_auto
+from pyinfinity.plan import Budgets, placement_of, resolve_auto
+from pyinfinity.probes import measure_rates
 from pyinfinity.plan.budgets import swap_dirs
 from pyinfinity.swap import fault_injection
 

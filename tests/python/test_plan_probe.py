@@ -10,7 +10,7 @@ import torch
 
 import pyinfinity
 from pyinfinity.plan import Budgets, Rates, SwapDir, TrainShape
-from pyinfinity.plan import rates as rates_mod
+from pyinfinity import probes as probes_mod
 from pyinfinity.layout.shards import Knobs
 from pyinfinity.plan.evaluation import evaluate
 from pyinfinity.plan.sizes import llama_sizes
@@ -29,8 +29,8 @@ def probes(monkeypatch):
         calls.append((numel, threads))
         return 1e9
 
-    monkeypatch.setattr(rates_mod, "measure_adam", fake)
-    monkeypatch.setattr(rates_mod, "_CACHE", {})
+    monkeypatch.setattr(probes_mod, "measure_adam", fake)
+    monkeypatch.setattr(probes_mod, "_CACHE", {})
     return calls
 
 
@@ -53,9 +53,9 @@ def test_the_engines_probe_times_adam_on_its_optimizer_threads(tiny_lm, engine_c
 
 
 def test_measure_rates_probes_once_per_thread_count(probes):
-    a = rates_mod.measure_rates("cpu", optimizer_threads=2, cache=True)
-    b = rates_mod.measure_rates("cpu", optimizer_threads=2, cache=True)
-    c = rates_mod.measure_rates("cpu", optimizer_threads=1, cache=True)
+    a = probes_mod.measure_rates("cpu", optimizer_threads=2, cache=True)
+    b = probes_mod.measure_rates("cpu", optimizer_threads=2, cache=True)
+    c = probes_mod.measure_rates("cpu", optimizer_threads=1, cache=True)
     assert a is b and c is not a
     assert [t for _, t in probes] == [2, 1]
     assert c.source["adam"] == "probe, 1 thread"
@@ -66,11 +66,11 @@ def test_the_probes_leave_torch_s_rng_where_it_was(monkeypatch):
     """A probe draws random tensors and builds a model: on a fork of the RNG, so a seed set before
     ``initialize`` gives the same weights (``init_empty``'s, initialised after the plan) and dropout
     whether the engine measured rates or not."""
-    monkeypatch.setattr(rates_mod, "_CACHE", {})
-    monkeypatch.setattr(rates_mod, "measure_adam", lambda *a, **k: torch.randn(4).abs().sum().item() * 1e9)
+    monkeypatch.setattr(probes_mod, "_CACHE", {})
+    monkeypatch.setattr(probes_mod, "measure_adam", lambda *a, **k: torch.randn(4).abs().sum().item() * 1e9)
     torch.manual_seed(7)
-    rates_mod.measure_rates("cpu")
-    rates_mod.measure_decoder_compute({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+    probes_mod.measure_rates("cpu")
+    probes_mod.measure_decoder_compute({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
                                        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
                                       "cpu", 1, 8, dtype=torch.float32, reps=1)
     after = torch.rand(3)
@@ -78,9 +78,9 @@ def test_the_probes_leave_torch_s_rng_where_it_was(monkeypatch):
     assert torch.equal(after, torch.rand(3))
 
 def test_measure_adam_runs_the_kernel_on_the_given_threads():
-    assert rates_mod.measure_adam(1 << 18, reps=1, threads=1) > 0
+    assert probes_mod.measure_adam(1 << 18, reps=1, threads=1) > 0
     with pytest.raises(ValueError, match="threads must be at least 1"):
-        rates_mod.measure_adam(1 << 18, reps=1, threads=0)
+        probes_mod.measure_adam(1 << 18, reps=1, threads=0)
 
 
 def test_the_fine_tunes_optimizer_term_is_one_kernel_pass():
@@ -125,3 +125,20 @@ def test_a_step_that_waits_for_the_norm_hides_behind_the_next_forward_only(clip)
     hidden = p.micro_batch * ((1 - share) if clip else share)
     assert p.optimizer_phase == pytest.approx(p.optimizer - hidden, rel=1e-9)
     assert p.total == pytest.approx(p.micro_batch + p.optimizer - hidden, rel=1e-9)
+
+
+@pytest.mark.parametrize("spread", [1.2, 3.0])
+def test_a_compute_probe_whose_samples_drift_is_named_uncertain(monkeypatch, caplog, spread):
+    """As the disk probe: a matmul probe whose slowest sample took more than COMPUTE_SPREAD_LIMIT
+    times the fastest timed a machine under load, and its rate's source says so (and a warning)."""
+    monkeypatch.setattr(probes_mod, "_CACHE", {})
+    monkeypatch.setattr(probes_mod, "measure_adam", lambda *a, **k: 1e9)
+    monkeypatch.setattr(probes_mod, "measure_memcpy", lambda *a, **k: 10e9)
+    monkeypatch.setattr(probes_mod, "matmul_probe", lambda *a, **k: (1e11, spread))
+    r = probes_mod.measure_rates("cpu", optimizer_threads=1)
+    assert r.matmul == 1e11
+    if spread > probes_mod.COMPUTE_SPREAD_LIMIT:
+        assert r.source["matmul"].startswith(f"probe, uncertain: its samples differ {spread:.1f}x"), r.source
+        assert "compute probe on cpu" in caplog.text
+    else:
+        assert r.source["matmul"] == "probe"

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from pyinfinity.config import STATE_FORMATS
+from pyinfinity.layout.pools import home_bytes_per_param
 from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.state_formats import (AdamHyper, Adam8bitState, cpu_step_8bit, cpu_step_bf16, dequantize_moments,
                                            device_step_8bit, device_step_bf16, quantize_moments, state_nbytes,
@@ -136,7 +137,7 @@ class AdamFp32(_MasterThenMoments):
     parameter, the bf16 weights written in the same pass); on the device torch's fused kernel."""
 
     name = "fp32"
-    bytes_per_param = 12
+    bytes_per_param = home_bytes_per_param(STATE_FORMATS["fp32"])
 
     def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
         return 3 * numel, torch.float32
@@ -200,7 +201,7 @@ class Adam8bit(OptimStateFormat):
     (torch, in chunks), which gives the kernel's bits."""
 
     name = "8bit"
-    bytes_per_param = STATE_FORMATS["8bit"].state_bytes
+    bytes_per_param = home_bytes_per_param(STATE_FORMATS["8bit"])
 
     def __init__(self, adam_w: bool) -> None:
         self.adam_w = bool(adam_w)
@@ -277,7 +278,8 @@ class AdamBf16(_MasterThenMoments):
     name = "bf16"
     # the bf16 master with the moments: what the planner charges for the state (4) and for the
     # gradient buffer a master in the weights' home would need (2)
-    bytes_per_param = STATE_FORMATS["bf16"].state_bytes + 2
+    # the master is the weights' home: a gradient slot of its own beside it
+    bytes_per_param = home_bytes_per_param(STATE_FORMATS["bf16"])
 
     def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
         return 3 * numel, torch.bfloat16
