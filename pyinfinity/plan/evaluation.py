@@ -407,7 +407,7 @@ def predict(sizes: ModelSizes, train: TrainShape, rates: Rates, knobs: Knobs, *,
     overlap = knobs.prefetch and knobs.prefetch_bytes >= sizes.largest_shard_bytes
     latency = rates.read_time(sizes.largest_shard_bytes) if (fetch_disk and overlap) else 0.0
     if cuda and g > 1:  # the device accumulators' adds run on the compute stream, every micro-batch
-        compute += _div(device_accumulated * (isz + 2 * GRAD_BYTES_PER_PARAM), DEVICE_ADD_RATE)
+        compute += _div(device_accumulated * isz + 2 * accumulator_bytes(device_accumulated), DEVICE_ADD_RATE)
     if cuda:
         # copies run on the swap stream, host accumulation in the grad hooks: both overlap the
         # GPU's compute; without prefetch every fetch (disk read, then H2D) is waited for
