@@ -58,6 +58,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from pyinfinity.bench.procs import kill_group
+
 ENV_SOURCE = "PYINFINITY_MEGATRAIN_SRC"
 TRAIN_SCRIPT = os.path.join("examples", "sft", "train.py")
 
@@ -375,19 +377,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 # ----------------------------------------------------------------------------------- the run
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=20)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run(spec: dict[str, Any], rows: Any) -> dict[str, Any]:
     """One bench run of MegaTrain on ``spec`` (the worker's spec) and ``rows``, the token ids of its
     dataset (``train_worker.token_rows``: the bench's batches, in order); the row's fields, ``ok``
@@ -502,7 +491,7 @@ def _run_logged(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) -
     try:
         out.returncode = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         out.timed_out = True
         out.returncode = proc.returncode
     th.join(10)

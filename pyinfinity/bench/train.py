@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
+from pyinfinity.bench.procs import kill_group
 from pyinfinity.bench.train_bound import (adam_rate_for, adam_rate_key, best_disk_rates, bound, device_adam_rate_for,
                                           measure_bound_rates, measure_matmul_rate, optimizer_state,
                                           optimizer_state_bytes, probe_disk, tier_fractions, uses_disk)
@@ -164,7 +165,7 @@ def run_one(spec: dict[str, Any], timeout: float, log_path: str, on_line: Any = 
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 rc = None
             to.join(10)
             th.join(10)
@@ -186,19 +187,6 @@ def run_one(spec: dict[str, Any], timeout: float, log_path: str, on_line: Any = 
     result["wall_seconds"] = round(time.perf_counter() - t0, 2)
     result["log"] = log_path
     return result
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=20)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _tail(path: str, n: int) -> str:
