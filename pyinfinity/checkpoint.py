@@ -61,13 +61,12 @@ CHECKPOINT_VERSION = 4  # 4: "base" with every tensor's CRC-32C; 3: "base"; 2: c
 CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
-CHECKPOINT_STAGING = 1 << 30  # bytes of shard copies taken and not yet written, at most (or one larger shard)
 WAIT_SLICE_S = 0.1  # a wait for a background save wakes this often (Ctrl-C arrives within one)
 
 
 def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
          client_state: Optional[dict] = None, *, base: Optional[dict] = None, keep_last: Optional[int] = None,
-         blocking: bool = True) -> "CheckpointWrite":
+         blocking: bool = True, staging: int = 0) -> "CheckpointWrite":
     """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
     written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
     ``base``: the identity of the pretrained weights the frozen shards hold unchanged (a LoRA
@@ -76,7 +75,9 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
     ``save_dir`` stay (``rotate``); None keeps every one. ``blocking=False``: returns once the
     point of the state it saves is fixed, the bytes written by a thread of its own while training
     goes on (``CheckpointWrite``); the caller waits for it before the next save, a load, an export
-    or close. Returns the write (done, when blocking)."""
+    or close. ``staging``: bytes of shard copies taken and not yet written at most
+    (``pyinfinity.checkpoint_staging``; a larger copy goes alone, 0 = one at a time). Returns the
+    write (done, when blocking)."""
     check_keep_last(keep_last)
     state.check_not_in_pass("save_checkpoint()")
     state.check_trainable("save_checkpoint()")
@@ -93,7 +94,7 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        write = CheckpointWrite(state, save_dir, tag, tmp, client_state, base, keep_last)
+        write = CheckpointWrite(state, save_dir, tag, tmp, client_state, base, keep_last, staging)
     except BaseException:  # a client state that is not JSON, Ctrl-C: nothing of this save stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -111,7 +112,7 @@ class CheckpointWrite:
     """One save's writing: the point of the state it saves is fixed when it is made (counters,
     scaler, scheduler, RNG, client state, the layout of ``state.bin``; the state of every shard
     kept on the device copied), then ``run`` copies each shard's state into a bounded staging
-    budget (``CHECKPOINT_STAGING`` bytes not yet written, at least one shard) and writes it,
+    budget (``staging`` bytes not yet written, or one larger shard alone) and writes it,
     fsyncs, renames the checkpoint into place, moves ``latest`` and rotates.
 
     In the background (``start``) training goes on meanwhile: copy-before-update per shard. Until
@@ -122,8 +123,12 @@ class CheckpointWrite:
     directory then goes, and ``latest`` is not moved."""
 
     def __init__(self, state: "TrainingState", save_dir: str, tag: str, tmp: str, client_state: Optional[dict],
-                 base: Optional[dict], keep_last: Optional[int]) -> None:
+                 base: Optional[dict], keep_last: Optional[int], staging: int = 0) -> None:
+        if isinstance(staging, bool) or not isinstance(staging, int) or staging < 0:
+            raise ValueError(f"staging: expected bytes >= 0 (pyinfinity.checkpoint_staging), got {staging!r}")
         self.state = state
+        self.staging = staging
+        self.staged_peak = 0  # most bytes of copies held at once (never above max(staging, one copy))
         self.save_dir, self.tag, self.tmp = save_dir, tag, tmp
         self.path = os.path.join(save_dir, tag)
         self.keep_last = keep_last
@@ -262,12 +267,16 @@ class CheckpointWrite:
     def _make_room(self, n: int) -> None:
         """Waits (under the lock) until a copy of ``n`` bytes fits the staging budget beside the
         copies still being written (or none is): the oldest copy's write first."""
-        while self._inflight and sum(b.numel() * b.element_size() for _, b in self._inflight) + n > CHECKPOINT_STAGING:
+        while self._inflight and self._staged() + n > self.staging:
             self._inflight.popleft()[0].wait()
+
+    def _staged(self) -> int:
+        return sum(b.numel() * b.element_size() for _, b in self._inflight)
 
     def _submit(self, e: dict, buf: torch.Tensor) -> None:
         e["crc32c"] = _crc32c(buf)
         self._inflight.append((self._io.write(buf, self._data_path, e["offset"]), buf))
+        self.staged_peak = max(self.staged_peak, self._staged())
 
     def _complete(self) -> None:
         if os.path.exists(self._data_path):

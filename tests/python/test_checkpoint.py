@@ -144,8 +144,7 @@ def held_writer(monkeypatch):
         if self._thread is not None:
             release.wait(60)
         run(self)
-    monkeypatch.setattr(checkpoint.CheckpointWrite, "run", held)
-    monkeypatch.setattr(checkpoint, "CHECKPOINT_STAGING", 4096)  # a shard at a time: the steps wait for room
+    monkeypatch.setattr(checkpoint.CheckpointWrite, "run", held)  # checkpoint_staging "auto": a shard at a time
     yield release
     release.set()
 
@@ -295,3 +294,37 @@ def test_ctrl_c_during_a_blocking_save_is_a_keyboard_interrupt_and_leaves_nothin
         assert _listing(tmp_path / "ckpt") == []
         eng.save_checkpoint(str(tmp_path / "ckpt"))
     assert _listing(tmp_path / "ckpt") == ["global_step1", "latest"]
+
+
+@pytest.mark.parametrize("budget", [None, 3 * 4096, 1 << 20])
+def test_a_save_stages_no_more_than_the_checkpoint_staging_the_layout_charges(budget, tiny_lm, lm_batches,
+                                                                             engine_config, tmp_path):
+    """``pyinfinity.checkpoint_staging``: the planner's layout and the engine's pools charge the same
+    bytes in host RAM ("auto": none), and a background save never holds more shard copies not yet
+    written than that (or one shard's, when the budget is smaller)."""
+    from pyinfinity.plan import Budgets, Rates, placement_of
+
+    cfg = engine_config("cpu")
+    if budget is not None:
+        cfg["pyinfinity"]["checkpoint_staging"] = budget
+    model = tiny_lm()
+    budgets = Budgets(device_memory=64 << 20, host_memory=1 << 34, device_is_host=True)
+    rates = Rates(h2d=10e9, d2h=10e9, disk_read=2e9, disk_write=1e9, adam=1e9, matmul=1e12, memcpy=5e9, device="cpu")
+    plan = placement_of(cfg, model, budgets, rates, seq_len=8)
+    auto = placement_of(engine_config("cpu"), tiny_lm(), budgets, rates, seq_len=8)
+    assert plan.host_bytes - auto.host_bytes == plan.checkpoint_staging
+    assert ("checkpoint staging" in plan.table()) == (budget is not None)  # `pyinfinity plan` shows it
+    with pyinfinity.initialize(model, cfg) as eng:
+        charged = eng.state.pools.checkpoint_staging
+        assert charged == plan.checkpoint_staging
+        largest = max(eng.state.optimizer.format.nbytes(st.numel) for st in eng.state.optimizer.states)
+        if budget is None:
+            assert charged == 0
+        else:
+            assert max(budget, largest) <= charged <= max(budget, largest + 4096)  # a home's alignment at most
+        train_steps(eng, lm_batches(1))
+        eng.save_checkpoint(str(tmp_path / "ckpt"), blocking=False)
+        write = eng.wait_for_checkpoint()
+        assert 0 < write.staged_peak <= max(charged, largest)
+        if budget == 1 << 20:  # room for several copies: the writer used it
+            assert write.staged_peak > largest
