@@ -149,12 +149,14 @@ def held_writer(monkeypatch):
     release.set()
 
 
-@pytest.mark.parametrize("tier, state", [("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "8bit"), ("cpu", "overlap")])
+@pytest.mark.parametrize("tier, state", [("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "8bit"), ("cpu", "overlap"),
+                                         ("nvme", "by reference")])
 def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(tier, state, tiny_lm, lm_batches,
                                                                               engine_config, tmp_path, held_writer):
     """Each step after the save reaches every shard before the (held) writer: each takes its
     shard's copy first, in the serial step, in the background worker (overlap_step, shards
-    stepped during backward) and from an 8-bit state."""
+    stepped during backward) and from an 8-bit state (the NVMe state copied: by_reference=False);
+    held by reference, no step copies anything: each writes its shard into a fresh slot."""
     ckpt = tmp_path / "ckpt"
     batches = lm_batches(STEPS)
 
@@ -169,14 +171,17 @@ def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(ti
         losses = train_steps(eng, batches[:1])
         eng.save_checkpoint(str(ckpt))
         losses += train_steps(eng, batches[1:2])
-        path = eng.save_checkpoint(str(ckpt), blocking=False)
+        path = eng.save_checkpoint(str(ckpt), blocking=False, by_reference=state == "by reference")
         assert path == str(ckpt / "global_step2")
         assert (ckpt / "latest").read_text() == "global_step1"  # not before it is complete
         assert not os.path.exists(path)
         losses += train_steps(eng, batches[2:4])  # every shard's copy taken by its step, before updating it
         held_writer.set()
         write = eng.wait_for_checkpoint()
-        assert write.copied_by_step == len(eng.optimizer.states) > 1
+        if state == "by reference":
+            assert write.copied_by_step == 0 and write.by_reference_bytes > 0
+        else:
+            assert write.copied_by_step == len(eng.optimizer.states) > 1
         assert (ckpt / "latest").read_text() == "global_step2"
         losses += train_steps(eng, batches[4:])
     assert _resumed_losses(tiny_lm, config, batches, ckpt) == (2, losses[2:])
@@ -188,8 +193,8 @@ def test_a_background_save_the_writer_copies_alone_equals_a_blocking_save(tiny_l
 
     with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
         train_steps(eng, lm_batches(2))
-        eng.save_checkpoint(str(tmp_path / "a"))
-        eng.save_checkpoint(str(tmp_path / "b"), blocking=False)
+        eng.save_checkpoint(str(tmp_path / "a"), by_reference=False)
+        eng.save_checkpoint(str(tmp_path / "b"), blocking=False, by_reference=False)
         eng.wait_for_checkpoint()
     a, b = tmp_path / "a" / "global_step2", tmp_path / "b" / "global_step2"
     assert (a / "state.bin").read_bytes() == (b / "state.bin").read_bytes()
@@ -278,21 +283,25 @@ def test_ctrl_c_interrupts_a_wait_for_a_background_save_within_a_tenth_of_a_seco
         signal.signal(signal.SIGINT, old)
 
 
-def test_ctrl_c_during_a_blocking_save_is_a_keyboard_interrupt_and_leaves_nothing(tiny_lm, lm_batches,
+@pytest.mark.parametrize("by_reference", [False, True])
+def test_ctrl_c_during_a_blocking_save_is_a_keyboard_interrupt_and_leaves_nothing(by_reference, tiny_lm, lm_batches,
                                                                                   engine_config, tmp_path,
                                                                                   monkeypatch):
+    """Copied (interrupted while it checksums a shard's copy) or by reference (while it checksums
+    meta.json): nothing stays in the save directory, and no slot stays held."""
     from pyinfinity import checkpoint
 
     def interrupted(buf):
         raise KeyboardInterrupt
     with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
         train_steps(eng, lm_batches(1))
-        monkeypatch.setattr(checkpoint, "_crc32c", interrupted)
+        monkeypatch.setattr(checkpoint, "_crc32c_bytes" if by_reference else "_crc32c", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            eng.save_checkpoint(str(tmp_path / "ckpt"))
+            eng.save_checkpoint(str(tmp_path / "ckpt"), by_reference=by_reference)
         monkeypatch.undo()
         assert _listing(tmp_path / "ckpt") == []
-        eng.save_checkpoint(str(tmp_path / "ckpt"))
+        assert not _space(eng).references()
+        eng.save_checkpoint(str(tmp_path / "ckpt"), by_reference=by_reference)
     assert _listing(tmp_path / "ckpt") == ["global_step1", "latest"]
 
 
@@ -328,3 +337,144 @@ def test_a_save_stages_no_more_than_the_checkpoint_staging_the_layout_charges(bu
         assert 0 < write.staged_peak <= max(charged, largest)
         if budget == 1 << 20:  # room for several copies: the writer used it
             assert write.staged_peak > largest
+
+
+# ----------------------------------------------------------------------------------- NVMe state by reference
+
+
+def _meta(path) -> dict:
+    import json
+
+    return json.loads((path / "meta.json").read_text())
+
+
+def _space(eng):
+    return eng.state.optim_swapper.nvme_space()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_holds_the_nvme_state_by_reference_and_resumes_bit_exact(blocking, tiny_lm, lm_batches, engine_config,
+                                                                       tmp_path):
+    """The optimizer state on NVMe is not copied: the checkpoint links the swap file, records each
+    shard's slot and the CRC-32Cs written with it (version 5); the next steps write the shards
+    into fresh slots, and a fresh engine resumes from it as the uninterrupted run goes on."""
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        losses = train_steps(eng, batches[:2])
+        written = eng.state.io_stats()["checkpoint"]["write"]["bytes"] if "checkpoint" in eng.state.io_stats() else 0
+        path = eng.save_checkpoint(str(ckpt), blocking=blocking)
+        eng.wait_for_checkpoint()
+        losses += train_steps(eng, batches[2:])
+        meta = _meta(ckpt / "global_step2")
+        refs = [e for e in meta["entries"] if "ref" in e]
+        assert meta["version"] == 5 and refs and len(refs) == len(eng.state.optimizer.states)
+        assert meta["data_bytes"] == 0 and not (ckpt / "global_step2" / "state.bin").exists()
+        assert eng.state.io_stats()["checkpoint"]["write"]["bytes"] == written  # no byte of the state copied
+        link = ckpt / "global_step2" / refs[0]["ref"]["files"][0]
+        live = eng.state.optim_swapper.files()[0]
+        assert os.stat(link).st_ino == os.stat(live).st_ino  # the swap file itself, held by a link
+        held = {s.id for s in (st.home.slot for st in eng.state.optimizer.states)}
+        assert all(x[1:] not in [[e.offset, e.nbytes] for st in eng.state.optimizer.states
+                                 for e in st.home.slot.extents] for r in refs for x in r["ref"]["extents"])
+        assert len(held) == len(refs)
+    assert os.path.exists(link) and not os.path.exists(live)  # close unlinked the swap name only
+    held_bytes = sum(e["nbytes"] for e in refs)
+    # the rest of the file (the live state, the preallocated room) was punched out at close
+    assert os.stat(link).st_blocks * 512 <= held_bytes + 4096 * len(refs) < os.stat(link).st_size
+    assert _resumed_losses(tiny_lm, engine_config, batches, ckpt) == (2, losses[2:])
+
+
+def test_a_copy_save_writes_version_4_and_both_versions_load(tiny_lm, lm_batches, engine_config, tmp_path):
+    """``by_reference=False`` writes the NVMe state into state.bin, as version 4 (what the code
+    before by-reference saves wrote); it and a version-5 checkpoint of the same step resume alike."""
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        losses = train_steps(eng, batches[:2])
+        eng.save_checkpoint(str(tmp_path / "v4"), by_reference=False)
+        eng.save_checkpoint(str(tmp_path / "v5"))
+        losses += train_steps(eng, batches[2:])
+    v4 = _meta(tmp_path / "v4" / "global_step2")
+    assert v4["version"] == 4 and not any("ref" in e for e in v4["entries"]) and v4["data_bytes"] > 0
+    assert _meta(tmp_path / "v5" / "global_step2")["version"] == 5
+    for d in ("v4", "v5"):
+        assert _resumed_losses(tiny_lm, engine_config, batches, tmp_path / d) == (2, losses[2:])
+
+
+def test_a_frozen_slot_is_freed_once_no_checkpoint_refers_to_it(tiny_lm, lm_batches, engine_config, tmp_path):
+    """Rotation (keep_last) and an rmtree of a checkpoint from outside free its slots at the next
+    save: the swap space stays at about twice the state, however many saves."""
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(8)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, batches[:1])
+        state_bytes = _space(eng).stats()["used"]
+        for i in range(1, 5):
+            eng.save_checkpoint(str(ckpt), keep_last=1)
+            train_steps(eng, batches[i:i + 1])
+        assert complete_checkpoints(str(ckpt)) == ["global_step4"]
+        assert _space(eng).stats()["used"] <= 2 * state_bytes + 4096 * len(eng.state.optimizer.states)
+        assert len(_space(eng).references()) == 1
+        shutil.rmtree(ckpt / "global_step4")  # Trainer's own rotation, from outside
+        eng.save_checkpoint(str(tmp_path / "other"))
+        train_steps(eng, batches[5:6])
+        assert len(_space(eng).references()) == 1  # only the new one's
+        assert _space(eng).stats()["used"] <= 2 * state_bytes + 4096 * len(eng.state.optimizer.states)
+
+
+def test_removing_a_by_reference_checkpoint_never_changes_the_live_state(tiny_lm, lm_batches, engine_config,
+                                                                         tmp_path):
+    """An rmtree of a by-reference checkpoint (the link goes) leaves the run training as the
+    uninterrupted run, and a later checkpoint resumes bit for bit."""
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        expected = train_steps(eng, batches)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        got = train_steps(eng, batches[:1])
+        eng.save_checkpoint(str(tmp_path / "a"))
+        got += train_steps(eng, batches[1:2])
+        shutil.rmtree(tmp_path / "a")
+        eng.save_checkpoint(str(tmp_path / "b"))
+        got += train_steps(eng, batches[2:])
+    assert got == expected
+    assert _resumed_losses(tiny_lm, engine_config, batches, tmp_path / "b") == (2, expected[2:])
+
+
+def test_a_by_reference_entry_changed_on_disk_fails_its_checksum_on_load(tiny_lm, lm_batches, engine_config,
+                                                                         tmp_path):
+    ckpt = tmp_path / "ckpt"
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        eng.save_checkpoint(str(ckpt))
+    ref = _meta(ckpt / "global_step1")["entries"][0]["ref"]
+    f, off, n = ref["extents"][0]
+    fd = os.open(ckpt / "global_step1" / ref["files"][f], os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\x5a" * 64, off + n // 2)
+    finally:
+        os.close(fd)
+    from pyinfinity.checkpoint import CheckpointError
+
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        with pytest.raises(CheckpointError, match="optimizer state by reference"):
+            eng.load_checkpoint(str(ckpt))
+
+
+def test_a_by_reference_save_that_would_not_fit_the_disk_says_so_before_writing(tiny_lm, lm_batches, engine_config,
+                                                                                tmp_path, monkeypatch):
+    import errno
+    from collections import namedtuple
+
+    ckpt = tmp_path / "ckpt"
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        real = os.statvfs
+        full = namedtuple("statvfs", "f_bavail f_frsize")
+        monkeypatch.setattr(_space(eng), "free_bytes", lambda: 0)  # no spare room preallocated in the swap file
+        monkeypatch.setattr(os, "statvfs", lambda d: full(0, 4096) if str(d).startswith(str(tmp_path)) else real(d))
+        with pytest.raises(OSError, match="not enough free disk for this save") as err:
+            eng.save_checkpoint(str(ckpt))
+        assert err.value.errno == errno.ENOSPC and "\n" not in str(err.value)
+        assert not _space(eng).references()
+        monkeypatch.setattr(os, "statvfs", real)
+        assert [n for n in os.listdir(ckpt) if not n.startswith(".")] == []
