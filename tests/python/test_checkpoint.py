@@ -478,3 +478,20 @@ def test_a_by_reference_save_that_would_not_fit_the_disk_says_so_before_writing(
         assert not _space(eng).references()
         monkeypatch.setattr(os, "statvfs", real)
         assert [n for n in os.listdir(ckpt) if not n.startswith(".")] == []
+
+
+def test_the_swap_manifest_lists_the_links_a_by_reference_checkpoint_holds(tiny_lm, lm_batches, engine_config,
+                                                                           tmp_path):
+    """The ownership layer knows a swap file may be held by a checkpoint: the manifest lists the
+    link (release and the next start's stale cleanup then unlink only the swap name)."""
+    from pyinfinity.swap.manifest import read_manifest
+
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        path = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        name = _meta(tmp_path / "ckpt" / "global_step1")["entries"][0]["ref"]["files"][0]
+        swap_dir = os.path.dirname(eng.state.optim_swapper.files()[0])
+        files = read_manifest(swap_dir)["files"]
+        optim = [f for f in files if f["space"] == "optimizer"]
+        assert optim and optim[0]["links"] == [os.path.join(path, name)]
+        assert all(f["links"] == [] for f in files if f["space"] != "optimizer")
