@@ -5,6 +5,7 @@ checkpoint intact: each kept one resumes bit for bit as the uninterrupted run.""
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -495,3 +496,31 @@ def test_the_swap_manifest_lists_the_links_a_by_reference_checkpoint_holds(tiny_
         optim = [f for f in files if f["space"] == "optimizer"]
         assert optim and optim[0]["links"] == [os.path.join(path, name)]
         assert all(f["links"] == [] for f in files if f["space"] != "optimizer")
+
+
+@pytest.mark.parametrize("fs", ["tmpfs_dir", "small_ext4_dir"])
+def test_a_by_reference_checkpoint_on_tmpfs_and_ext4_resumes_and_keeps_only_its_blocks(fs, request, tiny_lm,
+                                                                                       lm_batches, engine_config):
+    """On a tmpfs and on an ext4 (a loop device): the swap directory and the checkpoint on one
+    filesystem, the state saved by reference resumes bit for bit after the run closed, and the
+    linked file keeps only the held slots' blocks (the rest punched out at close)."""
+    root = request.getfixturevalue(fs)
+    swap, ckpt = os.path.join(root, "swap"), os.path.join(root, "ckpt")
+
+    def config():
+        cfg = engine_config("nvme")
+        for k in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][k]["nvme_path"] = swap
+        return cfg
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), config()) as eng:
+        losses = train_steps(eng, batches[:2])
+        path = eng.save_checkpoint(ckpt)
+        losses += train_steps(eng, batches[2:])
+    refs = [e for e in _meta(pathlib.Path(path))["entries"] if "ref" in e]
+    assert refs
+    link = os.path.join(path, refs[0]["ref"]["files"][0])
+    assert os.stat(link).st_blocks * 512 <= sum(e["nbytes"] for e in refs) + 4096 * len(refs)
+    with pyinfinity.initialize(tiny_lm(seed=7), config()) as eng:
+        eng.load_checkpoint(ckpt)
+        assert train_steps(eng, batches[2:]) == losses[2:]
