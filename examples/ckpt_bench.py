@@ -12,7 +12,16 @@ time training stopped for saves included) and its ratio to the run without saves
 longest time training stopped for it (the save call, plus what the next save waited for it), the
 mean time from the call to `latest` moved, the bytes written and the shard copies a step took
 first; the save directory's size at the end (the end-of-run save included) and the free disk a
-run needs (`--save-total-limit` + 1 checkpoints: the newest is complete before the oldest goes)."""
+run needs (`--save-total-limit` + 1 checkpoints: the newest is complete before the oldest goes).
+
+`--offload-optimizer nvme` measures instead, in this interpreter, one engine with the optimizer
+state on disk (ratio 1.0, `--nvme` the swap directory, the checkpoints beside it) saving the same
+state both ways: a copy (`by_reference=False`) and by reference (the swap file linked, each
+shard's slot held). Per way: the time the save call blocked, its total time to `latest`, the bytes
+the checkpoint engine wrote, and the swap filesystem's used bytes before the save, after it and
+after the next step (which writes every held shard into a fresh slot).
+
+    python examples/ckpt_bench.py --offload-optimizer nvme --nvme /mnt/nvme/swap --model-size 125m"""
 from __future__ import annotations
 
 import argparse
@@ -90,6 +99,76 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _disk_used(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def nvme_case(args: argparse.Namespace) -> list[dict]:
+    """The optimizer state on disk, saved as a copy and by reference (see the module doc)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import pyinfinity
+    from pyinfinity.cli.train import llama_config
+
+    if not args.nvme:
+        raise SystemExit("--offload-optimizer nvme: needs --nvme DIR (the swap directory; checkpoints go beside it)")
+    ns = argparse.Namespace(model_size=args.model_size, hidden=None, layers=None, heads=None, intermediate=None,
+                            seq=args.seq)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(ns))
+    cfg = {"train_micro_batch_size_per_gpu": args.batch,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme, "ratio": 1.0}},
+           "pyinfinity": {"device": args.device if args.device != "auto" else "cpu",
+                          "device_memory": args.gpu_memory}}
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+
+    def step(eng) -> None:
+        x = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
+        eng.synchronize()
+    save_root = os.path.join(os.path.dirname(os.path.abspath(args.nvme.rstrip("/"))), "ckpt_bench-saves")
+    rows = []
+    with pyinfinity.initialize(model, cfg) as eng:
+        for _ in range(2):
+            step(eng)
+        for way, by_ref in (("copy", False), ("by reference", True)):
+            save = os.path.join(save_root, way.replace(" ", "-"))
+            io = eng.state.checkpoint_io()
+            written0 = io.stats()["write"]["bytes"]
+            before = _disk_used(args.nvme)
+            t0 = time.perf_counter()
+            eng.save_checkpoint(save, blocking=False, by_reference=by_ref)
+            blocked = time.perf_counter() - t0
+            write = eng.wait_for_checkpoint()
+            total = time.perf_counter() - t0
+            after = _disk_used(args.nvme)
+            step(eng)
+            rows.append({"way": way, "blocked_s": blocked, "total_s": total,
+                         "bytes_written": io.stats()["write"]["bytes"] - written0,
+                         "by_reference_bytes": write.by_reference_bytes, "disk_before": before,
+                         "disk_after_save": after, "disk_after_next_step": _disk_used(args.nvme)})
+            shutil.rmtree(save, ignore_errors=True)
+        state = sum(st.home.nbytes for st in eng.state.optimizer.states)
+    shutil.rmtree(save_root, ignore_errors=True)
+    mb = 1e6
+    print(f"optimizer state on disk: {state / mb:.1f} MB ({args.model_size}); disk used (MB) on the swap filesystem")
+    head = (f"{'way':<13} {'blocked s':>9} {'total s':>8} {'written MB':>10} {'before':>9} {'after save':>10} "
+            f"{'after step':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['way']:<13} {r['blocked_s']:>9.3f} {r['total_s']:>8.3f} {r['bytes_written'] / mb:>10.1f} "
+              f"{r['disk_before'] / mb:>9.1f} {r['disk_after_save'] / mb:>10.1f} "
+              f"{r['disk_after_next_step'] / mb:>10.1f}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-size", default="1.1b", help="a preset of `pyinfinity train` (tiny on a CPU)")
@@ -104,8 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", help="where the checkpoints go (default: a temporary directory; its disk is the one "
                                   "measured)")
     p.add_argument("--ways", default="no saves,background,blocking")
+    p.add_argument("--offload-optimizer", choices=["nvme"], help="measure one engine with the optimizer state on "
+                   "--nvme instead: a copy save against a by-reference save (module doc)")
     p.add_argument("--out", default="ckpt_bench.json")
     args = p.parse_args(argv)
+    if args.offload_optimizer == "nvme":
+        rows = nvme_case(args)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        print(f"json: {args.out}")
+        return 0
     ways = [w.strip() for w in args.ways.split(",")]
     if ways[0] != "no saves":
         raise SystemExit("--ways: the first must be 'no saves' (the ratios' base)")

@@ -20,6 +20,15 @@ checkpoint recorded only a CRC-32 of each file's first MiB: it loads with that c
 ``save`` and ``load`` work on the engine's training state (``zero.state.TrainingState``, what
 ``Engine.save_checkpoint`` and ``load_checkpoint`` hand over) through its public methods.
 
+NVMe-resident optimizer state is saved by reference (version 5, ``by_reference``): the checkpoint
+holds a hard link to each swap file (``optimizer.<part>.<token>.swp``) and records, per shard, the
+slot's extents and the CRC-32Cs the swap layer computed when it wrote them; the slot is frozen
+(``SwapSpace.freeze``): the next step writes that shard into a fresh slot, and the frozen one is
+freed once no checkpoint refers to it (noticed at the next save: rotated or removed). Nothing is
+read or copied at the save, but one checkpoint beside the live state needs the NVMe state's size
+again on the swap filesystem (Adam rewrites every shard each step). A swap file on another
+filesystem than the checkpoint is copied as before.
+
 One module for the format (about 640 lines): the writer, the reader and the check of every
 metadata key against the engine follow one format's rules, kept in one place."""
 
@@ -29,6 +38,7 @@ import collections
 import copy
 import errno
 import io as _io
+import itertools
 import json
 import math
 import logging
@@ -57,17 +67,17 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this engine: the message names the checkpoint, the
     file (and the key) and what is wrong."""
 
-CHECKPOINT_VERSION = 4  # 4: "base" with every tensor's CRC-32C; 3: "base"; 2: checksums.json; 1-3 still load
+CHECKPOINT_VERSION = 5  # 5: NVMe state by reference; 4: "base" with every tensor's CRC-32C; 3: "base"; 2: checksums.json
+COPY_VERSION = 4  # what a checkpoint without by-reference entries is written as (every version loads)
 CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
-CHECKPOINT_STAGING = 1 << 30  # bytes of shard copies taken and not yet written, at most (or one larger shard)
 WAIT_SLICE_S = 0.1  # a wait for a background save wakes this often (Ctrl-C arrives within one)
 
 
 def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
          client_state: Optional[dict] = None, *, base: Optional[dict] = None, keep_last: Optional[int] = None,
-         blocking: bool = True) -> "CheckpointWrite":
+         blocking: bool = True, staging: int = 0, by_reference: bool = True) -> "CheckpointWrite":
     """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
     written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
     ``base``: the identity of the pretrained weights the frozen shards hold unchanged (a LoRA
@@ -76,7 +86,11 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
     ``save_dir`` stay (``rotate``); None keeps every one. ``blocking=False``: returns once the
     point of the state it saves is fixed, the bytes written by a thread of its own while training
     goes on (``CheckpointWrite``); the caller waits for it before the next save, a load, an export
-    or close. Returns the write (done, when blocking)."""
+    or close. ``staging``: bytes of shard copies taken and not yet written at most
+    (``pyinfinity.checkpoint_staging``; a larger copy goes alone, 0 = one at a time).
+    ``by_reference``: NVMe-resident optimizer state by reference (the module doc; False: copied,
+    a version-4 checkpoint). A save that would not fit the free disk raises OSError(ENOSPC) in one
+    line before anything is written. Returns the write (done, when blocking)."""
     check_keep_last(keep_last)
     state.check_not_in_pass("save_checkpoint()")
     state.check_trainable("save_checkpoint()")
@@ -93,7 +107,7 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        write = CheckpointWrite(state, save_dir, tag, tmp, client_state, base, keep_last)
+        write = CheckpointWrite(state, save_dir, tag, tmp, client_state, base, keep_last, staging, by_reference)
     except BaseException:  # a client state that is not JSON, Ctrl-C: nothing of this save stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -111,7 +125,7 @@ class CheckpointWrite:
     """One save's writing: the point of the state it saves is fixed when it is made (counters,
     scaler, scheduler, RNG, client state, the layout of ``state.bin``; the state of every shard
     kept on the device copied), then ``run`` copies each shard's state into a bounded staging
-    budget (``CHECKPOINT_STAGING`` bytes not yet written, at least one shard) and writes it,
+    budget (``staging`` bytes not yet written, or one larger shard alone) and writes it,
     fsyncs, renames the checkpoint into place, moves ``latest`` and rotates.
 
     In the background (``start``) training goes on meanwhile: copy-before-update per shard. Until
@@ -122,8 +136,13 @@ class CheckpointWrite:
     directory then goes, and ``latest`` is not moved."""
 
     def __init__(self, state: "TrainingState", save_dir: str, tag: str, tmp: str, client_state: Optional[dict],
-                 base: Optional[dict], keep_last: Optional[int]) -> None:
+                 base: Optional[dict], keep_last: Optional[int], staging: int = 0, by_reference: bool = True) -> None:
+        if isinstance(staging, bool) or not isinstance(staging, int) or staging < 0:
+            raise ValueError(f"staging: expected bytes >= 0 (pyinfinity.checkpoint_staging), got {staging!r}")
         self.state = state
+        self.staging = staging
+        self.staged_peak = 0  # most bytes of copies held at once (never above max(staging, one copy))
+        self._frozen_slots: list = []  # NVMe slots saved by reference
         self.save_dir, self.tag, self.tmp = save_dir, tag, tmp
         self.path = os.path.join(save_dir, tag)
         self.keep_last = keep_last
@@ -140,11 +159,26 @@ class CheckpointWrite:
         self._finished = threading.Event()  # run() is over (Thread.join, interrupted, may call a live thread done)
         opt, fmt = state.optimizer, state.optimizer.format
         self.entries: list[dict] = []
-        self._optim: list[tuple[dict, Any]] = []  # (entry, ShardOptimState)
+        self._optim: list[tuple[dict, Any]] = []  # (entry, ShardOptimState), copied
         self._params: list[tuple[dict, Any]] = []  # (entry, FlatShard)
+        space = _linkable_space(opt.swapper, save_dir) if by_reference else None
+        self.ref: Optional[SwapRef] = SwapRef(save_dir, tag, tmp, space) if space is not None else None
+        self.by_reference_bytes = 0  # NVMe state held by reference (not written)
+        if space is not None:  # slots only checkpoints removed since (rotated, rmtree'd) held are free again
+            space.release_refs(SwapRef.alive)
         offset = 0
         for st in opt.states:
             n = fmt.nbytes(st.numel)
+            crcs = space.checksums_of(st.home.slot) if space is not None and st.home.slot is not None else None
+            if crcs is not None and st.home.nbytes == n:
+                slot = st.home.slot
+                self.entries.append({"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step,
+                                     "nbytes": n, "ref": {"files": self.ref.names, "crc32c": crcs,
+                                                          "extents": [[x.file, x.offset, x.nbytes]
+                                                                      for x in slot.extents]}})
+                self._frozen_slots.append(slot)
+                self.by_reference_bytes += n
+                continue
             e = {"shard": st.shard.index, "kind": "optim", "numel": st.numel, "step": st.step, "offset": offset,
                  "nbytes": n, "crc32c": None}
             self.entries.append(e)
@@ -159,8 +193,10 @@ class CheckpointWrite:
                 self._params.append((e, sh))
                 offset += -(-n // ALIGN) * ALIGN
         self.data_bytes = offset
+        self.version = CHECKPOINT_VERSION if self._frozen_slots else COPY_VERSION
+        _check_room(save_dir, self.data_bytes, space, self._frozen_slots)
         meta = {
-            "version": CHECKPOINT_VERSION, "global_steps": state.global_steps, "micro_steps": state.micro_steps,
+            "version": self.version, "global_steps": state.global_steps, "micro_steps": state.micro_steps,
             "shards": [{"index": s.index, "module": s.module_name, "numel": s.numel, "dtype": str(s.dtype)}
                        for s in state.partition.shards],
             "entries": self.entries, "data_bytes": offset,
@@ -182,6 +218,11 @@ class CheckpointWrite:
         torch.save({"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, rng)
         self._rng = rng.getvalue()
+        if self._frozen_slots:  # the point is fixed: these slots are never written again while referred to
+            self.ref.link()
+            for slot in self._frozen_slots:
+                space.freeze(slot, self.ref)
+            opt.swapper.note_links([os.path.join(self.path, n) for n in self.ref.names])
         self._pending = {e["shard"] for e, _ in self._optim}  # shards whose copy is not taken yet
         for e, st in self._optim:  # kept on the device: stepped there, their home written back any time
             if st.dev is not None:
@@ -226,6 +267,8 @@ class CheckpointWrite:
                 self._inflight.clear()
             if self.failure is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
+                if self.ref is not None:  # its links went with the folder: the frozen slots are free again
+                    self.ref.space.release_refs(SwapRef.alive)
             self._finished.set()
 
     def _drop_hook(self) -> None:
@@ -262,20 +305,27 @@ class CheckpointWrite:
     def _make_room(self, n: int) -> None:
         """Waits (under the lock) until a copy of ``n`` bytes fits the staging budget beside the
         copies still being written (or none is): the oldest copy's write first."""
-        while self._inflight and sum(b.numel() * b.element_size() for _, b in self._inflight) + n > CHECKPOINT_STAGING:
+        while self._inflight and self._staged() + n > self.staging:
             self._inflight.popleft()[0].wait()
+
+    def _staged(self) -> int:
+        return sum(b.numel() * b.element_size() for _, b in self._inflight)
 
     def _submit(self, e: dict, buf: torch.Tensor) -> None:
         e["crc32c"] = _crc32c(buf)
         self._inflight.append((self._io.write(buf, self._data_path, e["offset"]), buf))
+        self.staged_peak = max(self.staged_peak, self._staged())
 
     def _complete(self) -> None:
         if os.path.exists(self._data_path):
             fsync_path(self._data_path)
+        if self.ref is not None and self._frozen_slots:  # the held slots' bytes durable, not only written
+            for name in self.ref.names:
+                fsync_path(os.path.join(self.tmp, name))
         files = {"meta.json": json.dumps(self._meta).encode(), "rng.pt": self._rng}
         for name, data in files.items():
             _write_file(os.path.join(self.tmp, name), data)
-        sums = {"format": CHECKSUMS_FORMAT, "version": CHECKPOINT_VERSION,
+        sums = {"format": CHECKSUMS_FORMAT, "version": self.version,
                 "files": {name: {"nbytes": len(data), "crc32c": _crc32c_bytes(data)} for name, data in files.items()}}
         _write_file(os.path.join(self.tmp, CHECKSUMS_NAME), json.dumps(sums).encode())  # last: its presence says done
         fsync_path(self.tmp)
@@ -292,6 +342,8 @@ class CheckpointWrite:
         log.info("checkpoint saved: %s (%s)", self.path, format_size(self.data_bytes))
         if self.keep_last is not None:  # only now: the new checkpoint is complete, fsynced and named by latest
             rotate(self.save_dir, self.keep_last)
+            if self.ref is not None:
+                self.ref.space.release_refs(SwapRef.alive)
 
     # ------------------------------------------------------------------------- the caller's side
     @property
@@ -330,6 +382,110 @@ class CheckpointWrite:
 
     def __str__(self) -> str:
         return self.path
+
+
+class SwapRef:
+    """One checkpoint's hold on the slots of a swap space it saved by reference: a hard link to
+    each of the space's files in the checkpoint's folder (the temporary one while it is written,
+    then its own), named with a token of this save. It holds while a link is there: a checkpoint
+    rotated away, removed by an ``rmtree`` or a save that failed holds nothing."""
+
+    _saves = itertools.count()
+
+    def __init__(self, save_dir: str, tag: str, tmp: str, space: Any) -> None:
+        self.space = space
+        token = f"{os.getpid()}-{next(SwapRef._saves)}-{time.time_ns()}"
+        self.names = [f"{space.name}.{i}.{token}.swp" for i in range(len(space.paths))]
+        self.dirs = (tmp, os.path.join(save_dir, tag))
+
+    def link(self) -> None:
+        for src, name in zip(self.space.paths, self.names):
+            os.link(src, os.path.join(self.dirs[0], name))
+
+    def alive(self) -> bool:
+        return any(os.path.exists(os.path.join(d, self.names[0])) for d in self.dirs)
+
+
+def _linkable_space(swapper: Any, save_dir: str) -> Any:
+    """The optimizer state's swap space when a checkpoint in ``save_dir`` can hold its slots by
+    reference (the swap files on the checkpoint's filesystem, write checksums recorded), else None."""
+    space = swapper.nvme_space()
+    if space is None or not space.record_checksums or not space.paths:
+        return None
+    dev = os.stat(save_dir).st_dev
+    if any(os.stat(p).st_dev != dev for p in space.paths):
+        log.info("checkpoint: %s is on another filesystem than the swap files: the NVMe state is copied, not "
+                 "saved by reference", save_dir)
+        return None
+    return space
+
+
+def _check_room(save_dir: str, data_bytes: int, space: Any, frozen: list) -> None:
+    """OSError(ENOSPC) in one line, before anything is written, when the save would not fit the
+    free disk: state.bin's bytes on the checkpoint's filesystem, and for slots saved by reference
+    the fresh slots the next step writes them into (beside the held ones) on the swap filesystem,
+    less the room the swap files already have."""
+    need: dict[int, list] = {}
+
+    def add(d: str, n: int, what: str) -> None:
+        if n <= 0:
+            return
+        st = os.statvfs(d)
+        entry = need.setdefault(os.stat(d).st_dev, [d, st.f_bavail * st.f_frsize, 0, []])
+        entry[2] += n
+        entry[3].append(what)
+    add(save_dir, data_bytes, f"state.bin {format_size(data_bytes)}")
+    if frozen:
+        per_file = [0] * len(space.paths)
+        for slot in frozen:
+            if not space.frozen(slot):  # held already: its fresh slot is counted by the save that froze it
+                for x in slot.extents:
+                    per_file[x.file] += x.reserved
+        spare = space.free_bytes() // len(space.paths)
+        for path, n in zip(space.paths, per_file):
+            add(os.path.dirname(path), n - spare, f"fresh slots for the NVMe state held by reference {format_size(n)}")
+    for d, free, n, parts in need.values():
+        if n > free:
+            raise OSError(errno.ENOSPC, f"save_checkpoint: not enough free disk for this save ({', '.join(parts)}: "
+                          f"{format_size(n)}, {format_size(free)} free; nothing was written): a checkpoint holding "
+                          "the NVMe state by reference needs its size again beside the live state, the next step "
+                          "rewrites every shard", d)
+
+
+def _check_ref(path: str, key: str, ref: Any, nbytes: Any) -> None:
+    """A by-reference entry's ``ref``: the linked files, the extents and their CRC-32Cs."""
+    bad = CheckpointError(f"checkpoint {path!r}: meta.json: {key}.ref: expected {{files, extents, crc32c}} "
+                          f"covering {nbytes} bytes, got {ref!r}"[:400])
+    if not (isinstance(ref, dict) and ref.keys() == {"files", "extents", "crc32c"}):
+        raise bad
+    files, extents, crcs = ref["files"], ref["extents"], ref["crc32c"]
+    if not (isinstance(files, list) and files and all(isinstance(f, str) and os.path.basename(f) == f
+                                                      and f.endswith(".swp") for f in files)):
+        raise bad
+    if not (isinstance(extents, list) and isinstance(crcs, list) and len(extents) == len(crcs) and extents):
+        raise bad
+    for x, c in zip(extents, crcs):
+        if not (isinstance(x, list) and len(x) == 3 and all(_is_int(v) for v in x) and x[0] < len(files)
+                and x[1] % ALIGN == 0 and isinstance(c, list) and all(_is_int(v) and v < 1 << 32 for v in c)):
+            raise bad
+    if sum(x[2] for x in extents) != nbytes:
+        raise bad
+
+
+def _read_ref(io: Any, path: str, e: dict, buf: torch.Tensor) -> None:
+    """Reads a by-reference entry from the swap files the checkpoint links, each extent checked
+    against the CRC-32Cs recorded when the swap layer wrote it."""
+    ref, pos = e["ref"], 0
+    for (f, off, n), crcs in zip(ref["extents"], ref["crc32c"]):
+        fp = os.path.join(path, ref["files"][f])
+        try:
+            io.submit(buf, fp, off, False, n, pos, expected_checksums=crcs).wait()
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path!r}: {ref['files'][f]} bytes [{off}, {off + n}) (shard "
+                                  f"{e['shard']}, optimizer state by reference) missing, torn or changed ({exc}); "
+                                  "the engine's state is now partly loaded: load another checkpoint before "
+                                  "training") from exc
+        pos += n
 
 
 def check_keep_last(keep_last: Optional[int]) -> None:
@@ -484,9 +640,23 @@ def load(state: "TrainingState", load_dir: str, tag: Optional[str] = None, *,
     rng = _load_rng(path, raw["rng.pt"])
     data_path = os.path.join(path, "state.bin")
     have = os.path.getsize(data_path) if os.path.exists(data_path) else 0
-    need = max((e["offset"] + e["nbytes"] for e in entries), default=0)
+    need = max((e["offset"] + e["nbytes"] for e in entries if "ref" not in e), default=0)
     if have < need:
         raise CheckpointError(f"checkpoint {path!r}: state.bin has {have} bytes, {need} expected (torn)")
+    linked: dict[str, int] = {}  # the swap files a version-5 checkpoint links: each long enough
+    for e in entries:
+        for f, off, n in e.get("ref", {}).get("extents", ()):
+            name = e["ref"]["files"][f]
+            linked[name] = max(linked.get(name, 0), off + n)
+    for name, n in linked.items():
+        try:
+            size = os.path.getsize(os.path.join(path, name))
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path!r}: {name} (the swap file it holds the optimizer state in by "
+                                  f"reference) missing ({exc}); nothing was loaded") from exc
+        if size < n:
+            raise CheckpointError(f"checkpoint {path!r}: {name} has {size} bytes, {n} expected (truncated); "
+                                  "nothing was loaded")
 
     # from here on the engine changes: a failure part-way leaves it refusing to train until a load succeeds
     state.optimizer.cancel()  # the loaded state replaces whatever a pending step did
@@ -596,8 +766,11 @@ def _load_tensors(state: "TrainingState", path: str, data_path: str, entries: li
         sh = shards[e["shard"]]
         if e["kind"] == "optim":
             buf = aligned_empty(*saved_format.home_spec(sh.numel))
-            io.read(buf, data_path, e["offset"]).wait()
-            _check_entry(path, e, buf)
+            if "ref" in e:
+                _read_ref(io, path, e, buf)
+            else:
+                io.read(buf, data_path, e["offset"]).wait()
+                _check_entry(path, e, buf)
             data = convert_home(buf, sh.numel, saved_format, fmt)
             state.optimizer.load_shard_state(sh, data, e["step"])
             state.write_param(sh, fmt.master(data, sh.numel)).wait()
@@ -717,11 +890,14 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict, convert: bool 
             raise bad(k, f"expected an object, got {e!r}")
         want = {"shard", "kind", "numel", "offset", "nbytes", "crc32c"} | (
             {"step"} if e.get("kind") == "optim" else {"dtype"})
+        if "ref" in e and meta["version"] >= 5 and e.get("kind") == "optim":  # NVMe state by reference
+            want = want - {"offset", "crc32c"} | {"ref"}
+            _check_ref(path, k, e["ref"], e.get("nbytes"))
         if meta["version"] == 1 and "crc32c" not in e:  # written before per-entry checksums
             want.discard("crc32c")
         if e.keys() != want:
             raise bad(k, f"keys {sorted(e.keys())}, expected {sorted(want)}")
-        for f in want - {"kind", "dtype"}:
+        for f in want - {"kind", "dtype", "ref"}:
             if not _is_int(e[f]):
                 raise bad(f"{k}.{f}", f"expected an integer >= 0, got {e[f]!r}")
         if e["shard"] >= len(mine):
@@ -747,6 +923,8 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict, convert: bool 
             raise bad(f"{k}.dtype", f"{e['dtype']!r}, shard {sh.index} is {sh.dtype}")
         if trainable and e["step"] > meta["global_steps"]:
             raise bad(f"{k}.step", f"{e['step']} is above global_steps ({meta['global_steps']})")
+        if "ref" in want:
+            continue
         if "crc32c" in e and e["crc32c"] >= 1 << 32:
             raise bad(f"{k}.crc32c", f"{e['crc32c']} is not a CRC-32C")
         if e["offset"] % ALIGN or e["offset"] + e["nbytes"] > meta["data_bytes"]:

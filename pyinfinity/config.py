@@ -257,6 +257,12 @@ class EngineConfig:
     checkpoint_keep_last: ``save_checkpoint``'s default ``keep_last``: once a new checkpoint is
     durable, the oldest complete checkpoints of its directory are removed until this many remain
     (Trainer's ``save_total_limit``); None keeps every one.
+    checkpoint_staging: host RAM a save may hold in shard copies taken and not yet written (at
+    least one shard's: a copy larger than the budget goes alone), charged in the layout's host RAM
+    beside the training state. A background save needs it to hold what is not yet written when a
+    shard is next updated. "auto" = 0: a run that never saves in the background pays nothing, and a
+    save then stages one shard at a time; `pyinfinity train --save-every` sets 1 GiB unless
+    ``--blocking-saves``.
     A bf16 master with bf16 moments is DeepSpeed's ``bf16.bf16_master_weights_and_grads`` +
     ``bf16.bf16_optimizer_states``.
     """
@@ -276,6 +282,7 @@ class EngineConfig:
     optimizer_threads: Union[int, str] = AUTO
     optimizer_state: str = "fp32"  # fp32 | 8bit
     checkpoint_keep_last: Optional[int] = None  # save_checkpoint keeps this many in its directory; None: all
+    checkpoint_staging: SizeOrAuto = AUTO  # bytes of a save's shard copies not yet written; "auto": 0
 
 
 @dataclass
@@ -302,6 +309,12 @@ class Config:
         if self.bf16.bf16_master_weights_and_grads:
             return "bf16"
         return self.pyinfinity.optimizer_state
+
+    @property
+    def checkpoint_staging_bytes(self) -> int:
+        """``pyinfinity.checkpoint_staging`` in bytes ("auto": 0, see :class:`EngineConfig`)."""
+        v = self.pyinfinity.checkpoint_staging
+        return 0 if v == AUTO else int(v)
 
     @property
     def nvme_paths(self) -> list[str]:
@@ -587,7 +600,8 @@ def _parse_engine(d: dict) -> EngineConfig:
         e.checksums = _bool(d["checksums"], "pyinfinity.checksums")
     if d.get("checkpoint_keep_last") is not None:
         e.checkpoint_keep_last = _int(d["checkpoint_keep_last"], "pyinfinity.checkpoint_keep_last", 1)
-    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes", "device_accumulator_bytes"):
+    for key in ("resident_bytes", "unit_bytes", "device_optimizer_bytes", "device_accumulator_bytes",
+                "checkpoint_staging"):
         if key in d:
             v = d[key]
             setattr(e, key, AUTO if v == AUTO else parse_size(v, f"pyinfinity.{key}"))

@@ -552,7 +552,7 @@ class Engine:
 
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None, *,
-                        keep_last: Optional[int] = None, blocking: bool = True) -> str:
+                        keep_last: Optional[int] = None, blocking: bool = True, by_reference: bool = True) -> str:
         """Writes the full training state (NVMe-resident tensors included) to ``save_dir/tag``:
         written under a temporary name, fsynced, then renamed; ``save_dir/latest`` names it.
         Frozen parameters that all came from the pretrained weights (a LoRA run's base) are not
@@ -562,12 +562,17 @@ class Engine:
         returns once the point of the state it saves is fixed; the bytes are written while training
         goes on (each shard's copy taken before its next update), ``latest`` moves when they are
         all fsynced. The next save, a load, ``export``, ``close`` and ``wait_for_checkpoint`` wait
-        for it and raise its failure. Returns the checkpoint's path."""
+        for it and raise its failure. The shard copies a save holds not yet written stay within
+        ``pyinfinity.checkpoint_staging`` (charged in the layout's host RAM; "auto": none, a save
+        then copies one shard at a time). ``by_reference``: optimizer state on NVMe is held by
+        reference (a hard link to the swap file and the slots' places, nothing copied;
+        ``checkpoint`` module doc), False: copied. Returns the checkpoint's path."""
         if keep_last is None:
             keep_last = self.config.pyinfinity.checkpoint_keep_last
         self.wait_for_checkpoint("save_checkpoint()")
         write = checkpoint.save(self.state, save_dir, tag, client_state, base=self._base_identity(),
-                                keep_last=keep_last, blocking=blocking)
+                                keep_last=keep_last, blocking=blocking, staging=self.config.checkpoint_staging_bytes,
+                                by_reference=by_reference)
         if not blocking:
             self._checkpoint_write = write
         return write.path

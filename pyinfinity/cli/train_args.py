@@ -349,6 +349,10 @@ def build_config(args: argparse.Namespace, device: str) -> dict:
                        "log_every": max(1, args.steps // 10),
                        "optimizer_step_device": args.optimizer_step},
     }
+    if getattr(args, "save_every", 0) and not getattr(args, "blocking_saves", False):
+        from pyinfinity.layout.pools import CHECKPOINT_STAGING
+
+        cfg["pyinfinity"]["checkpoint_staging"] = CHECKPOINT_STAGING  # background saves: charged in host RAM
     if nvme:
         cfg["zero_optimization"]["offload_param"]["nvme_path"] = nvme
         cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme
@@ -505,6 +509,8 @@ def engine_config(args: argparse.Namespace) -> tuple[dict, str]:
         logging.getLogger(__name__).info("--config %s sets, instead of train's defaults (a flag given on the command "
                                          "line would win): %s", args.config, "; ".join(overrides))
     _put(cfg, "pyinfinity.device", device)
+    if _get(cfg, "pyinfinity.checkpoint_staging") in (None, "auto") and _get(flag_cfg, "pyinfinity.checkpoint_staging"):
+        _put(cfg, "pyinfinity.checkpoint_staging", _get(flag_cfg, "pyinfinity.checkpoint_staging"))
     if _get(cfg, "pyinfinity.log_every") is None:
         _put(cfg, "pyinfinity.log_every", _get(flag_cfg, "pyinfinity.log_every"))
     gas = int(cfg.get("gradient_accumulation_steps") or 1)

@@ -27,6 +27,8 @@ GRAD_STAGING_SLOTS = 3
 ADD_SCRATCH = 4 * (1 << 20)
 # the parameter swapper's pinned pool beyond its homes (alignment of the slots)
 PINNED_SLACK = 1 << 20
+# pyinfinity.checkpoint_staging for a run that saves in the background (`train --save-every`)
+CHECKPOINT_STAGING = 1 << 30
 
 
 def page_rounded(nbytes: int) -> int:
@@ -54,6 +56,19 @@ def home_slack(state: StateFormat, n_modules: int) -> int:
     if state.name == "fp32":
         return 0
     return int(n_modules * home_bytes(state, MIN_QUANTIZED_NUMEL - 1))
+
+
+def checkpoint_staging_bytes(budget: int, sizes: ModelSizes, state: StateFormat) -> int:
+    """Host RAM a save's shard copies take at most under ``pyinfinity.checkpoint_staging`` =
+    ``budget``: none when 0 (a run that does not save in the background), else the budget or one
+    shard's saved state when that is larger (the writer lets a larger copy go alone)."""
+    if budget <= 0:
+        return 0
+    largest = 0
+    for i, (numel, trainable) in enumerate(zip(sizes.shard_numels, sizes.shard_trainable)):
+        saved = int(home_bytes(state, numel)) + SWAP_SLOT_ALIGN if trainable else sizes.shard_bytes(i)
+        largest = max(largest, saved)
+    return max(int(budget), largest)
 
 
 def ram_state_bytes(sizes: ModelSizes, state: StateFormat) -> int:
@@ -133,6 +148,7 @@ class Layout:
     biggest_disk_state: int = 0  # the largest shard's optimizer state on disk
     first_disk_state: int = 0  # the first shard's optimizer state on disk
     grad_staging: int = 0  # under accumulation, the host staging ring and the worker's chunk
+    checkpoint_staging: int = 0  # a save's shard copies not yet written (pyinfinity.checkpoint_staging)
 
 
 def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memory: int, *,
@@ -222,8 +238,9 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
     # pinned: what crosses PCIe (parameter homes, read staging); the optimizer state only when the
     # optimizer steps on the device (a CPU step reads it in place)
     pinned = params.ram + staging + (optim.ram if k.optimizer_step_device == "device" else 0)
+    ckpt_staging = checkpoint_staging_bytes(k.checkpoint_staging, sizes, state_fmt)
     host_bytes = (pinned + (optim.ram if k.optimizer_step_device != "device" else 0) + grads.ram + writeback
-                  + (device_bytes if device_is_host else 0))
+                  + ckpt_staging + (device_bytes if device_is_host else 0))
     # -- swap: striped equally over the directories, each file grows in SWAP_GROW steps
     swap_bytes = params.disk + optim.disk
     swap_per_dir: dict[str, int] = {}
@@ -239,7 +256,7 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
                   device_state_numel=dev_state_numel, accumulator_bytes=acc_bytes,
                   accumulator_numel=dev_acc_numel, resident_bytes=resident_bytes, persistent_bytes=persistent,
                   fetch_ram=fetch_ram, fetch_disk=fetch_disk, biggest_disk_state=biggest_disk_state,
-                  first_disk_state=first_disk_state, grad_staging=grad_staging)
+                  first_disk_state=first_disk_state, grad_staging=grad_staging, checkpoint_staging=ckpt_staging)
 
 
 @dataclass
@@ -259,11 +276,12 @@ class EnginePools:
     n_tensors: int = 1  # tensors a swap directory holds at most per state class (one a module)
     param_dirs: tuple[str, ...] = ()  # the parameters' swap directories (offload_param.nvme_path on nvme)
     optim_dirs: tuple[str, ...] = ()  # the optimizer state's (offload_optimizer.nvme_path on nvme)
+    checkpoint_staging: int = 0  # a save's shard copies not yet written (checkpoint_staging_bytes)
 
     @property
     def host(self) -> int:
-        """Host RAM the training state needs: homes in RAM and gradients."""
-        return self.param_ram + self.optim_ram + self.grads
+        """Host RAM the training state needs: homes in RAM, gradients and a save's staging."""
+        return self.param_ram + self.optim_ram + self.grads + self.checkpoint_staging
 
     @property
     def param_file(self) -> SwapFile:
@@ -350,10 +368,12 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
                        optim_pinned=page_rounded(optim_ram + PINNED_SLACK), persistent=persistent,
                        n_tensors=n_modules,
                        param_dirs=tuple(op.nvme_path or ()) if op.device == "nvme" else (),
-                       optim_dirs=tuple(oo.nvme_path or ()) if oo.device == "nvme" else ())
+                       optim_dirs=tuple(oo.nvme_path or ()) if oo.device == "nvme" else (),
+                       checkpoint_staging=checkpoint_staging_bytes(getattr(cfg, "checkpoint_staging_bytes", 0), sizes, fmt))
 
 
 __all__ = ["Share", "Layout", "plan_layout", "EnginePools", "engine_pools", "config_knobs", "device_state_numel",
-           "home_bytes", "home_bytes_per_param", "home_slack", "ram_state_bytes", "state_numel_within", "SwapFile",
+           "home_bytes", "home_bytes_per_param", "checkpoint_staging_bytes", "CHECKPOINT_STAGING",
+           "home_slack", "ram_state_bytes", "state_numel_within", "SwapFile",
            "swap_file", "SWAP_STRIPE_MIN", "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH",
            "PINNED_SLACK"]

@@ -43,6 +43,7 @@ class Knobs:
     resident_bytes: int = 0  # units kept on the device      [pyinfinity.resident_bytes]
     device_optimizer_bytes: int = 0  # their state there     [pyinfinity.device_optimizer_bytes]
     device_accumulator_bytes: int = 0  # fp32 grad sums there [pyinfinity.device_accumulator_bytes]
+    checkpoint_staging: int = 0  # a save's copies, host RAM [pyinfinity.checkpoint_staging]
 
 
 PARAM_TIERS = {"none": "device", "cpu": "ram"}  # offload_param.device -> the home of every shard ("nvme": split)

@@ -111,6 +111,7 @@ class Placement:
     accumulator_bytes: int = 0  # of device_bytes, fp32 gradient accumulators on the device
     charges: Optional[DeviceCharges] = None  # device_bytes by kind
     state: str = "fp32"  # the optimizer state's format (TrainShape.optimizer_state)
+    checkpoint_staging: int = 0  # of host_bytes, a save's shard copies (pyinfinity.checkpoint_staging)
 
     @property
     def feasible(self) -> bool:
@@ -163,7 +164,9 @@ class Placement:
                  f"{fmt(self.activation_bytes)}, prefetch {fmt(k.prefetch_bytes)}, persistent <= "
                  f"{k.persistence_threshold:,} elements"
                  + (f", optimizer state {fmt(self.device_state_bytes)}" if self.device_state_bytes else "") + ")",
-                 f"  host RAM {fmt(self.host_bytes)} of {fmt(self.host_memory)} (pinned pool {fmt(self.pinned_bytes)})",
+                 f"  host RAM {fmt(self.host_bytes)} of {fmt(self.host_memory)} (pinned pool {fmt(self.pinned_bytes)}"
+                 + (f", checkpoint staging {fmt(self.checkpoint_staging)}: pyinfinity.checkpoint_staging"
+                    if self.checkpoint_staging else "") + ")",
                  f"  swap: {fmt(self.swap_bytes)} of state on disk"
                  + (f"; swap files up to {fmt(max(self.swap_per_dir.values()))} per directory (grown in steps): "
                     + ", ".join(self.swap_per_dir) if self.swap_per_dir else ""),
@@ -260,6 +263,7 @@ def evaluate(sizes: ModelSizes, train: TrainShape, budgets: Budgets, rates: Rate
                      activation_bytes=lay.charges.activations, predicted=pred, device_memory=budgets.device_memory,
                      optimizer_step_device=knobs.optimizer_step_device, host_memory=budgets.host_memory,
                      violations=_violations(lay, train, budgets, dirs), notes=_notes(lay, knobs),
+                     checkpoint_staging=lay.checkpoint_staging,
                      device_state_bytes=lay.device_state_bytes, accumulator_bytes=lay.accumulator_bytes,
                      charges=lay.charges, state=train.state_format.name)
 
@@ -325,6 +329,7 @@ def _violations(lay: Layout, train: TrainShape, budgets: Budgets, dirs: Sequence
             f"host RAM: needs {fmt(lay.host_bytes)} (parameters {fmt(lay.params.ram)}, optimizer states "
             f"{fmt(lay.optimizer.ram)}, {train.host_grads} {fmt(lay.grads.ram)}, staging "
             f"{fmt(lay.staging + lay.writeback)}"
+            f"{', checkpoint staging ' + fmt(lay.checkpoint_staging) if lay.checkpoint_staging else ''}"
             f"{', device pool ' + fmt(lay.device_bytes) if budgets.device_is_host else ''}), "
             f"budget {fmt(budgets.host_memory)}")
     if lay.swap_bytes and not dirs:

@@ -56,6 +56,7 @@ class Fixed:
     resident_bytes: Optional[int] = None
     device_optimizer_bytes: Optional[int] = None
     device_accumulator_bytes: Optional[int] = None
+    checkpoint_staging: Optional[int] = None  # never planned: the config's bytes ("auto": 0)
 
 
 def _optimizer_split(sizes: ModelSizes, ram_bytes: int, state: StateFormat = STATE_FORMATS["fp32"]) -> float:

@@ -198,7 +198,8 @@ def _fixed_from(cfg: Any, raw: Optional[dict]) -> tuple[Fixed, set[str]]:
             owned.add(split)
     if raw is not None:
         owned |= {name for name, key in KEYS.items() if not _has(raw, key)}
-    fixed = Fixed(**{name: v for name, v in values.items() if name not in owned})
+    fixed = Fixed(**{name: v for name, v in values.items() if name not in owned},
+                  checkpoint_staging=cfg.checkpoint_staging_bytes)
     return fixed, owned
 
 
@@ -589,7 +590,7 @@ def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
         setattr(fixed, name, 0)
     for name, value in budget_sizing(cfg, sizes, device_memory).items():
         setattr(fixed, name, value)
-    k = Knobs(**{name: getattr(fixed, name) for name in KEYS})
+    k = Knobs(**{name: getattr(fixed, name) for name in KEYS}, checkpoint_staging=fixed.checkpoint_staging)
     oo = cfg.zero_optimization.offload_optimizer
     k.pipeline = oo.pipeline_read or oo.pipeline_write
     return k

@@ -98,6 +98,7 @@ class FileEntry:
     ino: Optional[int] = None
     nbytes: int = 0  # the file must hold at least this many bytes (end of its last extent)
     slots: list[dict] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)  # checkpoints' hard links to this file (their blocks stay)
 
 
 def read_manifest(directory: str) -> Optional[dict]:

@@ -14,6 +14,10 @@
   running engine is reported (``verify``), never read as data.
 * ``release()`` removes the swap files, the manifest and the lock (``close()`` and interpreter
   exit). Swap files are never reused across runs: training state comes back from a checkpoint.
+* A checkpoint may hold a swap file by a hard link in its own folder (the optimizer state saved
+  by reference, ``checkpoint``): the manifest lists those links (``link``). Release, a crash and
+  the next start's stale cleanup only unlink the swap file's name here: the blocks stay the
+  checkpoint's, and a file other links hold is never truncated (``SwapSpace`` opens a fresh one).
 
 The swap layer below (``SwapSpace``) knows nothing of this; ``TensorSwapper`` calls ``open_space``
 and ``record``; the training state calls ``claim_swap_dirs``, ``flush``, ``verify`` and
@@ -220,6 +224,9 @@ class SwapOwnership:
                 continue
             want = int(e.get("nbytes", 0) or 0)
             note = f"{_fmt(size)}" + (f", truncated: {_fmt(want)} listed" if size < want else "")
+            held = [p for p in e.get("links", ()) if isinstance(p, str) and os.path.exists(p)]
+            if held:  # unlinking the name frees nothing the checkpoints hold
+                note += f"; its blocks stay with {len(held)} checkpoint link(s), e.g. {held[-1]}"
             os.unlink(fp)
             removed.append(f"{name} ({note})")
             self.cleaned.append(fp)
@@ -300,6 +307,16 @@ class SwapOwnership:
                 e.nbytes = max(e.nbytes, x.offset + x.nbytes)
                 e.slots.append({"key": key, "dtype": str(dtype).replace("torch.", ""), "shape": list(shape),
                                 "offset": x.offset, "nbytes": x.nbytes, "part": x.file})
+            self._dirty = True
+
+    def link(self, space: str, paths: Sequence[str]) -> None:
+        """Notes the hard links a checkpoint made to ``space``'s files (one per file, in the
+        space's directory order); written to the manifests at the next ``flush``."""
+        with self._lock:
+            for d in self.dirs:
+                for e in self._files[d]:
+                    if e.space == space and e.part < len(paths):
+                        e.links = [p for p in e.links if os.path.exists(p)] + [os.fspath(paths[e.part])]
             self._dirty = True
 
     def flush(self) -> None:

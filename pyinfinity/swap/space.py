@@ -5,17 +5,26 @@ Each directory (ideally one per NVMe drive) holds one swap file ``<name>.swp``, 
 one extent per directory, so a read or write of the slot keeps every drive busy. Files grow in
 ``grow_bytes`` steps with ``fallocate``, so a full disk surfaces as ``OSError(ENOSPC)`` at
 ``allocate()``, not halfway through a training step.
+
+A checkpoint may hold slots by reference (``freeze``): it links the swap files (a hard link in
+its own folder keeps their blocks when the swap name goes) and records where the slot's bytes
+are. A write to a frozen slot goes to a fresh slot instead (``writable``: copy-on-write; the
+caller keeps the slot it is handed); the frozen one stays allocated until no checkpoint refers to
+it (``release_refs``). At close, a file other checkpoints link keeps only their slots' blocks:
+every other range is punched out (``FALLOC_FL_PUNCH_HOLE``).
 """
 from __future__ import annotations
 
 import bisect
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -26,6 +35,25 @@ from pyinfinity.swap.engine import SwapEngine
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = None
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """Gives the blocks of ``[offset, offset + nbytes)`` back to the filesystem (the file's size
+    stays, the range reads as zeros); False where the filesystem cannot."""
+    global _libc
+    if nbytes <= 0:
+        return True
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return False
+    raise OSError(err, f"punching out bytes [{offset}, {offset + nbytes}): {os.strerror(err)}")
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -136,12 +164,15 @@ class SwapSpace:
     checksums: record a CRC-32C per 64 KiB of every write (computed in the I/O thread) and verify
     reads against it; a changed swap file then raises OSError(EBADMSG) naming file, offset and
     slot tag instead of returning wrong data.
+    record_checksums: record them without verifying reads (what a checkpoint holding a slot by
+    reference records, ``checksums_of``).
     """
 
     def __init__(self, dirs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
                  engine: Optional[SwapEngine] = None, name: str = "swap",
                  capacity: Optional[int] = None, grow_bytes: int = 256 << 20,
-                 stripe_min: int = 4 << 20, remove_on_close: bool = True, checksums: bool = False) -> None:
+                 stripe_min: int = 4 << 20, remove_on_close: bool = True, checksums: bool = False,
+                 record_checksums: bool = False) -> None:
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
         dirs = [os.fspath(d) for d in dirs]
@@ -158,7 +189,10 @@ class SwapSpace:
         self.stripe_min = stripe_min
         self.remove_on_close = remove_on_close
         self.checksums = checksums
+        self.record_checksums = checksums or record_checksums
         self._crcs: dict = {}  # slot id -> list (per extent) of CRC lists, after a checksummed write
+        self._refs: dict = {}  # frozen slot id -> the references (checkpoints) holding it
+        self._retired: set = set()  # frozen slots a write moved away from: freed with their last reference
         self._lock = threading.Lock()
         self._warned_deleted: set = set()
         self._files: List[_C.FileHandle] = []
@@ -190,6 +224,11 @@ class SwapSpace:
             os.close(fd)
             raise OSError(errno.EBUSY, "swap file is in use by another SwapSpace (another run pointed at the "
                           "same directory?); use another directory or name", path) from None
+        if os.fstat(fd).st_nlink > 1:  # a checkpoint links it: a fresh file, the old blocks stay theirs
+            os.unlink(path)
+            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock_fds.append(fd)
         os.ftruncate(fd, 0)  # contents of a previous run are never data for this one
         self._files.append(_C.FileHandle(path, "rw"))
@@ -269,14 +308,82 @@ class SwapSpace:
         self._allocated[f] = target
 
     def free(self, slot: Slot) -> None:
-        """Returns a slot's bytes; ValueError when it was already freed or is not from this space."""
+        """Returns a slot's bytes; ValueError when it was already freed or is not from this space.
+        A slot a checkpoint holds (``freeze``) stays allocated until its last reference goes."""
         with self._lock:
-            if self._slots.pop(slot.id, None) is None:
-                raise ValueError(f"slot: {slot.id} is not allocated in swap space '{self.name}' (double free?)")
-            self._crcs.pop(slot.id, None)
-            for e in slot.extents:
-                self._alloc[e.file].give(e.offset, e.reserved)
-                self._used -= e.reserved
+            if slot.id in self._refs:
+                self._retired.add(slot.id)
+                return
+            self._free_locked(slot)
+
+    def _free_locked(self, slot: Slot) -> None:
+        if self._slots.pop(slot.id, None) is None:
+            raise ValueError(f"slot: {slot.id} is not allocated in swap space '{self.name}' (double free?)")
+        self._crcs.pop(slot.id, None)
+        for e in slot.extents:
+            self._alloc[e.file].give(e.offset, e.reserved)
+            self._used -= e.reserved
+
+    # -- references (checkpoints holding slots) ----------------------------------------------
+    def freeze(self, slot: Slot, ref: object) -> None:
+        """``ref`` (a checkpoint) holds the slot's current bytes: they are never written again (a
+        write goes to a fresh slot, ``writable``) nor freed until ``release_refs`` drops ``ref``."""
+        with self._lock:
+            if self._slots.get(slot.id) is not slot:
+                raise ValueError(f"slot: {slot.id} is not allocated in swap space '{self.name}'")
+            self._refs.setdefault(slot.id, set()).add(ref)
+
+    def frozen(self, slot: Slot) -> bool:
+        with self._lock:
+            return slot.id in self._refs
+
+    def writable(self, slot: Slot) -> Slot:
+        """The slot a write of ``slot``'s next contents goes to: ``slot`` itself, or when a
+        checkpoint holds it, a fresh one of the same size (the frozen one is retired: kept for its
+        references, freed with the last); OSError(ENOSPC) when the disks cannot hold it."""
+        if not self.frozen(slot):
+            return slot
+        fresh = self.allocate(slot.nbytes, slot.tag)
+        with self._lock:
+            if slot.id in self._refs:
+                self._retired.add(slot.id)
+            else:  # released meanwhile
+                self._free_locked(slot)
+        return fresh
+
+    def release_refs(self, keep: Callable[[object], bool]) -> int:
+        """Drops every reference ``keep`` says is gone (a checkpoint removed or rotated away); a
+        retired slot whose last reference went is freed. Returns the bytes freed."""
+        freed = 0
+        with self._lock:
+            for sid in list(self._refs):
+                self._refs[sid] = {r for r in self._refs[sid] if keep(r)}
+                if self._refs[sid]:
+                    continue
+                del self._refs[sid]
+                if sid in self._retired:
+                    self._retired.discard(sid)
+                    slot = self._slots[sid]
+                    freed += sum(e.reserved for e in slot.extents)
+                    self._free_locked(slot)
+        return freed
+
+    def references(self) -> set:
+        """Every reference holding a slot of this space."""
+        with self._lock:
+            return set().union(*self._refs.values()) if self._refs else set()
+
+    def checksums_of(self, slot: Slot) -> Optional[list]:
+        """The CRC-32Cs (a list per extent, one per 64 KiB) its last completed write recorded, None
+        when there are none (``record_checksums`` off, or no write completed)."""
+        with self._lock:
+            crcs = self._crcs.get(slot.id)
+            return [list(c) for c in crcs] if crcs is not None else None
+
+    def free_bytes(self) -> int:
+        """Bytes preallocated in the files and not handed out (a fresh slot takes these first)."""
+        with self._lock:
+            return sum(self._allocated) - self._used
 
     # -- I/O ---------------------------------------------------------------------------------
     def _io(self, tensor: torch.Tensor, slot: Slot, write: bool) -> _MultiRequest:
@@ -290,16 +397,18 @@ class SwapSpace:
         reqs = []
         pos = 0
         expected = self._crcs.get(slot.id) if (self.checksums and not write) else None
-        if self.checksums and write:
+        if write and slot.id in self._refs:
+            raise ValueError(f"slot: {slot.id} is held by a checkpoint; write to space.writable(slot)")
+        if self.record_checksums and write:
             self._crcs.pop(slot.id, None)  # stale until this write completes
         for i, e in enumerate(slot.extents):
             reqs.append(self.engine.submit(tensor, self._files[e.file], e.offset, write, e.nbytes, pos,
-                                           checksum=self.checksums and write,
+                                           checksum=self.record_checksums and write,
                                            expected_checksums=expected[i] if expected else None,
                                            pad_tail=write))  # extents own their page-rounded reservation
             pos += e.nbytes
         on_done = None
-        if self.checksums and write:
+        if self.record_checksums and write:
             def on_done(done, sid=slot.id):
                 self._crcs[sid] = [r.checksums() for r in done]
         return _MultiRequest(reqs, slot, on_done)
@@ -323,8 +432,11 @@ class SwapSpace:
             raise ValueError(f"swap space '{self.name}': used after close()")
 
     def close(self) -> None:
-        """Closes (and by default removes) the swap files. Idempotent."""
+        """Closes (and by default removes) the swap files. Idempotent. A file a checkpoint links
+        keeps only the blocks of the slots checkpoints hold: the rest is punched out first."""
         with self._lock:
+            if self.remove_on_close and self._refs:
+                self._punch_unreferenced()
             for fh in self._files:
                 if not fh.closed:
                     fh.close()
@@ -338,6 +450,22 @@ class SwapSpace:
                         pass
             self._files, self._lock_fds, self.paths = [], [], []
             self._slots.clear()
+
+    def _punch_unreferenced(self) -> None:
+        held: list = [[] for _ in self._lock_fds]
+        for sid in self._refs:
+            for e in self._slots[sid].extents:
+                held[e.file].append((e.offset, e.offset + e.reserved))
+        for f, fd in enumerate(self._lock_fds):
+            pos = 0
+            try:
+                for a, b in sorted(held[f]) + [(self._allocated[f], self._allocated[f])]:
+                    if a > pos and not punch_hole(fd, pos, a - pos):
+                        break
+                    pos = max(pos, b)
+            except OSError as exc:
+                log.warning("swap file %s: the ranges no checkpoint holds were not given back (%s); the "
+                            "checkpoints linking it keep the whole file", self.paths[f], exc)
 
     def __enter__(self) -> "SwapSpace":
         return self

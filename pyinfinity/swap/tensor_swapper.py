@@ -115,12 +115,15 @@ class TensorSwapper:
     pin: allocate cpu-tier homes page-locked when a GPU exists.
     checksums: SwapSpace's CRC-32C of every block written, verified on read.
     ownership: the engine's ``swap.ownership.SwapOwnership`` (manifest records of every slot).
+    record_checksums: the swap space records each write's CRC-32Cs without verifying reads (what a
+    checkpoint holding a home by reference records).
     """
 
     def __init__(self, name: str, device: torch.device, nvme_dirs: Optional[Sequence[str]] = None,
                  engine: Any = None, pin: bool = True, pinned_capacity: int = 0,
-                 checksums: bool = False, ownership: Any = None) -> None:
+                 checksums: bool = False, ownership: Any = None, record_checksums: bool = False) -> None:
         self.name = name
+        self.record_checksums = record_checksums
         self.checksums, self._ownership = checksums, ownership
         self.device = torch.device(device)
         self.nvme_dirs = list(nvme_dirs or [])
@@ -157,7 +160,7 @@ class TensorSwapper:
             for d in self.nvme_dirs:
                 os.makedirs(d, exist_ok=True)
             make = functools.partial(SwapSpace, self.nvme_dirs, engine=self._engine, name=self.name,
-                                     checksums=self.checksums)
+                                     checksums=self.checksums, record_checksums=self.record_checksums)
             own = self._ownership
             self._space = own.open_space(self.name, self.nvme_dirs, make) if own is not None else make()
         return self._space
@@ -203,10 +206,16 @@ class TensorSwapper:
         return Done()
 
     def write(self, rec: SwapRecord, src: torch.Tensor) -> Union[Pending, Done]:
-        """Starts copying ``src`` into the home; ``src`` must stay unchanged until it is done."""
+        """Starts copying ``src`` into the home; ``src`` must stay unchanged until it is done. A home
+        on NVMe a checkpoint holds by reference moves to a fresh slot first (copy-on-write)."""
         self._check_open()
         self._count(rec.tier, "write", rec.nbytes)
         if rec.tier == Tier.NVME:
+            slot = self.space.writable(rec.slot)
+            if slot is not rec.slot:
+                rec.slot = slot
+                if self._ownership is not None:
+                    self._ownership.record(self.name, rec.key, rec.dtype, (rec.numel,), slot)
             if src.device.type != "cpu" or not src.is_contiguous():
                 src = src.detach().to("cpu").contiguous()
             return Pending([self.space.write(src, rec.slot)], self, keep=src)
@@ -222,6 +231,17 @@ class TensorSwapper:
             rec.slab = None
         self.stats.resident[rec.tier.value] = self.stats.resident.get(rec.tier.value, 0) - rec.nbytes
         rec.tensor, rec.slot = None, None
+
+    def nvme_space(self) -> Any:
+        """The nvme tier's SwapSpace, None when nothing was placed there."""
+        return self._space
+
+    def note_links(self, paths: Sequence[str]) -> None:
+        """Records in the swap directories' manifests the hard links a checkpoint made to the nvme
+        tier's files (``swap.ownership``)."""
+        if self._ownership is not None:
+            self._ownership.link(self.name, paths)
+            self._ownership.flush()
 
     def files(self) -> list[str]:
         """The swap files of the nvme tier (for tests and reports)."""

@@ -139,7 +139,8 @@ class TrainingState:
                                                self._swap_engine("optimizer") if oo.device == "nvme" else None,
                                                pin=oo.pin_memory and cfg.pyinfinity.optimizer_step_device == "device",
                                                pinned_capacity=self.pools.optim_pinned,
-                                               checksums=cfg.pyinfinity.checksums, ownership=self.ownership)
+                                               checksums=cfg.pyinfinity.checksums, ownership=self.ownership,
+                                               record_checksums=True)
         except BaseException:  # e.g. pinned memory refused: give the swap directories back
             for e in self._swap_engines.values():
                 e.close()

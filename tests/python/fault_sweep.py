@@ -284,7 +284,7 @@ import json, os, random, signal, sys, time
 import torch
 from tests.python import fault_sweep
 
-root, trials, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+root, trials, seed, by_reference = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 rng = random.Random(seed)
 
 def child(fn, *args):
@@ -312,7 +312,7 @@ def saving(out, d):
         for i, (x, y) in enumerate(fault_sweep._batches()):
             fault_sweep._train(eng, [(x, y)])
             out.write(f"saving {i + 1}\n")
-            eng.save_checkpoint(os.path.join(d, "ckpt"), blocking=False, keep_last=2)
+            eng.save_checkpoint(os.path.join(d, "ckpt"), blocking=False, keep_last=2, by_reference=by_reference)
         out.write("done\n")
 
 def resuming(out, d):
@@ -340,24 +340,29 @@ for t in range(trials):
     names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
     in_flight = [n for n in names if n.startswith(".") and ".tmp-" in n]
     latest = open(os.path.join(ckpt, "latest")).read().strip() if "latest" in names else None
+    version = json.load(open(os.path.join(ckpt, latest, "meta.json")))["version"] if latest else None
     pid, r = child(resuming, d)
     line = r.readline()
     os.waitpid(pid, 0)
     step, got = json.loads(line) if line else (None, None)
     print(json.dumps({"trial": t, "killed_after_save_of": at, "delay_s": round(delay, 4), "in_flight": in_flight,
-                      "latest": latest, "listing": sorted(names), "resumed_from": step,
+                      "latest": latest, "version": version, "listing": sorted(names), "resumed_from": step,
                       "held": got is not None and got == ref[step:]}), flush=True)
 """
 
 
-def saves_killed(root: str, trials: int = 20, seed: int = 0) -> list[dict]:
+def saves_killed(root: str, trials: int = 20, seed: int = 0, by_reference: bool = False) -> list[dict]:
     """``trials`` runs, each SIGKILLed at a random point of its background saves (after the save of
     a random step, a random 0-30 ms later), then resumed from ``latest``: one record per trial.
     Held: the resumed losses are the uninterrupted run's, bit for bit (fp32), from the step
-    ``latest`` names (which therefore was complete)."""
+    ``latest`` names (which therefore was complete). ``by_reference``: the NVMe optimizer state
+    saved by reference (the steps after a save rewrite its shards into fresh slots, rotation
+    frees the slots of the checkpoints it removes, the kill leaves the swap file to the next
+    start's stale cleanup); else copied into state.bin."""
     import json
 
-    p = subprocess.run([sys.executable, "-c", _SAVES_KILLED, root, str(trials), str(seed)], capture_output=True,
+    p = subprocess.run([sys.executable, "-c", _SAVES_KILLED, root, str(trials), str(seed), str(int(by_reference))],
+                       capture_output=True,
                        text=True, timeout=900, cwd=REPO, env=_env())
     out = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode or len(out) != trials:
@@ -370,19 +375,20 @@ def save_fault_case(root: str, nth: int, code: int, ref: list[float]) -> dict:
     """Saves A (blocking) at step 2, trains step 3, then a background save B whose ``nth`` write
     piece fails with ``code`` (only the checkpoint writes while it is waited for): held when the
     failure is raised at the wait, ``latest`` still names A, no part of B stays and training on
-    from A gives the uninterrupted run's losses; or, past B's pieces, when B resumes them."""
+    from A gives the uninterrupted run's losses; or, past B's pieces, when B resumes them. The
+    NVMe state is copied (``by_reference=False``): its writes are the ones failed."""
     batches = _batches()
     ckpt = os.path.join(root, "ckpt")
     rec = {"nth": nth, "errno": errno.errorcode[code], "injected": False, "raised": "", "held": False}
     with _engine(root, "eager") as eng:
         _train(eng, batches[:2])
-        eng.save_checkpoint(ckpt)
+        eng.save_checkpoint(ckpt, by_reference=False)
         _train(eng, batches[2:3])
         eng.synchronize()  # step 3's writes are home: within the window only the save writes
         before = faults_injected()
         try:
             with fault_injection(op="write", nth=nth, action="errno", value=code):
-                eng.save_checkpoint(ckpt, blocking=False, keep_last=1)
+                eng.save_checkpoint(ckpt, blocking=False, keep_last=1, by_reference=False)
                 eng.wait_for_checkpoint()
         except OSError as exc:
             rec["raised"] = str(exc)[:200]

@@ -5,6 +5,7 @@ checkpoint intact: each kept one resumes bit for bit as the uninterrupted run.""
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -144,18 +145,19 @@ def held_writer(monkeypatch):
         if self._thread is not None:
             release.wait(60)
         run(self)
-    monkeypatch.setattr(checkpoint.CheckpointWrite, "run", held)
-    monkeypatch.setattr(checkpoint, "CHECKPOINT_STAGING", 4096)  # a shard at a time: the steps wait for room
+    monkeypatch.setattr(checkpoint.CheckpointWrite, "run", held)  # checkpoint_staging "auto": a shard at a time
     yield release
     release.set()
 
 
-@pytest.mark.parametrize("tier, state", [("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "8bit"), ("cpu", "overlap")])
+@pytest.mark.parametrize("tier, state", [("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "8bit"), ("cpu", "overlap"),
+                                         ("nvme", "by reference")])
 def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(tier, state, tiny_lm, lm_batches,
                                                                               engine_config, tmp_path, held_writer):
     """Each step after the save reaches every shard before the (held) writer: each takes its
     shard's copy first, in the serial step, in the background worker (overlap_step, shards
-    stepped during backward) and from an 8-bit state."""
+    stepped during backward) and from an 8-bit state (the NVMe state copied: by_reference=False);
+    held by reference, no step copies anything: each writes its shard into a fresh slot."""
     ckpt = tmp_path / "ckpt"
     batches = lm_batches(STEPS)
 
@@ -170,14 +172,17 @@ def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(ti
         losses = train_steps(eng, batches[:1])
         eng.save_checkpoint(str(ckpt))
         losses += train_steps(eng, batches[1:2])
-        path = eng.save_checkpoint(str(ckpt), blocking=False)
+        path = eng.save_checkpoint(str(ckpt), blocking=False, by_reference=state == "by reference")
         assert path == str(ckpt / "global_step2")
         assert (ckpt / "latest").read_text() == "global_step1"  # not before it is complete
         assert not os.path.exists(path)
         losses += train_steps(eng, batches[2:4])  # every shard's copy taken by its step, before updating it
         held_writer.set()
         write = eng.wait_for_checkpoint()
-        assert write.copied_by_step == len(eng.optimizer.states) > 1
+        if state == "by reference":
+            assert write.copied_by_step == 0 and write.by_reference_bytes > 0
+        else:
+            assert write.copied_by_step == len(eng.optimizer.states) > 1
         assert (ckpt / "latest").read_text() == "global_step2"
         losses += train_steps(eng, batches[4:])
     assert _resumed_losses(tiny_lm, config, batches, ckpt) == (2, losses[2:])
@@ -189,8 +194,8 @@ def test_a_background_save_the_writer_copies_alone_equals_a_blocking_save(tiny_l
 
     with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
         train_steps(eng, lm_batches(2))
-        eng.save_checkpoint(str(tmp_path / "a"))
-        eng.save_checkpoint(str(tmp_path / "b"), blocking=False)
+        eng.save_checkpoint(str(tmp_path / "a"), by_reference=False)
+        eng.save_checkpoint(str(tmp_path / "b"), blocking=False, by_reference=False)
         eng.wait_for_checkpoint()
     a, b = tmp_path / "a" / "global_step2", tmp_path / "b" / "global_step2"
     assert (a / "state.bin").read_bytes() == (b / "state.bin").read_bytes()
@@ -279,19 +284,243 @@ def test_ctrl_c_interrupts_a_wait_for_a_background_save_within_a_tenth_of_a_seco
         signal.signal(signal.SIGINT, old)
 
 
-def test_ctrl_c_during_a_blocking_save_is_a_keyboard_interrupt_and_leaves_nothing(tiny_lm, lm_batches,
+@pytest.mark.parametrize("by_reference", [False, True])
+def test_ctrl_c_during_a_blocking_save_is_a_keyboard_interrupt_and_leaves_nothing(by_reference, tiny_lm, lm_batches,
                                                                                   engine_config, tmp_path,
                                                                                   monkeypatch):
+    """Copied (interrupted while it checksums a shard's copy) or by reference (while it checksums
+    meta.json): nothing stays in the save directory, and no slot stays held."""
     from pyinfinity import checkpoint
 
     def interrupted(buf):
         raise KeyboardInterrupt
     with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
         train_steps(eng, lm_batches(1))
-        monkeypatch.setattr(checkpoint, "_crc32c", interrupted)
+        monkeypatch.setattr(checkpoint, "_crc32c_bytes" if by_reference else "_crc32c", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            eng.save_checkpoint(str(tmp_path / "ckpt"))
+            eng.save_checkpoint(str(tmp_path / "ckpt"), by_reference=by_reference)
         monkeypatch.undo()
         assert _listing(tmp_path / "ckpt") == []
-        eng.save_checkpoint(str(tmp_path / "ckpt"))
+        assert not _space(eng).references()
+        eng.save_checkpoint(str(tmp_path / "ckpt"), by_reference=by_reference)
     assert _listing(tmp_path / "ckpt") == ["global_step1", "latest"]
+
+
+@pytest.mark.parametrize("budget", [None, 3 * 4096, 1 << 20])
+def test_a_save_stages_no_more_than_the_checkpoint_staging_the_layout_charges(budget, tiny_lm, lm_batches,
+                                                                             engine_config, tmp_path):
+    """``pyinfinity.checkpoint_staging``: the planner's layout and the engine's pools charge the same
+    bytes in host RAM ("auto": none), and a background save never holds more shard copies not yet
+    written than that (or one shard's, when the budget is smaller)."""
+    from pyinfinity.plan import Budgets, Rates, placement_of
+
+    cfg = engine_config("cpu")
+    if budget is not None:
+        cfg["pyinfinity"]["checkpoint_staging"] = budget
+    model = tiny_lm()
+    budgets = Budgets(device_memory=64 << 20, host_memory=1 << 34, device_is_host=True)
+    rates = Rates(h2d=10e9, d2h=10e9, disk_read=2e9, disk_write=1e9, adam=1e9, matmul=1e12, memcpy=5e9, device="cpu")
+    plan = placement_of(cfg, model, budgets, rates, seq_len=8)
+    auto = placement_of(engine_config("cpu"), tiny_lm(), budgets, rates, seq_len=8)
+    assert plan.host_bytes - auto.host_bytes == plan.checkpoint_staging
+    assert ("checkpoint staging" in plan.table()) == (budget is not None)  # `pyinfinity plan` shows it
+    with pyinfinity.initialize(model, cfg) as eng:
+        charged = eng.state.pools.checkpoint_staging
+        assert charged == plan.checkpoint_staging
+        largest = max(eng.state.optimizer.format.nbytes(st.numel) for st in eng.state.optimizer.states)
+        if budget is None:
+            assert charged == 0
+        else:
+            assert max(budget, largest) <= charged <= max(budget, largest + 4096)  # a home's alignment at most
+        train_steps(eng, lm_batches(1))
+        eng.save_checkpoint(str(tmp_path / "ckpt"), blocking=False)
+        write = eng.wait_for_checkpoint()
+        assert 0 < write.staged_peak <= max(charged, largest)
+        if budget == 1 << 20:  # room for several copies: the writer used it
+            assert write.staged_peak > largest
+
+
+# ----------------------------------------------------------------------------------- NVMe state by reference
+
+
+def _meta(path) -> dict:
+    import json
+
+    return json.loads((path / "meta.json").read_text())
+
+
+def _space(eng):
+    return eng.state.optim_swapper.nvme_space()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_holds_the_nvme_state_by_reference_and_resumes_bit_exact(blocking, tiny_lm, lm_batches, engine_config,
+                                                                       tmp_path):
+    """The optimizer state on NVMe is not copied: the checkpoint links the swap file, records each
+    shard's slot and the CRC-32Cs written with it (version 5); the next steps write the shards
+    into fresh slots, and a fresh engine resumes from it as the uninterrupted run goes on."""
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        losses = train_steps(eng, batches[:2])
+        written = eng.state.io_stats()["checkpoint"]["write"]["bytes"] if "checkpoint" in eng.state.io_stats() else 0
+        path = eng.save_checkpoint(str(ckpt), blocking=blocking)
+        eng.wait_for_checkpoint()
+        losses += train_steps(eng, batches[2:])
+        meta = _meta(ckpt / "global_step2")
+        refs = [e for e in meta["entries"] if "ref" in e]
+        assert meta["version"] == 5 and refs and len(refs) == len(eng.state.optimizer.states)
+        assert meta["data_bytes"] == 0 and not (ckpt / "global_step2" / "state.bin").exists()
+        assert eng.state.io_stats()["checkpoint"]["write"]["bytes"] == written  # no byte of the state copied
+        link = ckpt / "global_step2" / refs[0]["ref"]["files"][0]
+        live = eng.state.optim_swapper.files()[0]
+        assert os.stat(link).st_ino == os.stat(live).st_ino  # the swap file itself, held by a link
+        held = {s.id for s in (st.home.slot for st in eng.state.optimizer.states)}
+        assert all(x[1:] not in [[e.offset, e.nbytes] for st in eng.state.optimizer.states
+                                 for e in st.home.slot.extents] for r in refs for x in r["ref"]["extents"])
+        assert len(held) == len(refs)
+    assert os.path.exists(link) and not os.path.exists(live)  # close unlinked the swap name only
+    held_bytes = sum(e["nbytes"] for e in refs)
+    # the rest of the file (the live state, the preallocated room) was punched out at close
+    assert os.stat(link).st_blocks * 512 <= held_bytes + 4096 * len(refs) < os.stat(link).st_size
+    assert _resumed_losses(tiny_lm, engine_config, batches, ckpt) == (2, losses[2:])
+
+
+def test_a_copy_save_writes_version_4_and_both_versions_load(tiny_lm, lm_batches, engine_config, tmp_path):
+    """``by_reference=False`` writes the NVMe state into state.bin, as version 4 (what the code
+    before by-reference saves wrote); it and a version-5 checkpoint of the same step resume alike."""
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        losses = train_steps(eng, batches[:2])
+        eng.save_checkpoint(str(tmp_path / "v4"), by_reference=False)
+        eng.save_checkpoint(str(tmp_path / "v5"))
+        losses += train_steps(eng, batches[2:])
+    v4 = _meta(tmp_path / "v4" / "global_step2")
+    assert v4["version"] == 4 and not any("ref" in e for e in v4["entries"]) and v4["data_bytes"] > 0
+    assert _meta(tmp_path / "v5" / "global_step2")["version"] == 5
+    for d in ("v4", "v5"):
+        assert _resumed_losses(tiny_lm, engine_config, batches, tmp_path / d) == (2, losses[2:])
+
+
+def test_a_frozen_slot_is_freed_once_no_checkpoint_refers_to_it(tiny_lm, lm_batches, engine_config, tmp_path):
+    """Rotation (keep_last) and an rmtree of a checkpoint from outside free its slots at the next
+    save: the swap space stays at about twice the state, however many saves."""
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(8)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, batches[:1])
+        state_bytes = _space(eng).stats()["used"]
+        for i in range(1, 5):
+            eng.save_checkpoint(str(ckpt), keep_last=1)
+            train_steps(eng, batches[i:i + 1])
+        assert complete_checkpoints(str(ckpt)) == ["global_step4"]
+        assert _space(eng).stats()["used"] <= 2 * state_bytes + 4096 * len(eng.state.optimizer.states)
+        assert len(_space(eng).references()) == 1
+        shutil.rmtree(ckpt / "global_step4")  # Trainer's own rotation, from outside
+        eng.save_checkpoint(str(tmp_path / "other"))
+        train_steps(eng, batches[5:6])
+        assert len(_space(eng).references()) == 1  # only the new one's
+        assert _space(eng).stats()["used"] <= 2 * state_bytes + 4096 * len(eng.state.optimizer.states)
+
+
+def test_removing_a_by_reference_checkpoint_never_changes_the_live_state(tiny_lm, lm_batches, engine_config,
+                                                                         tmp_path):
+    """An rmtree of a by-reference checkpoint (the link goes) leaves the run training as the
+    uninterrupted run, and a later checkpoint resumes bit for bit."""
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        expected = train_steps(eng, batches)
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        got = train_steps(eng, batches[:1])
+        eng.save_checkpoint(str(tmp_path / "a"))
+        got += train_steps(eng, batches[1:2])
+        shutil.rmtree(tmp_path / "a")
+        eng.save_checkpoint(str(tmp_path / "b"))
+        got += train_steps(eng, batches[2:])
+    assert got == expected
+    assert _resumed_losses(tiny_lm, engine_config, batches, tmp_path / "b") == (2, expected[2:])
+
+
+def test_a_by_reference_entry_changed_on_disk_fails_its_checksum_on_load(tiny_lm, lm_batches, engine_config,
+                                                                         tmp_path):
+    ckpt = tmp_path / "ckpt"
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        eng.save_checkpoint(str(ckpt))
+    ref = _meta(ckpt / "global_step1")["entries"][0]["ref"]
+    f, off, n = ref["extents"][0]
+    fd = os.open(ckpt / "global_step1" / ref["files"][f], os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\x5a" * 64, off + n // 2)
+    finally:
+        os.close(fd)
+    from pyinfinity.checkpoint import CheckpointError
+
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        with pytest.raises(CheckpointError, match="optimizer state by reference"):
+            eng.load_checkpoint(str(ckpt))
+
+
+def test_a_by_reference_save_that_would_not_fit_the_disk_says_so_before_writing(tiny_lm, lm_batches, engine_config,
+                                                                                tmp_path, monkeypatch):
+    import errno
+    from collections import namedtuple
+
+    ckpt = tmp_path / "ckpt"
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        real = os.statvfs
+        full = namedtuple("statvfs", "f_bavail f_frsize")
+        monkeypatch.setattr(_space(eng), "free_bytes", lambda: 0)  # no spare room preallocated in the swap file
+        monkeypatch.setattr(os, "statvfs", lambda d: full(0, 4096) if str(d).startswith(str(tmp_path)) else real(d))
+        with pytest.raises(OSError, match="not enough free disk for this save") as err:
+            eng.save_checkpoint(str(ckpt))
+        assert err.value.errno == errno.ENOSPC and "\n" not in str(err.value)
+        assert not _space(eng).references()
+        monkeypatch.setattr(os, "statvfs", real)
+        assert [n for n in os.listdir(ckpt) if not n.startswith(".")] == []
+
+
+def test_the_swap_manifest_lists_the_links_a_by_reference_checkpoint_holds(tiny_lm, lm_batches, engine_config,
+                                                                           tmp_path):
+    """The ownership layer knows a swap file may be held by a checkpoint: the manifest lists the
+    link (release and the next start's stale cleanup then unlink only the swap name)."""
+    from pyinfinity.swap.manifest import read_manifest
+
+    with pyinfinity.initialize(tiny_lm(), engine_config("nvme")) as eng:
+        train_steps(eng, lm_batches(1))
+        path = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        name = _meta(tmp_path / "ckpt" / "global_step1")["entries"][0]["ref"]["files"][0]
+        swap_dir = os.path.dirname(eng.state.optim_swapper.files()[0])
+        files = read_manifest(swap_dir)["files"]
+        optim = [f for f in files if f["space"] == "optimizer"]
+        assert optim and optim[0]["links"] == [os.path.join(path, name)]
+        assert all(f["links"] == [] for f in files if f["space"] != "optimizer")
+
+
+@pytest.mark.parametrize("fs", ["tmpfs_dir", "small_ext4_dir"])
+def test_a_by_reference_checkpoint_on_tmpfs_and_ext4_resumes_and_keeps_only_its_blocks(fs, request, tiny_lm,
+                                                                                       lm_batches, engine_config):
+    """On a tmpfs and on an ext4 (a loop device): the swap directory and the checkpoint on one
+    filesystem, the state saved by reference resumes bit for bit after the run closed, and the
+    linked file keeps only the held slots' blocks (the rest punched out at close)."""
+    root = request.getfixturevalue(fs)
+    swap, ckpt = os.path.join(root, "swap"), os.path.join(root, "ckpt")
+
+    def config():
+        cfg = engine_config("nvme")
+        for k in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][k]["nvme_path"] = swap
+        return cfg
+    batches = lm_batches(STEPS)
+    with pyinfinity.initialize(tiny_lm(), config()) as eng:
+        losses = train_steps(eng, batches[:2])
+        path = eng.save_checkpoint(ckpt)
+        losses += train_steps(eng, batches[2:])
+    refs = [e for e in _meta(pathlib.Path(path))["entries"] if "ref" in e]
+    assert refs
+    link = os.path.join(path, refs[0]["ref"]["files"][0])
+    assert os.stat(link).st_blocks * 512 <= sum(e["nbytes"] for e in refs) + 4096 * len(refs)
+    with pyinfinity.initialize(tiny_lm(seed=7), config()) as eng:
+        eng.load_checkpoint(ckpt)
+        assert train_steps(eng, batches[2:]) == losses[2:]

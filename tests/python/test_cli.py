@@ -574,3 +574,31 @@ def test_make_train_leaves_the_swap_directory_to_the_run_which_removes_it():
     run = [line for line in p.stdout.splitlines() if "-m pyinfinity train" in line]
     assert run and "--nvme .swap" in run[-1], p.stdout
     assert not any("mkdir" in line and ".swap" in line for line in p.stdout.splitlines()), p.stdout
+
+
+def test_train_save_every_charges_the_background_saves_staging_and_blocking_saves_do_not(tmp_path):
+    """`train --save-every N` saves in the background: its config sets pyinfinity.checkpoint_staging
+    (charged in the layout's host RAM); without saves or with --blocking-saves it stays "auto" (0),
+    and a --config file's own value wins."""
+    import argparse
+    import json
+
+    from pyinfinity.cli.train_args import add_arguments, engine_config
+    from pyinfinity.layout.pools import CHECKPOINT_STAGING
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+
+    def staging(*argv: str):
+        cfg, _ = engine_config(p.parse_args(["--device", "cpu", *argv]))
+        return cfg["pyinfinity"].get("checkpoint_staging")
+
+    save = ["--save", str(tmp_path / "ckpt"), "--save-every", "2"]
+    assert staging() is None
+    assert staging(*save) == CHECKPOINT_STAGING
+    assert staging(*save, "--blocking-saves") is None
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({"pyinfinity": {"checkpoint_staging": "64MiB"}}))
+    assert staging("--config", str(file), *save) == "64MiB"
+    file.write_text(json.dumps({"pyinfinity": {}}))
+    assert staging("--config", str(file), *save) == CHECKPOINT_STAGING

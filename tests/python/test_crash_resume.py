@@ -79,7 +79,7 @@ _TRAIN = textwrap.dedent("""
         if i % every == 0:
             if i == stall_at and stall_in == "save":
                 with stalled("save"):
-                    eng.save_checkpoint(ckpt)
+                    eng.save_checkpoint(ckpt, by_reference=False)  # a copy: its writes are what stalls
             else:
                 eng.save_checkpoint(ckpt)
             print("saved", i, flush=True)
@@ -220,7 +220,7 @@ def test_a_torn_checkpoint_is_detected_on_load(damage, message, tiny_lm, lm_batc
         for x, y in batches[:2]:
             eng.backward(eng(x, y))
             eng.step()
-        path = eng.save_checkpoint(ckpt)
+        path = eng.save_checkpoint(ckpt, by_reference=not damage.endswith("_state"))  # state.bin: copied
         meta = json.load(open(os.path.join(path, "meta.json")))
         if damage == "flip_state":
             e = meta["entries"][len(meta["entries"]) // 2]

@@ -121,11 +121,7 @@ def test_offload_is_real_rss_and_corrupted_swap_file(tiny_lm, lm_batches, engine
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_checkpoint_resume_gives_identical_losses(tier, tiny_lm, lm_batches, engine_config, tmp_path,
-                                                  monkeypatch):
-    import pyinfinity.checkpoint as checkpoint_module
-
-    monkeypatch.setattr(checkpoint_module, "CHECKPOINT_STAGING", 4096)  # exercise the bounded writer
+def test_checkpoint_resume_gives_identical_losses(tier, tiny_lm, lm_batches, engine_config, tmp_path):
     sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5}}
     cfg = engine_config(tier, scheduler=sched, gradient_clipping=1.0)
     batches = lm_batches(6)

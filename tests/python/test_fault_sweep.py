@@ -2,7 +2,7 @@
 uninterrupted run (the short form of ``tests/python/fault_sweep.py``), and the late failures that
 once slipped through are refused; a fine-tune SIGKILLed mid-run resumes from its --save-every
 checkpoint with the uninterrupted run's losses, and so do runs SIGKILLed at random points of their
-background saves; a failing write of a background save is raised and leaves latest on the
+background saves (the NVMe state copied, or held by reference); a failing write of a background save is raised and leaves latest on the
 previous checkpoint; a LoRA resume over a base changed at the end of a shard is refused."""
 from __future__ import annotations
 
@@ -35,8 +35,22 @@ def test_background_saves_killed_at_random_points_resume_from_the_newest_complet
     trials = fault_sweep.saves_killed(str(tmp_path), trials=20, seed=0)
     wrong = [t for t in trials if not t["held"]]
     assert not wrong, "\n".join(map(str, wrong))
+    assert all(t["version"] in (None, 4) for t in trials)  # copied into state.bin (by_reference=False)
     # the kills landed inside saves: a half-written checkpoint, a rotation or latest's move in flight
     assert sum(bool(t["in_flight"]) for t in trials) >= 5, "\n".join(map(str, trials))
+    assert all(t["latest"] is None or t["resumed_from"] == int(t["latest"][len("global_step"):]) for t in trials)
+
+
+def test_by_reference_saves_killed_at_random_points_resume_from_the_newest_complete_checkpoint_bit_exact(tmp_path):
+    """The NVMe optimizer state held by reference: killed during a save or during the steps after
+    it (which rewrite its shards into fresh slots while rotation frees the slots of the removed
+    checkpoints), the next start's stale cleanup unlinks the swap name only and the resume from
+    ``latest`` (the swap file it links) has the uninterrupted run's losses, bit for bit."""
+    trials = fault_sweep.saves_killed(str(tmp_path), trials=10, seed=1, by_reference=True)
+    wrong = [t for t in trials if not t["held"]]
+    assert not wrong, "\n".join(map(str, wrong))
+    assert all(t["version"] in (None, 5) for t in trials), "\n".join(map(str, trials))
+    assert sum(t["resumed_from"] > 0 for t in trials) >= 5, "\n".join(map(str, trials))
     assert all(t["latest"] is None or t["resumed_from"] == int(t["latest"][len("global_step"):]) for t in trials)
 
 

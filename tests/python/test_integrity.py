@@ -51,7 +51,8 @@ def saved(tiny_lm, lm_batches, engine_config, tmp_path):
     eng = pyinfinity.initialize(tiny_lm(), engine_config("nvme", scheduler=sched))
     batches = lm_batches(4)
     train_steps(eng, batches[:2])
-    path = eng.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 1})
+    # the NVMe state copied into state.bin (by_reference=False): its entries are what tests damage
+    path = eng.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 1}, by_reference=False)
     train_steps(eng, batches[2:3])
     yield eng, path, batches
     eng.close()

@@ -104,3 +104,33 @@ def test_a_swap_file_is_its_directorys_share_in_whole_steps_of_its_own_size():
     big = swap_file(3 * SWAP_GROW + 1, 0, 1)
     assert big.grow == SWAP_GROW and big.nbytes == 4 * SWAP_GROW
     assert swap_file(0, 3, 1).nbytes == 0
+
+
+def test_a_saves_staging_is_charged_in_host_ram_only_when_the_config_gives_it():
+    """``pyinfinity.checkpoint_staging``: none for a run that does not save in the background
+    ("auto": 0), else the budget, or the largest shard's saved state when that is larger (the
+    writer lets one larger copy go alone); the planner's layout and the engine's pools charge the
+    same bytes in host RAM."""
+    from pyinfinity.layout.charges import TrainShape
+    from pyinfinity.layout.pools import SWAP_SLOT_ALIGN, checkpoint_staging_bytes, plan_layout
+
+    fp32 = STATE_FORMATS["fp32"]
+    sizes = ModelSizes(shard_numels=[1000, 3000, 500], shard_trainable=[True, True, False], itemsize=4,
+                       block_bytes=12000, flops_per_token=0.0, largest_module_bytes=12000)
+    largest = 3000 * 12 + SWAP_SLOT_ALIGN  # the trainable 3000-element shard's state (master and moments)
+    assert checkpoint_staging_bytes(0, sizes, fp32) == 0
+    assert checkpoint_staging_bytes(1 << 20, sizes, fp32) == 1 << 20
+    assert checkpoint_staging_bytes(4096, sizes, fp32) == largest
+    z = SimpleNamespace(offload_param=SimpleNamespace(device="cpu", max_in_cpu=0),
+                        offload_optimizer=SimpleNamespace(device="cpu", ratio=1.0),
+                        stage3_param_persistence_threshold=0)
+    cfg = SimpleNamespace(zero_optimization=z, optimizer_state_format="fp32", gradient_accumulation_steps=1,
+                          checkpoint_staging_bytes=0)
+    without = engine_pools(cfg, sizes, 3).host
+    cfg.checkpoint_staging_bytes = 1 << 20
+    assert engine_pools(cfg, sizes, 3).host - without == 1 << 20
+    train = TrainShape(micro_batch=1, seq_len=8)
+    lay0 = plan_layout(sizes, train, Knobs(), 1 << 30, device_is_host=True)
+    lay = plan_layout(sizes, train, Knobs(checkpoint_staging=1 << 20), 1 << 30, device_is_host=True)
+    assert lay0.checkpoint_staging == 0 and lay.checkpoint_staging == 1 << 20
+    assert lay.host_bytes - lay0.host_bytes == 1 << 20 and lay.pinned_bytes == lay0.pinned_bytes

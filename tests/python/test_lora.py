@@ -381,7 +381,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(model_dir
         straight = _train_engine(eng, 4)
     with _engine(path, str(tmp_path / "s1")) as eng:
         first = _train_engine(eng, 2)
-        saved = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = eng.save_checkpoint(str(tmp_path / "ckpt"), by_reference=False)  # the adapters' state in state.bin
         adapter_numel = sum(sh.numel for sh in eng.partition.shards if sh.trainable)
         base_numel = sum(sh.numel for sh in eng.partition.shards if not sh.trainable)
     with open(os.path.join(saved, "meta.json")) as f:
@@ -489,7 +489,7 @@ def test_a_lora_checkpoint_over_the_unchanged_base_resumes_bit_exact_and_a_versi
         straight = _train_engine(eng, 4)
     with _engine(path, str(tmp_path / "s1")) as eng:
         _train_engine(eng, 2)
-        saved = eng.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = eng.save_checkpoint(str(tmp_path / "ckpt"), by_reference=False)  # rewritten as version 3 below
     with _engine(path, str(tmp_path / "s2")) as eng:
         eng.load_checkpoint(str(tmp_path / "ckpt"))
         assert _train_engine(eng, 2, start=2) == straight[2:]
@@ -572,7 +572,7 @@ def test_a_version_2_lora_checkpoint_with_the_base_still_loads(model_dirs, tmp_p
     with _engine(path, str(tmp_path / "s0")) as eng:
         _train_engine(eng, 2)
         want = _eval_logits(eng)
-        saved = checkpoint.save(eng.state, str(tmp_path / "ckpt"))  # as version 2 wrote it: every shard
+        saved = checkpoint.save(eng.state, str(tmp_path / "ckpt"), by_reference=False)  # as version 2 wrote it: every shard
     with open(os.path.join(saved, "meta.json")) as f:
         meta = json.load(f)
     assert "base" not in meta and "param" in {e["kind"] for e in meta["entries"]}

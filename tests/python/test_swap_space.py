@@ -165,3 +165,48 @@ def test_unaligned_tails_are_written_direct_and_padded(tmp_path):
             sp.read(back, s).wait()
             assert torch.equal(back, t)
         assert eng.stats()["buffered"] == 0
+
+
+def test_a_frozen_slot_is_written_copy_on_write_and_freed_with_its_last_reference(tmp_path):
+    """``freeze``: a checkpoint holds the slot's bytes; the next contents go to a fresh slot
+    (``writable``), the frozen one keeps its bytes and its write checksums, and is freed when
+    its last reference goes (``release_refs``); a direct write to it is refused."""
+    import torch
+
+    from pyinfinity.swap import SwapSpace
+
+    with SwapSpace(str(tmp_path), name="cow", record_checksums=True) as sp:
+        slot = sp.allocate(3 * 4096 + 100, tag="optim.0")
+        a = torch.arange(slot.nbytes, dtype=torch.uint8)
+        sp.write(a, slot).wait()
+        crcs = sp.checksums_of(slot)
+        assert crcs and not sp.checksums  # recorded, reads not verified
+        ref = object()
+        sp.freeze(slot, ref)
+        with pytest.raises(ValueError, match="held by a checkpoint"):
+            sp.write(a, slot)
+        fresh = sp.writable(slot)
+        assert fresh.id != slot.id and fresh.nbytes == slot.nbytes
+        sp.write(torch.zeros_like(a), fresh).wait()
+        back = torch.empty_like(a)
+        sp.read(back, slot).wait()
+        assert torch.equal(back, a) and sp.checksums_of(slot) == crcs
+        used = sp.stats()["used"]
+        assert sp.release_refs(lambda r: r is ref) == 0 and sp.stats()["used"] == used  # still held
+        assert sp.release_refs(lambda r: False) > 0 and sp.stats()["used"] < used
+        assert sp.writable(fresh) is fresh  # nothing holds it
+
+
+def test_a_swap_file_a_checkpoint_links_is_never_truncated_by_the_next_space(tmp_path):
+    import torch
+
+    from pyinfinity.swap import SwapSpace
+
+    sp = SwapSpace(str(tmp_path), name="held")
+    slot = sp.allocate(8192)
+    sp.write(torch.full((8192,), 7, dtype=torch.uint8), slot).wait()
+    os.link(sp.paths[0], tmp_path / "checkpoint-link.swp")
+    sp.remove_on_close = False
+    sp.close()
+    SwapSpace(str(tmp_path), name="held").close()  # opens a fresh file: the linked one keeps its bytes
+    assert (tmp_path / "checkpoint-link.swp").read_bytes()[:8192] == bytes([7]) * 8192
