@@ -303,8 +303,10 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the module's forward through the coordinator's hooks; returns its output as is.
         Tensor arguments (also inside a list, tuple or dict) on another device, e.g. a CPU batch
-        from a DataLoader, are moved to the engine's device first."""
+        from a DataLoader, are moved to the engine's device first. A parameter the engine does not
+        hold (created after ``initialize``) is refused, naming it."""
         self.state.check_open()
+        self.state.check_parameters(self.module)
         if self.device.type != "cpu":
             args, kwargs = _inputs_to(args, self.device), _inputs_to(kwargs, self.device)
         if self._step_t0 is None:
