@@ -173,12 +173,13 @@ class Engine:
         _log_decisions(decisions)
         if self.plan is None:  # a placement the config fixes: checked against this machine before a byte is written
             from pyinfinity.layout.pools import engine_pools
-            from pyinfinity.plan.resolve import budget_summary, check_placement
+            from pyinfinity.plan.resolve import UNPREDICTED_HINT, budget_summary, check_placement
             from pyinfinity.swap.ownership import check_budgets
 
             check_budgets(cfg, engine_pools(cfg, sizes, sum(1 for m in model.modules() if m._parameters)))
             log.info("%s", budget_summary(check_placement(cfg, model, self.device, seq_len=seq_len,
                                                           checkpointing=checkpointing)))
+            log.info("%s", UNPREDICTED_HINT)
         self.config = cfg
         self.auto_decisions = decisions
         planned = {d.key for d in decisions}

@@ -570,8 +570,14 @@ def budget_summary(placement: Placement) -> str:
     return (f"plan (the config's placement, checked): parameters on {placement.knobs.param_device}, optimizer "
             f"state on {placement.knobs.optimizer_device}; device peak {fmt(placement.device_bytes)} of "
             f"{fmt(placement.device_memory)}, host RAM {fmt(placement.host_bytes)} of {fmt(placement.host_memory)}"
-            f"{swap}; step time not predicted (no rates probed for a fixed placement: `pyinfinity plan --config "
-            "FILE` predicts it)")
+            f"{swap}")
+
+
+#: The engine's start line after ``budget_summary`` for a fixed placement: the step is not predicted
+#: there (probing this machine's rates would lengthen every start by seconds), and how to get it.
+UNPREDICTED_HINT = ("step time not predicted: the config fixes the placement and no rates are probed at start; "
+                    "`pyinfinity plan --config FILE --model MODEL_DIR` (or --model-size NAME) probes them and "
+                    "predicts this placement's step")
 
 
 def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets, rates: Rates, *,
@@ -608,6 +614,7 @@ def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
     return k
 
 
-__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config",
+__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary",
+           "UNPREDICTED_HINT", "decide_unit_bytes", "plan_config",
            "Decision", "DEFAULT_SEQ_LEN", "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads",
            "run_dtype", "Probes", "planned_train_shape", "planned_fixed"]
