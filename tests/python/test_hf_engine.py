@@ -104,6 +104,16 @@ def test_trainer_with_a_group_of_another_lr_steps_each_group_with_its_scheduled_
     assert res["grad_norms"] == pytest.approx(res["own"]["grad_norms"], rel=1e-5)
 
 
+def test_trainer_with_a_group_of_another_lr_resumes_from_its_checkpoint_exactly(tmp_path: Path) -> None:
+    whole = run_worker("trainer", tmp_path / "whole", "--fast-lr-ratio", "4")
+    resumed = run_worker("trainer", tmp_path / "resumed", "--fast-lr-ratio", "4", "--resume",
+                         str(tmp_path / "whole" / "trainer" / "checkpoint-4"))
+    assert resumed["group_lrs"] == whole["group_lrs"][4:]  # both groups' lrs, steps 5 and 6
+    for key in ("losses", "grad_norms"):
+        w, r = by_step(whole, key), by_step(resumed, key)
+        assert [r[5], r[6]] == pytest.approx([w[5], w[6]], rel=1e-5), key
+
+
 def test_trainer_resumed_from_its_checkpoint_continues_exactly_and_saves_each_checkpoint_once(tmp_path: Path) -> None:
     # stage3_gather_16bit_weights_on_model_save false: Trainer calls save_checkpoint twice per checkpoint
     whole = run_worker("trainer", tmp_path / "whole", "--gather", "0")
