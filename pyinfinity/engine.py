@@ -173,12 +173,13 @@ class Engine:
         _log_decisions(decisions)
         if self.plan is None:  # a placement the config fixes: checked against this machine before a byte is written
             from pyinfinity.layout.pools import engine_pools
-            from pyinfinity.plan.resolve import budget_summary, check_placement
+            from pyinfinity.plan.resolve import UNPREDICTED_HINT, budget_summary, check_placement
             from pyinfinity.swap.ownership import check_budgets
 
             check_budgets(cfg, engine_pools(cfg, sizes, sum(1 for m in model.modules() if m._parameters)))
             log.info("%s", budget_summary(check_placement(cfg, model, self.device, seq_len=seq_len,
                                                           checkpointing=checkpointing)))
+            log.info("%s", UNPREDICTED_HINT)
         self.config = cfg
         self.auto_decisions = decisions
         planned = {d.key for d in decisions}
@@ -303,8 +304,10 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the module's forward through the coordinator's hooks; returns its output as is.
         Tensor arguments (also inside a list, tuple or dict) on another device, e.g. a CPU batch
-        from a DataLoader, are moved to the engine's device first."""
+        from a DataLoader, are moved to the engine's device first. A parameter the engine does not
+        hold (created after ``initialize``) is refused, naming it."""
         self.state.check_open()
+        self.state.check_parameters(self.module)
         if self.device.type != "cpu":
             args, kwargs = _inputs_to(args, self.device), _inputs_to(kwargs, self.device)
         if self._step_t0 is None:

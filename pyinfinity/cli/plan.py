@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def model_source(args: argparse.Namespace) -> Any:
     return {"model_type": "llama", **preset(args.model_size)}
 
 
-def lora_sizes(model: Any, args: argparse.Namespace) -> Any:
+def lora_sizes(model: Any, args: argparse.Namespace, unit_bytes: Optional[int] = None) -> Any:
     """The sizes of ``model`` (a config) with PEFT's LoRA adapters of rank ``--lora`` on it, built
     on the meta device: the base's shards frozen, the adapters' trainable."""
     import torch
@@ -195,7 +195,7 @@ def lora_sizes(model: Any, args: argparse.Namespace) -> Any:
         base = transformers.AutoModelForCausalLM.from_config(mcfg).to(parse_dtype(args.dtype))
         check_lora_targets(base, targets, "--lora-targets")
         wrapped = get_peft_model(base, LoraConfig(r=args.lora, target_modules=targets, task_type="CAUSAL_LM"))
-    sizes = sizes_from_module(wrapped)  # each shard in its own dtype, as a LoRA run computes
+    sizes = sizes_from_module(wrapped, None, unit_bytes)  # each shard in its own dtype, as a LoRA run computes
     sizes.source = f"{type(base).__name__} + LoRA r={args.lora} (meta)"
     return sizes
 
@@ -375,7 +375,8 @@ def run(args: argparse.Namespace) -> int:
     from pyinfinity.config import ConfigError, load_config
     from pyinfinity.plan import resolve_auto
     from pyinfinity.probes import measure_rates
-    from pyinfinity.plan.resolve import aio_options, compute_dtype, planned_device, engine_optimizer_threads
+    from pyinfinity.plan.resolve import (aio_options, compute_dtype, decide_unit_bytes, engine_optimizer_threads,
+                                         planned_device)
     from pyinfinity.plan.sizes import sizes_from_config
 
     from pyinfinity.plan.rates import device_is_here
@@ -394,6 +395,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--measure: trains on {dev}, which is not on this machine")
     model = model_source(args)
     sizes = lora_sizes(model, args) if args.lora is not None else sizes_from_config(model, args.dtype)
+    if decide_unit_bytes(cfg, sizes):  # "auto": as the engine decides it; the file carries it, the units recounted
+        unit_bytes = int(cfg.pyinfinity.unit_bytes)
+        cfg_dict.setdefault("pyinfinity", {})["unit_bytes"] = unit_bytes
+        sizes = (lora_sizes(model, args, unit_bytes) if args.lora is not None
+                 else sizes_from_config(model, args.dtype, unit_bytes))
     cores = args.cpu_cores or (None if here else ASSUMED_TARGET_CORES)  # the target's, when it is not this one
     tokens = cfg.train_micro_batch_size_per_gpu * args.seq_len
     m = sizes.hidden or 1024

@@ -266,18 +266,23 @@ def _threads(e: Any) -> list[Decision]:
                      "one on the CPU device, else every CPU of this process")]
 
 
-def _unit_bytes(c: Any, model: Any) -> list[Decision]:
-    """``pyinfinity.unit_bytes`` "auto" decided before the sizes are counted (the planner counts the
-    units the partition makes): ``units.auto_unit_bytes`` of the model, within a device budget the
-    config sets."""
+def decide_unit_bytes(c: Any, whole: ModelSizes) -> list[Decision]:
+    """``pyinfinity.unit_bytes`` "auto" of the parsed config ``c`` decided, in place, before the
+    units are counted (the planner counts the units the partition makes): ``units.auto_unit_bytes``
+    of the model (``whole``: its sizes, any unit cap), within a device budget the config sets. The
+    engine (``plan_engine_config``) and ``plan -o`` (``resolve_auto``, the CLI) both decide it here."""
     e = c.pyinfinity
     if e.unit_bytes != AUTO:
         return []
-    whole = model_sizes(model, compute_dtype(c))
     dm = e.device_memory
     e.unit_bytes = auto_unit_bytes(whole.param_bytes, whole.largest_module_bytes, dm if isinstance(dm, int) else None)
     return [Decision("pyinfinity.unit_bytes", e.unit_bytes,
                      "at most a quarter of the model and an eighth of a set device budget, at least its largest module")]
+
+
+def _unit_bytes(c: Any, model: Any) -> list[Decision]:
+    """:func:`decide_unit_bytes` for a model (or its config, or its sizes)."""
+    return decide_unit_bytes(c, model_sizes(model, compute_dtype(c))) if c.pyinfinity.unit_bytes == AUTO else []
 
 
 def _overlap_step(c: Any, device: torch.device) -> list[Decision]:
@@ -322,7 +327,12 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
     """
     cfg = load_config(copy.deepcopy(config_dict))
     dev = planned_device(cfg, device)
-    sizes = model_sizes(model_or_sizes, compute_dtype(cfg))
+    # the unit size the engine would decide; sizes given are taken as counted with it (the CLI
+    # counts them after decide_unit_bytes), a model or its config is counted with it here
+    units = _unit_bytes(cfg, model_or_sizes)
+    unit_bytes = cfg.pyinfinity.unit_bytes
+    sizes = model_sizes(model_or_sizes, compute_dtype(cfg), unit_bytes=unit_bytes if isinstance(unit_bytes, int)
+                        else None)
     if budgets is None:
         dm, hm = cfg.pyinfinity.device_memory, cfg.pyinfinity.host_memory
         budgets = measure_budgets(dev, cfg.nvme_paths, device_memory=dm if isinstance(dm, int) else None,
@@ -336,9 +346,12 @@ def resolve_auto(config_dict: dict, model_or_sizes: Any, budgets: Optional[Budge
     train = _train_shape(cfg, seq_len, checkpointing)
     train.compute_seconds, train.activation_bytes = compute_seconds, activation_bytes
     resolved_cfg, decisions, placement = plan_config(cfg, sizes, budgets, rates, train, owned, fixed)
+    decisions = units + decisions + _overlap_step(resolved_cfg, dev)
     out = copy.deepcopy(config_dict)
     for d in decisions:
         _set(out, d.key, d.value)
+    if _get(out, "pyinfinity.overlap_step") == AUTO or (fill_absent and not _has(out, "pyinfinity.overlap_step")):
+        _set(out, "pyinfinity.overlap_step", resolved_cfg.pyinfinity.overlap_step)  # decided on as well as off
     z = resolved_cfg.zero_optimization
     for name, sec in (("offload_param", z.offload_param), ("offload_optimizer", z.offload_optimizer)):
         if sec.device == "nvme" and not _get(out, f"zero_optimization.{name}.nvme_path") and sec.nvme_path:
@@ -558,8 +571,14 @@ def budget_summary(placement: Placement) -> str:
     return (f"plan (the config's placement, checked): parameters on {placement.knobs.param_device}, optimizer "
             f"state on {placement.knobs.optimizer_device}; device peak {fmt(placement.device_bytes)} of "
             f"{fmt(placement.device_memory)}, host RAM {fmt(placement.host_bytes)} of {fmt(placement.host_memory)}"
-            f"{swap}; step time not predicted (no rates probed for a fixed placement: `pyinfinity plan --config "
-            "FILE` predicts it)")
+            f"{swap}")
+
+
+#: The engine's start line after ``budget_summary`` for a fixed placement: the step is not predicted
+#: there (probing this machine's rates would lengthen every start by seconds), and how to get it.
+UNPREDICTED_HINT = ("step time not predicted: the config fixes the placement and no rates are probed at start; "
+                    "`pyinfinity plan --config FILE --model MODEL_DIR` (or --model-size NAME) probes them and "
+                    "predicts this placement's step")
 
 
 def placement_of(config: Union[dict, Any], model_or_sizes: Any, budgets: Budgets, rates: Rates, *,
@@ -596,6 +615,7 @@ def _fixed_knobs(cfg: Any, sizes: ModelSizes, device_memory: int) -> Knobs:
     return k
 
 
-__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary", "plan_config",
+__all__ = ["resolve_auto", "plan_engine_config", "placement_of", "check_placement", "budget_summary",
+           "UNPREDICTED_HINT", "decide_unit_bytes", "plan_config",
            "Decision", "DEFAULT_SEQ_LEN", "compute_dtype", "planned_device", "aio_options", "engine_optimizer_threads",
            "run_dtype", "Probes", "planned_train_shape", "planned_fixed"]

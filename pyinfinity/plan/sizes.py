@@ -164,10 +164,11 @@ def llama_sizes(d: dict, dtype: Union[str, torch.dtype] = "bf16") -> ModelSizes:
 
 
 def sizes_from_config(config: Union[str, os.PathLike, dict],
-                      dtype: Union[str, torch.dtype] = "bf16") -> ModelSizes:
+                      dtype: Union[str, torch.dtype] = "bf16", unit_bytes: Optional[int] = None) -> ModelSizes:
     """Sizes from a transformers config (path to config.json / a model directory / a dict): the
-    model is built on the meta device (nothing allocated) so the count is exact; if transformers
-    cannot build it, a Llama-style analytic count."""
+    model is built on the meta device (nothing allocated) so the count is exact, its units cut at
+    ``unit_bytes`` (``sizes_from_module``); if transformers cannot build it, a Llama-style
+    analytic count (a unit per decoder layer)."""
     d = load_model_config(config)
     try:
         import transformers
@@ -176,7 +177,7 @@ def sizes_from_config(config: Union[str, os.PathLike, dict],
         cfg = transformers.AutoConfig.for_model(mt, **{k: v for k, v in d.items() if k != "model_type"})
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
-        s = sizes_from_module(model, dtype)
+        s = sizes_from_module(model, dtype, unit_bytes)
         s.source = f"{type(model).__name__} (meta)"
         return s
     except Exception as exc:  # noqa: BLE001 - any failure to build falls back to the formula
@@ -194,7 +195,7 @@ def model_sizes(model: Any, dtype: Optional[Union[str, torch.dtype]] = None,
         return model if dtype is None else model.with_dtype(dtype)
     if isinstance(model, nn.Module):
         return sizes_from_module(model, dtype, unit_bytes)
-    return sizes_from_config(model, dtype or "bf16")
+    return sizes_from_config(model, dtype or "bf16", unit_bytes)
 
 
 __all__ = ["sizes_from_module", "sizes_from_config", "llama_sizes", "model_sizes", "load_model_config"]

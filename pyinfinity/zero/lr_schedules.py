@@ -48,6 +48,10 @@ class WarmupLR:
             return [self.min_lr]
         return [self.min_lr + self.delta * self._gamma()]
 
+    def _scaled(self, ratio: float) -> list[float]:
+        """Each group's own lr (its ``initial_lr``) times ``ratio``."""
+        return [float(g["initial_lr"]) * ratio for g in self.optimizer.param_groups]
+
     def _apply(self) -> None:
         lrs = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, lrs * len(self.optimizer.param_groups)):
@@ -97,7 +101,8 @@ class WarmupCosineLR(WarmupLR):
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
-        self.org_lr = float(optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"]))
+        for g in optimizer.param_groups:  # each group peaks at its own lr (param groups of other lrs)
+            g.setdefault("initial_lr", g["lr"])
         super().__init__(optimizer, 0.0, 1.0, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def get_lr(self) -> list[float]:
@@ -113,7 +118,7 @@ class WarmupCosineLR(WarmupLR):
             progress = min(1.0, real_last / real_total)
             ratio = (1 + math.cos(math.pi * progress)) / 2
             ratio = max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * ratio)
-        return [self.org_lr * ratio]
+        return self._scaled(ratio)
 
 
 class LinearWarmupCosineLR(WarmupLR):
@@ -128,7 +133,8 @@ class LinearWarmupCosineLR(WarmupLR):
                  cos_min_ratio: float = 0.0001, last_batch_iteration: int = -1) -> None:
         self.total_num_steps = int(total_num_steps)
         self.cos_min_ratio = float(cos_min_ratio)
-        self.org_lr = float(optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"]))
+        for g in optimizer.param_groups:  # each group peaks at its own lr (param groups of other lrs)
+            g.setdefault("initial_lr", g["lr"])
         super().__init__(optimizer, 0.0, 1.0, warmup_num_steps, "linear", last_batch_iteration)
         self.warmup_num_steps = max(0, int(warmup_num_steps))
         self._apply()
@@ -140,7 +146,7 @@ class LinearWarmupCosineLR(WarmupLR):
         else:
             progress = min(1.0, (k - w) / max(1, self.total_num_steps - w))
             ratio = self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2
-        return [self.org_lr * ratio]
+        return self._scaled(ratio)
 
 
 SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,

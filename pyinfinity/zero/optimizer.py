@@ -16,6 +16,8 @@ is done by parts with one job each, in ``zero/optim/``:
 * ``device.py`` — units whose state lives on the compute device, and the streamed step's buffers;
 * ``worker.py`` — the background worker (``pyinfinity.overlap_step``): steps handed shards while the
   caller goes on, reads NVMe states ahead, keeps its failure for the caller;
+* ``groups.py`` — param groups that differ within a shard (lr, betas, eps, weight decay): the
+  kernel calls of one shard's step;
 * ``records.py``, ``scaler.py`` — the records they share, fp16 loss scaling.
 
 Every path runs the same per-shard function on the same inputs, so the background step is
@@ -32,10 +34,11 @@ import torch
 
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.optim.cpu_step import CpuStep
-from pyinfinity.zero.optim.decay import shard_ranges
 from pyinfinity.zero.optim.device import DeviceStates, StreamedStep
-from pyinfinity.zero.optim.formats import DEVICE_CHUNK, AdamFp32, OptimStateFormat
+from pyinfinity.config import QUANT_BLOCK
+from pyinfinity.zero.optim.formats import DEVICE_CHUNK, Adam8bit, AdamFp32, OptimStateFormat
 from pyinfinity.zero.optim.grads import GradientIntake
+from pyinfinity.zero.optim.groups import ShardRanges, shard_ranges, split_blocks
 from pyinfinity.zero.optim.records import (BackgroundStepFailed, PhaseClock, ShardOptimState, StepJob, StepResult,
                                            StepWindow)
 from pyinfinity.zero.optim.scaler import DynamicLossScaler
@@ -48,9 +51,9 @@ log = logging.getLogger(__name__)
 class OffloadOptimizer:
     """Adam/AdamW over flat shards whose state lives in RAM or on NVMe.
 
-    ``param_groups`` mirrors torch's (one group) so DeepSpeed-style and torch LR schedulers can
-    drive ``lr``. ``write_param(shard, flat)`` is called after each shard's step with the new
-    master values (fp32, host); it writes them home in the compute dtype and returns a request
+    ``param_groups`` mirrors torch's (one group, or those of ``set_param_groups``) so
+    DeepSpeed-style and torch LR schedulers can drive each group's ``lr``. ``write_param(shard,
+    flat)`` is called after each shard's step with the new master values (fp32, host); it writes them home in the compute dtype and returns a request
     (or None) that completes the write. ``state_format``: how a shard's state is stored and
     stepped (default: ``AdamFp32``). ``param_out(shard)``: the bf16 home the one-pass CPU step may
     write the new weights into (then ``write_param`` is called with ``cast=False``);
@@ -87,6 +90,8 @@ class OffloadOptimizer:
         self.param_groups = [{"lr": cfg.lr, "initial_lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps,
                               "weight_decay": cfg.weight_decay, "params": []}]
         self.defaults = dict(self.param_groups[0])
+        self._group_of: dict[int, int] = {}  # id(parameter) -> its group (``set_param_groups``); others: group 0
+        self._decay_of: dict[int, float] = {}  # id(parameter) -> its own weight decay (``set_weight_decay``)
         self.total_numel = total_numel  # trainable elements in all: what ratio splits
         self.background = background
         self.window = StepWindow()
@@ -161,29 +166,80 @@ class OffloadOptimizer:
 
     def set_weight_decay(self, decay_of: Mapping[int, float]) -> int:
         """Gives the parameters named by ``decay_of`` (``id(parameter)`` -> weight decay) their own
-        AdamW weight decay, in place of ``param_groups[0]["weight_decay"]`` (which the others keep,
-        read at every step); replaces any earlier call's. A shard holding parameters of different
-        decay is stepped as ``optim.decay`` says. Returns the shards whose decay is split by range.
+        AdamW weight decay, in place of their group's ``weight_decay`` (which the others keep, read
+        at every step); replaces any earlier call's. A shard holding parameters of different decay
+        is stepped as ``optim.groups`` says. Returns the shards whose decay is split by range.
         ValueError for Adam's L2 decay, or a state format whose master is not fp32, where one shard's
         parameters would differ."""
         self.drain()
+        ranges = self._ranges(self._group_of, decay_of)
         split = 0
-        ranges = {st.shard.index: shard_ranges(st.shard.slices, st.numel, decay_of) for st in self.states}
         for st in self.states:
             r = ranges[st.shard.index]
-            if r is None or len({wd for _, _, wd in r.ranges}) == 1:
+            if r is None or len({wd for _, _, _, wd in r.ranges}) == 1:
                 continue
             split += 1
             if not self.format.adam_w:
                 raise ValueError(f"weight decay per parameter within one unit ({st.shard.module_name or '<root>'}): "
                                  "only AdamW's decoupled decay can differ there, not Adam's L2 decay")
-            if self.format.name == "bf16":
+            if not self.format.master_fp32:
                 raise ValueError(f"weight decay per parameter within one unit ({st.shard.module_name or '<root>'}): "
-                                 "the bf16 optimizer state's master cannot take a separate decay pass; use the fp32 "
-                                 "or 8bit state, or one weight decay")
-        for st in self.states:
-            st.decay = ranges[st.shard.index]
+                                 f"the {self.format.name} optimizer state's master cannot take a separate decay "
+                                 "pass; use the fp32 or 8bit state, or one weight decay")
+        self._decay_of = dict(decay_of)
+        self._apply_ranges(ranges)
         return split
+
+    def set_param_groups(self, groups: Sequence[Mapping[str, Any]]) -> int:
+        """Steps the parameters of each of ``groups`` (torch's param groups: ``params`` and any of
+        ``lr``, ``betas``, ``eps``, ``weight_decay``; a key left out takes group 0's as it is now)
+        with that group's values, as a torch Adam/AdamW built on those groups would: ``param_groups``
+        becomes one group per given group, in order (a schedule sets each one's ``lr``; its
+        ``initial_lr`` is the lr given), and a parameter no group names steps with group 0's.
+        Replaces any earlier call's. Returns the shards stepped range by range (``optim.groups``).
+        ValueError for a parameter in two groups, or where a range of other hyperparameters would
+        start inside a quantisation block of the 8-bit state."""
+        if not groups:
+            raise ValueError("set_param_groups: no groups given")
+        self.drain()
+        base = self.param_groups[0]
+        new: list[dict] = []
+        group_of: dict[int, int] = {}
+        for i, g in enumerate(groups):
+            lr = float(g.get("lr", base["lr"]))
+            new.append({"lr": lr, "initial_lr": float(g.get("initial_lr", lr)),
+                        "betas": tuple(float(b) for b in g.get("betas", base["betas"])),
+                        "eps": float(g.get("eps", base["eps"])),
+                        "weight_decay": float(g.get("weight_decay", base["weight_decay"])), "params": []})
+            for p in g.get("params", ()):
+                if group_of.setdefault(id(p), i) != i:
+                    raise ValueError(f"set_param_groups: a parameter is in groups {group_of[id(p)]} and {i}")
+        ranges = self._ranges(group_of, self._decay_of)
+        if self.format.name == "8bit":
+            def key(group: int, wd: Optional[float]) -> tuple:
+                g = new[group]
+                w = g["weight_decay"] if wd is None else wd
+                return (g["lr"], g["betas"], g["eps"], None if self.format.decoupled_decay else w)
+
+            for st in self.states:
+                at = split_blocks(ranges[st.shard.index], st.numel, QUANT_BLOCK, key)
+                if at is not None and Adam8bit.quantized(st.numel):
+                    raise ValueError(f"param groups within one unit ({st.shard.module_name or '<root>'}): a group's "
+                                     f"parameters start at element {at}, inside a quantisation block of {QUANT_BLOCK} "
+                                     "of the 8bit optimizer state; use the fp32 or bf16 state, or give these "
+                                     "parameters one group")
+        self.param_groups[:] = new
+        self.defaults = dict(new[0])
+        self._group_of = group_of
+        self._apply_ranges(ranges)
+        return sum(1 for r in ranges.values() if r is not None and not r.uniform())
+
+    def _ranges(self, group_of: Mapping[int, int], decay_of: Mapping[int, float]) -> dict[int, Optional[ShardRanges]]:
+        return {st.shard.index: shard_ranges(st.shard.slices, st.numel, group_of, decay_of) for st in self.states}
+
+    def _apply_ranges(self, ranges: Mapping[int, Optional[ShardRanges]]) -> None:
+        for st in self.states:
+            st.ranges = ranges[st.shard.index]
 
     def _state_in_ram(self, st: ShardOptimState, read: bool) -> torch.Tensor:
         """A shard's state in RAM: its home there, else a buffer of its size (filled from the home
@@ -276,10 +332,16 @@ class OffloadOptimizer:
         yield from self.cpu.iter_states(write_back, self.states if states is None else states)
 
     def _hyper(self) -> dict:
-        g = self.param_groups[0]
+        """The step's hyperparameters: group 0's, and with several groups each one's under
+        ``"groups"`` (``optim.groups.step_calls`` picks a range's)."""
+        sets = tuple(self._group_hyper(g) for g in self.param_groups)
+        return {**sets[0], "groups": sets} if len(sets) > 1 else sets[0]
+
+    @staticmethod
+    def _group_hyper(g: Mapping[str, Any]) -> dict:
         beta1, beta2 = g["betas"]
-        return {"lr": float(g["lr"]), "beta1": beta1, "beta2": beta2, "weight_decay": float(g["weight_decay"]),
-                "eps": float(g["eps"])}
+        return {"lr": float(g["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+                "weight_decay": float(g["weight_decay"]), "eps": float(g["eps"])}
 
     def _adam(self, st: ShardOptimState, flat: torch.Tensor, hyper: dict, inv_factor: Optional[torch.Tensor],
               k: int = 0, grad: Optional[torch.Tensor] = None) -> torch.Tensor:

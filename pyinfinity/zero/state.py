@@ -262,6 +262,18 @@ class TrainingState:
         if self._closed:
             raise RuntimeError("Engine: used after close()")
 
+    def check_parameters(self, model: nn.Module) -> None:
+        """RuntimeError naming the first parameter of ``model`` that the engine does not hold: one
+        created after ``initialize`` (``resize_token_embeddings``, a module replaced), which the
+        engine would neither offload nor train."""
+        known = self.partition.param_slice
+        for name, p in model.named_parameters():
+            if id(p) not in known:
+                raise RuntimeError(f"Engine: parameter {name} was created after pyinfinity.initialize (e.g. by "
+                                   "resize_token_embeddings or a module replaced after the engine or Trainer wrapped "
+                                   "the model), so the engine would neither offload nor train it; change the model "
+                                   "before Trainer or pyinfinity.initialize")
+
     @property
     def partly_stepped(self) -> Optional[str]:
         """Why some shards hold a step's (or a checkpoint's) values and others not, or None."""

@@ -83,9 +83,18 @@ def trainer_args(out: Path, config: dict, **kw):
                              save_total_limit=2, seed=0, disable_tqdm=True, **kw)
 
 
-def own_loop(model, batches: list, nvme: Path, weight_decay: float = 0.0, decayed: tuple = ()) -> dict:
+def fast_group(model) -> tuple[list, list]:
+    """(the rest, the q_proj weights): the parameters of ``--fast-lr-ratio``'s two groups (LoRA+ style:
+    one group of each decoder layer's unit steps with another lr)."""
+    fast = [p for n, p in model.named_parameters() if "q_proj" in n]
+    return [p for n, p in model.named_parameters() if "q_proj" not in n], fast
+
+
+def own_loop(model, batches: list, nvme: Path, weight_decay: float = 0.0, decayed: tuple = (),
+             fast_lr_ratio: float = 0.0) -> dict:
     """pyinfinity's own training loop on the batches Trainer drew, with Trainer's schedule; with
-    ``weight_decay``, only the parameters named in ``decayed`` decay (Trainer's two groups)."""
+    ``weight_decay``, only the parameters named in ``decayed`` decay (Trainer's two groups); with
+    ``fast_lr_ratio``, the q_proj weights are a group of that many times the lr."""
     from transformers import get_cosine_schedule_with_warmup
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP,
@@ -99,9 +108,16 @@ def own_loop(model, batches: list, nvme: Path, weight_decay: float = 0.0, decaye
     engine = pyinfinity.initialize(model, cfg)
     if weight_decay:
         engine.optimizer.set_weight_decay({id(p): 0.0 for n, p in model.named_parameters() if n not in decayed})
+    if fast_lr_ratio:
+        rest, fast = fast_group(model)
+        engine.optimizer.set_param_groups([{"params": rest}, {"params": fast, "lr": LR * fast_lr_ratio}])
     losses, norms = [], []
     for i, ids in enumerate(batches):
-        engine.optimizer.param_groups[0]["lr"] = shadow.param_groups[0]["lr"]
+        if fast_lr_ratio:  # as Trainer's LambdaLR: each group's initial lr times the schedule's factor
+            for g in engine.optimizer.param_groups:
+                g["lr"] = g["initial_lr"] * (shadow.param_groups[0]["lr"] / LR)
+        else:
+            engine.optimizer.param_groups[0]["lr"] = shadow.param_groups[0]["lr"]
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         rec = engine.step()
@@ -117,7 +133,7 @@ def own_loop(model, batches: list, nvme: Path, weight_decay: float = 0.0, decaye
 def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     """Trainer over pyinfinity's engine: uninterrupted (and optionally compared with the own loop,
     evaluated, saved, generating), or resumed from one of its checkpoints."""
-    from transformers import LlamaForCausalLM, Trainer
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback
     from transformers.data.data_collator import default_data_collator
 
     base = write_base(out.parent / "base")
@@ -145,8 +161,25 @@ def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     res: dict = {}
     (out / "nvme").mkdir(parents=True, exist_ok=True)
     data = samples()
-    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
-                      data_collator=collate)
+
+    class TwoLrTrainer(Trainer):  # as LoRA+ and LLaMA-Factory's trainers: their own optimizer groups
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                rest, fast = fast_group(self.model)
+                self.optimizer = torch.optim.AdamW([{"params": rest}, {"params": fast,
+                                                                        "lr": LR * opts.fast_lr_ratio}],
+                                                   lr=LR, weight_decay=opts.weight_decay)
+            return self.optimizer
+
+    group_lrs: list = []
+
+    class GroupLrs(TrainerCallback):  # each step's lr of each group, as the engine's optimizer holds them
+        def on_step_end(self, args, state, control, optimizer=None, **kw):
+            group_lrs.append([g["lr"] for g in optimizer.param_groups])
+
+    trainer = (TwoLrTrainer if opts.fast_lr_ratio else Trainer)(model=model, args=args, train_dataset=data,
+                                                                eval_dataset=data[:4], data_collator=collate,
+                                                                callbacks=[GroupLrs()])
     trainer.train(resume_from_checkpoint=opts.resume)
     import deepspeed
 
@@ -166,7 +199,8 @@ def phase_trainer(out: Path, opts: argparse.Namespace) -> dict:
     trainer.model_wrapped.destroy()
     if own_model is not None:
         (out / "nvme_own").mkdir(exist_ok=True)
-        res["own"] = own_loop(own_model, batches, out / "nvme_own", opts.weight_decay, decayed)
+        res["own"] = own_loop(own_model, batches, out / "nvme_own", opts.weight_decay, decayed, opts.fast_lr_ratio)
+    res["group_lrs"] = group_lrs
     return res
 
 
@@ -314,10 +348,11 @@ def phase_misuse(out: Path, opts: argparse.Namespace) -> dict:
             os.environ.update(old)
         return "accepted"
 
-    def two_groups(m):
+    def two_groups(m):  # other lrs are stepped; amsgrad in a group is not
         decay = [p for n, p in m.named_parameters() if "norm" not in n]
         rest = [p for n, p in m.named_parameters() if "norm" in n]
-        return torch.optim.AdamW([{"params": decay, "lr": LR}, {"params": rest, "lr": LR / 10}], lr=LR)
+        return torch.optim.AdamW([{"params": decay, "lr": LR}, {"params": rest, "lr": LR / 10, "amsgrad": True}],
+                                 lr=LR)
 
     res = {"pipeline": attempt(lambda c: c.update(pipeline={"stages": 2})),
            "world_size": attempt(env={"WORLD_SIZE": "2"}),
@@ -460,6 +495,7 @@ def main() -> None:
     ap.add_argument("--zero-init", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--fast-lr-ratio", type=float, default=0.0)
     opts = ap.parse_args()
     global DEVICE
     DEVICE = opts.device

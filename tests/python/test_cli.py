@@ -4,6 +4,7 @@ its traceback. `train --resume` continues a run exactly; the progress bar stays 
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -602,3 +603,25 @@ def test_train_save_every_charges_the_background_saves_staging_and_blocking_save
     assert staging("--config", str(file), *save) == "64MiB"
     file.write_text(json.dumps({"pyinfinity": {}}))
     assert staging("--config", str(file), *save) == CHECKPOINT_STAGING
+
+
+def test_plan_writes_the_unit_size_and_overlap_step_it_planned_with_and_train_runs_with_them(tmp_path):
+    """`plan -o` decides "auto" unit_bytes and overlap_step as the engine does (one function each)
+    and writes them: `train --config` then cuts the model into the units the planner printed and
+    steps with the planned overlap."""
+    (tmp_path / "model.json").write_text(json.dumps(TINY_TRAIN_MODEL))
+    cfg = tmp_path / "plan.json"
+    p = cli("plan", "--model", str(tmp_path / "model.json"), "--device", "cpu", "--seq-len", "32",
+            "--cpu-memory", "3GiB", "-o", str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    planned = json.loads(cfg.read_text())["pyinfinity"]
+    assert isinstance(planned.get("unit_bytes"), int) and planned["unit_bytes"] > 0, planned
+    assert planned.get("overlap_step") in (True, False), planned
+    shards = int(re.search(r"parameters \([\d.]+ B\), (\d+) shards", p.stdout).group(1))
+    p = cli("train", "--config", str(cfg), "--model-size", "tiny", "--steps", "1", "--seq", "32", "--corpus-bytes",
+            "64KB", "--no-progress", "--json", str(tmp_path / "run.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    used = json.loads((tmp_path / "run.json").read_text())["config"]["pyinfinity"]
+    assert used["unit_bytes"] == planned["unit_bytes"] and used["overlap_step"] == planned["overlap_step"]
+    placed = re.search(r"placed \d+ units \((\d+) shards\)", p.stderr)
+    assert placed is not None and int(placed.group(1)) == shards, p.stderr[-3000:]

@@ -291,3 +291,21 @@ def test_the_engine_stores_the_state_the_config_asks_for(cfg, name):
     with pyinfinity.initialize(torch.nn.Linear(64, 64), cfg) as eng:
         assert eng.optimizer.format.name == name
         assert eng.memory_report().optimizer_state == name
+
+
+@pytest.mark.parametrize("name, params", [
+    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_min_ratio": 0.1, "warmup_num_steps": 3}),
+    ("LinearWarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 3}),
+])
+def test_the_ratio_schedules_scale_each_param_groups_own_lr(name, params):
+    # param groups of other lrs (an embedding's or LoRA+'s): each follows the schedule from its own peak
+    from pyinfinity.zero.lr_schedules import build_scheduler
+
+    one, two = _Opt(1e-3), _Opt(1e-3)
+    two.param_groups.append({"lr": 4e-3, "initial_lr": 4e-3})
+    a, b = build_scheduler(name, one, dict(params)), build_scheduler(name, two, dict(params))
+    for _ in range(10):
+        assert two.param_groups[0]["lr"] == one.param_groups[0]["lr"]
+        assert two.param_groups[1]["lr"] == pytest.approx(4 * one.param_groups[0]["lr"], rel=1e-12)
+        a.step()
+        b.step()

@@ -192,3 +192,23 @@ def test_config_and_plan(engine_config):
     cpu = solve(sizes, train, Budgets(device_memory=8 << 30, host_memory=100 << 30, swap=[], device_is_host=True),
                 Rates(h2d=20e9, d2h=20e9, disk_read=1e9, disk_write=1e9, adam=1e9, matmul=1e12, memcpy=20e9))
     assert cpu.device_state_bytes == 0
+
+
+def test_param_groups_of_other_lrs_step_on_the_device_as_on_the_cpu_kernel(tiny_lm, lm_batches, engine_config):
+    # every other parameter in a group of its own lr, betas and eps: units mix both groups, and the
+    # device step (a call per range over slices) agrees with the CPU kernel (a call per range over pointers)
+    batches = lm_batches(4)
+    got = {}
+    for dob in (0, "1MiB"):
+        model = tiny_lm()
+        params = [p for p in model.parameters() if p.requires_grad]
+        with pyinfinity.initialize(model, _cfg(engine_config, dob, clip=0.5)) as eng:
+            split = eng.optimizer.set_param_groups([{"params": params[0::2]}, {"params": params[1::2], "lr": 5e-3,
+                                                                               "betas": (0.8, 0.99), "eps": 1e-6}])
+            assert split > 0
+            n_dev = sum(sh.device_step for sh in eng.partition.shards)
+            got[dob] = (n_dev, train_steps(eng, batches), engine_state(eng))
+    assert got[0][0] == 0 and got["1MiB"][0] > 0
+    torch.testing.assert_close(torch.tensor(got["1MiB"][1]), torch.tensor(got[0][1]), rtol=1e-5, atol=1e-6)
+    for k, v in got[0][2].items():
+        torch.testing.assert_close(got["1MiB"][2][k], v, rtol=1e-4, atol=1e-6, msg=k)

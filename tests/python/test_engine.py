@@ -411,3 +411,20 @@ def test_export_of_a_bf16_run_says_it_writes_the_models_own_fp32(engine_config, 
     st = next(f for f in files if f.endswith(".safetensors"))
     with safe_open(st, "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+
+
+def test_a_parameter_created_after_initialize_fails_the_next_forward_naming_it(engine_config):
+    # a new embedding set after the engine (or Trainer) wrapped the model, as resize_token_embeddings
+    # sets one: the engine never partitioned it; training on would leave it untrained and unoffloaded
+    model = _tiny_llama()
+    x = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pyinfinity.initialize(model, engine_config("cpu")) as eng:
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
+        model.set_input_embeddings(torch.nn.Embedding(80, 32))
+        for mode in ("train", "eval"):
+            getattr(eng, mode)()
+            with pytest.raises(RuntimeError, match=r"^Engine: parameter model\.embed_tokens\.weight was created after "
+                                                   r"pyinfinity\.initialize.*before Trainer") as e:
+                eng(input_ids=x, labels=x)
+            assert "\n" not in str(e.value)

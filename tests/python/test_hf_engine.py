@@ -91,6 +91,29 @@ def test_trainer_with_weight_decay_steps_its_decay_and_no_decay_groups_as_its_ow
     assert res["grad_norms"] == pytest.approx(res["own"]["grad_norms"], rel=1e-5)
 
 
+def test_trainer_with_a_group_of_another_lr_steps_each_group_with_its_scheduled_lr_as_its_own_loop(
+        tmp_path: Path) -> None:
+    # a LoRA+ style optimizer: q_proj's weights at 4x the lr, in the same unit as the rest of their layer;
+    # Trainer's LambdaLR scales each group's own lr
+    res = run_worker("trainer", tmp_path / "run", "--own", "1", "--fast-lr-ratio", "4")
+    assert res["engine"] == "PyinfinityDeepSpeedEngine" and res["steps"] == [1, 2, 3, 4, 5, 6]
+    lrs = res["group_lrs"]
+    assert len(lrs) == 6 and all(len(g) == 2 and g[1] == pytest.approx(4 * g[0]) for g in lrs)
+    assert len({g[0] for g in lrs}) > 2  # the schedule moved them
+    assert res["losses"] == pytest.approx(res["own"]["losses"], rel=1e-5)
+    assert res["grad_norms"] == pytest.approx(res["own"]["grad_norms"], rel=1e-5)
+
+
+def test_trainer_with_a_group_of_another_lr_resumes_from_its_checkpoint_exactly(tmp_path: Path) -> None:
+    whole = run_worker("trainer", tmp_path / "whole", "--fast-lr-ratio", "4")
+    resumed = run_worker("trainer", tmp_path / "resumed", "--fast-lr-ratio", "4", "--resume",
+                         str(tmp_path / "whole" / "trainer" / "checkpoint-4"))
+    assert resumed["group_lrs"] == whole["group_lrs"][4:]  # both groups' lrs, steps 5 and 6
+    for key in ("losses", "grad_norms"):
+        w, r = by_step(whole, key), by_step(resumed, key)
+        assert [r[5], r[6]] == pytest.approx([w[5], w[6]], rel=1e-5), key
+
+
 def test_trainer_resumed_from_its_checkpoint_continues_exactly_and_saves_each_checkpoint_once(tmp_path: Path) -> None:
     # stage3_gather_16bit_weights_on_model_save false: Trainer calls save_checkpoint twice per checkpoint
     whole = run_worker("trainer", tmp_path / "whole", "--gather", "0")
@@ -154,7 +177,7 @@ def test_what_pyinfinitys_engine_does_not_do_is_refused_naming_the_key_and_never
     assert res.pop("deepspeed_initialize_ran") == 0  # DeepSpeed's own engine was never built instead
     expected = {"pipeline": "pipeline:", "world_size": "world size: 2 processes", "tensor_parallel":
                 "tensor_parallel.autotp_size: 2", "stage": "zero_optimization.stage: 2", "sgd": "optimizer: SGD",
-                "param_groups": "optimizer.param_groups[1].lr", "mpu": "mpu:"}
+                "param_groups": "optimizer.param_groups[1].amsgrad", "mpu": "mpu:"}
     for case, start in expected.items():
         msg = res[case]
         assert msg.startswith("ConfigError: " + start), (case, msg)

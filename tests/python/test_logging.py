@@ -4,6 +4,7 @@ engine's plan, progress and a step line every ``steps_per_print`` steps; once th
 configures logging, records go its way only (never twice)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -149,3 +150,14 @@ def test_the_engines_start_logs_its_progress_through_the_weights(caplog, monkeyp
     assert lines and all(m.startswith("writing the weights to their tiers: ") for m in lines)
     n = sum(1 for m in model.modules() if m._parameters)
     assert f"{n}/{n} modules" in lines[-1] and "left" in lines[-1], lines[-1]
+
+
+def test_a_fixed_placement_logs_its_layout_and_one_line_saying_how_to_get_a_predicted_step():
+    # the engine probes no rates for a placement the config fixes (the quick probe would lengthen every start)
+    lines = run_engine().splitlines()
+    summary = [ln for ln in lines if "plan (the config's placement, checked)" in ln]
+    assert len(summary) == 1 and "device peak" in summary[0] and "host RAM" in summary[0], lines
+    hint = [ln for ln in lines if "step time not predicted" in ln]
+    assert len(hint) == 1, lines
+    assert "`pyinfinity plan --config FILE --model MODEL_DIR` (or --model-size NAME)" in hint[0]
+    assert not any(re.search(r"predicted: [\d.]+ s/step", ln) for ln in lines)  # no figure without rates

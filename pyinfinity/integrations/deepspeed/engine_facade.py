@@ -13,8 +13,8 @@ never runs: every call those libraries make is one of the methods below, and an 
 DeepSpeed's engine that pyinfinity does not implement raises AttributeError naming it.
 
 The optimizer they get is :class:`EngineOptimizer`, a ``torch.optim.Optimizer`` whose
-``param_groups`` are the engine's: a torch scheduler built on it (Trainer's ``LambdaLR``) sets the
-learning rate the offloaded Adam steps with. Its ``step()`` and ``zero_grad()`` do nothing: the
+``param_groups`` are the engine's: a torch scheduler built on it (Trainer's ``LambdaLR``) sets each
+group's learning rate the offloaded Adam steps with. Its ``step()`` and ``zero_grad()`` do nothing: the
 engine steps at the boundary, as DeepSpeed's does."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pyinfinity.integrations.deepspeed.route_checks import refuse, weight_decay_of
+from pyinfinity.integrations.deepspeed.route_checks import refuse
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ _facade_class: Optional[type] = None
 
 class EngineOptimizer(torch.optim.Optimizer):
     """The engine's offloaded Adam as a torch optimizer: ``param_groups`` is the engine's list
-    (one group; writing its ``lr`` sets the next step's; the parameters of the user's other groups
-    keep those groups' weight decay), ``overflow`` says whether the last step
+    (the user's groups, ``OffloadOptimizer.set_param_groups``; writing a group's ``lr`` sets that
+    group's next step), ``overflow`` says whether the last step
     was skipped (fp16 overflow). It holds no state of its own: the engine's checkpoint has it."""
 
     def __init__(self, engine: Any, facade: Any = None) -> None:
@@ -293,12 +293,12 @@ def build_facade(model: nn.Module, ds_config: dict, cfg: dict, *, optimizer: Any
         adapters.init_new_adapters(model)  # PEFT put new adapters on the meta base's device
     engine = engine_initialize(model, cfg, weights=weights)
     try:
-        decay = weight_decay_of(optimizer) if optimizer is not None else {}
-        if decay:  # Trainer's AdamW: biases and norms in a group without weight decay
+        if optimizer is not None and len(optimizer.param_groups) > 1:
+            # Trainer's AdamW: biases and norms in a group without weight decay; LoRA+ or an embedding's own lr
             try:
-                engine.optimizer.set_weight_decay(decay)
+                engine.optimizer.set_param_groups(optimizer.param_groups)
             except ValueError as exc:
-                raise refuse("optimizer.param_groups", str(exc), "give every group one weight_decay") from None
+                raise refuse("optimizer.param_groups", str(exc), "give those parameters one group") from None
         from pyinfinity.integrations.deepspeed import gathered
 
         gathered.register(engine)
@@ -311,8 +311,8 @@ def build_facade(model: nn.Module, ds_config: dict, cfg: dict, *, optimizer: Any
             elif getattr(lr_scheduler, "optimizer", None) is optimizer and optimizer is not None:
                 sched = lr_scheduler
                 sched.optimizer = opt  # the schedule now sets the engine's lr
-                for g in opt.param_groups:
-                    g["lr"] = optimizer.param_groups[0]["lr"]
+                for g, user in zip(opt.param_groups, optimizer.param_groups):
+                    g["lr"] = user["lr"]
             else:
                 raise refuse("lr_scheduler", "a scheduler not built on the optimizer passed", "pass a callable "
                               "taking the optimizer, or a scheduler built on it")

@@ -124,10 +124,9 @@ ADAM_CLASSES = {"AdamW": True, "Adam": None, "DeepSpeedCPUAdam": None, "FusedAda
 
 def optimizer_section(optimizer: Any) -> dict:
     """The DeepSpeed ``"optimizer"`` section that makes pyinfinity's offloaded Adam step as
-    ``optimizer`` (a torch Adam/AdamW, or DeepSpeed's Adam) would, with group 0's weight decay
-    (:func:`weight_decay_of` gives the other groups' parameters theirs); refuses any other
-    optimizer, and param groups that differ in lr, betas or eps (pyinfinity's engine applies one
-    set to every parameter) or, for Adam's L2 decay, in weight decay."""
+    ``optimizer`` (a torch Adam/AdamW, or DeepSpeed's Adam) would, with group 0's values (the
+    engine's ``OffloadOptimizer.set_param_groups`` gives every group its own lr, betas, eps and
+    weight decay); refuses any other optimizer, and amsgrad or maximize in any group."""
     name = type(optimizer).__name__
     if name not in ADAM_CLASSES:
         raise refuse("optimizer", f"{name} cannot be offloaded by pyinfinity's engine (it steps Adam/AdamW on "
@@ -137,34 +136,17 @@ def optimizer_section(optimizer: Any) -> dict:
     if adamw is None:  # DeepSpeed's Adam says which; torch's Adam adds the decay to the gradient (L2)
         adamw = bool(getattr(optimizer, "adam_w_mode", False)) if name != "Adam" else False
     groups = optimizer.param_groups
+    for i, g in enumerate(groups):
+        for k in ("amsgrad", "maximize"):
+            if g.get(k):
+                key = f"optimizer.param_groups[{i}].{k}" if len(groups) > 1 else f"optimizer.{k}"
+                raise refuse(key, "true is not implemented by pyinfinity's offloaded Adam", "set it false")
     first = groups[0]
-    for i, g in enumerate(groups[1:], 1):
-        for k in ("lr", "betas", "eps"):
-            if k in first and g.get(k) != first.get(k):
-                raise refuse(f"optimizer.param_groups[{i}].{k}", f"{g.get(k)!r} where group 0 has {first.get(k)!r}: "
-                              "pyinfinity's engine applies one lr, betas and eps to every parameter (groups may "
-                              "differ in weight_decay only)", "use one value")
-        if not adamw and g.get("weight_decay", 0.0) != first.get("weight_decay", 0.0):
-            raise refuse(f"optimizer.param_groups[{i}].weight_decay", f"{g.get('weight_decay')!r} where group 0 has "
-                          f"{first.get('weight_decay')!r}: pyinfinity's engine can give groups their own weight decay "
-                          "for AdamW's decoupled decay, not for Adam's L2 decay", "use torch.optim.AdamW, or one value")
-    for k in ("amsgrad", "maximize"):
-        if first.get(k):
-            raise refuse(f"optimizer.{k}", "true is not implemented by pyinfinity's offloaded Adam", "set it false")
     betas = tuple(float(b) for b in first.get("betas", (0.9, 0.999)))
     return {"type": "AdamW" if adamw else "Adam",
             "params": {"lr": float(first["lr"]), "betas": list(betas), "eps": float(first.get("eps", 1e-8)),
                        "weight_decay": float(first.get("weight_decay", 0.0)), "adam_w_mode": adamw}}
 
 
-def weight_decay_of(optimizer: Any) -> Dict[int, float]:
-    """``id(parameter)`` -> weight decay for the parameters of the groups whose weight decay is not
-    group 0's (the engine's ``OffloadOptimizer.set_weight_decay``); empty when every group has one."""
-    groups = optimizer.param_groups
-    first = float(groups[0].get("weight_decay", 0.0))
-    return {id(p): float(g.get("weight_decay", 0.0)) for g in groups[1:]
-            if float(g.get("weight_decay", 0.0)) != first for p in g["params"]}
-
-
 __all__ = ["SECTION", "UNTESTED_ENV", "KNOWN_SERIES", "PLANNED_KEYS", "ADAM_CLASSES", "has_section", "load_dict",
-           "check_versions", "check_supported", "optimizer_section", "weight_decay_of", "refuse"]
+           "check_versions", "check_supported", "optimizer_section", "refuse"]

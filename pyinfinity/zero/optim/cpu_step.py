@@ -14,10 +14,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper, aligned_empty
-from pyinfinity.zero.optim.decay import step_hyper
 from pyinfinity.zero.optim.device import StreamedStep
 from pyinfinity.zero.optim.formats import OptimStateFormat
 from pyinfinity.zero.optim.grads import GradientIntake
+from pyinfinity.zero.optim.groups import Call, span_kw, step_calls
 from pyinfinity.zero.optim.records import PhaseClock, ShardOptimState
 from pyinfinity.zero.partition import FlatShard
 
@@ -56,23 +56,26 @@ class CpuStep:
         n = st.numel
         if self.before_update is not None:  # a background checkpoint's copy of this shard comes first
             self.before_update(st, flat)
-        hyper = step_hyper(st.decay, hyper, lambda: self.format.master(flat, n))  # per-range decay, in place
+        calls = step_calls(st.ranges, hyper, lambda: self.format.master(flat, n),  # per-range decay, in place
+                           decoupled_decay=self.format.decoupled_decay)
         if self.streamed is None and grad is None and self.fused:
-            return self._one_pass(st, flat, hyper, inv_factor)
+            return self._one_pass(st, flat, calls, inv_factor)
         t0 = time.perf_counter()
         g32 = self.grads.fp32_for_step(st) if grad is None else grad
         t1 = time.perf_counter()
         st.step += 1
         scale = float(inv_factor) if inv_factor is not None else 1.0  # before any copy is queued
         if self.streamed is not None:  # stream the state to the device, step there, bring it back
-            self.streamed.step(flat, n, g32, hyper, st.step, inv_factor, k, scale)
+            self.streamed.step(flat, n, g32, calls, st.step, inv_factor, k, scale)
         else:
-            self.format.step_torch(flat, n, g32, hyper, torch.tensor(float(st.step)), inv_factor, count=st.step,
-                                   scale=scale)
+            count = torch.tensor(float(st.step))
+            for span, h in calls:
+                self.format.step_torch(flat, n, g32, h, count, inv_factor, count=st.step, scale=scale,
+                                       **span_kw(span))
         self.phases.add(gradient=t1 - t0, adam=time.perf_counter() - t1)
         return self.format.master(flat, n)
 
-    def _one_pass(self, st: ShardOptimState, flat: torch.Tensor, hyper: dict,
+    def _one_pass(self, st: ShardOptimState, flat: torch.Tensor, calls: list[Call],
                   inv_factor: Optional[torch.Tensor]) -> torch.Tensor:
         """The format's CPU step in one pass: the gradient read as it is (bf16 or fp32, no fp32
         copy) and, when ``param_out`` gives the shard's bf16 home, the new weights cast into it in
@@ -88,7 +91,9 @@ class CpuStep:
         t1 = time.perf_counter()
         st.step += 1
         scale = float(inv_factor) if inv_factor is not None else 1.0
-        master = self.format.step_cpu(flat, n, g, out, hyper, st.step, scale, self.kernel_threads())
+        threads = self.kernel_threads()
+        for span, h in calls:
+            master = self.format.step_cpu(flat, n, g, out, h, st.step, scale, threads, **span_kw(span))
         st.home_written = out is not None
         self.phases.add(gradient=t1 - t0, adam=time.perf_counter() - t1)
         return master

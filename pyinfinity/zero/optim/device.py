@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pyinfinity.swap.tensor_swapper import Tier, TensorSwapper
-from pyinfinity.zero.optim.decay import step_hyper
+from pyinfinity.zero.optim.groups import Call, span_kw, step_calls
 from pyinfinity.zero.optim.formats import OptimStateFormat
 from pyinfinity.zero.optim.records import PhaseClock, ShardOptimState
 from pyinfinity.zero.partition import FlatShard
@@ -72,8 +72,10 @@ class DeviceStates:
         if out is None or out.numel() != n:
             raise RuntimeError(f"shard {st.shard.index} ({st.shard.module_name or '<root>'}) steps on the device but is "
                                "not resident there")
-        hyper = step_hyper(st.decay, hyper, lambda: self.format.master(dev, n))
-        self.format.step_device(dev, n, g, out, hyper, st.dev_step, inv_factor, count=st.step, scale=scale)
+        for span, h in step_calls(st.ranges, hyper, lambda: self.format.master(dev, n),
+                                  decoupled_decay=self.format.decoupled_decay):
+            self.format.step_device(dev, n, g, out, h, st.dev_step, inv_factor, count=st.step, scale=scale,
+                                    **span_kw(span))
         st.dev_stale = True
         st.handed = True  # stepped in this step (a failure after this leaves the state partly stepped)
         st.src = st.event = None
@@ -145,16 +147,18 @@ class StreamedStep:
                            torch.empty(biggest, dtype=torch.float32, device=self.device)) for _ in range(2)]
         return self._bufs[which]
 
-    def step(self, flat: torch.Tensor, numel: int, grad32: torch.Tensor, hyper: dict, step: int,
+    def step(self, flat: torch.Tensor, numel: int, grad32: torch.Tensor, calls: list[Call], step: int,
              inv_factor: Optional[torch.Tensor], k: int, scale: float = 1.0) -> None:
-        """One step of the host state ``flat`` on the device (buffer set ``k % 2``); ``flat`` holds
-        the new state when this returns. ``scale``: ``inv_factor``'s value on the host."""
+        """One step of the host state ``flat`` on the device (buffer set ``k % 2``), one kernel call
+        per ``calls`` (``optim.groups.step_calls``); ``flat`` holds the new state when this returns.
+        ``scale``: ``inv_factor``'s value on the host."""
         dflat, dgrad = self.buffers(k % 2)
         work, g = dflat[:flat.numel()], dgrad[:numel]
         work.copy_(flat, non_blocking=True)
         g.copy_(grad32, non_blocking=True)
-        self.format.step_torch(work, numel, g, hyper, torch.tensor(float(step), device=self.device), inv_factor,
-                               count=step, scale=scale)
+        count = torch.tensor(float(step), device=self.device)
+        for span, h in calls:
+            self.format.step_torch(work, numel, g, h, count, inv_factor, count=step, scale=scale, **span_kw(span))
         flat.copy_(work)  # device -> host; waits for the kernel (the write-back needs it)
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from pyinfinity.config import STATE_FORMATS
+from pyinfinity.config import QUANT_BLOCK, STATE_FORMATS
 from pyinfinity.layout.pools import home_bytes_per_param
 from pyinfinity.swap.tensor_swapper import SwapRecord, Tier, TensorSwapper, aligned_empty
 from pyinfinity.zero.state_formats import (AdamHyper, Adam8bitState, cpu_step_8bit, cpu_step_bf16, dequantize_moments,
@@ -33,6 +33,12 @@ from pyinfinity.zero.state_formats import (AdamHyper, Adam8bitState, cpu_step_8b
                                            views_8bit)
 
 DEVICE_CHUNK = 16 << 20  # elements of a device-stepped unit converted to fp32 at a time (plan.placement counts it)
+#: the elements [a, b) of a shard one step call covers (None: all of them; ``optim.groups``)
+Span = Optional[tuple[int, int]]
+
+
+def _span(span: Span, numel: int) -> tuple[int, int]:
+    return span if span is not None else (0, numel)
 
 
 class OptimStateFormat(abc.ABC):
@@ -43,6 +49,14 @@ class OptimStateFormat(abc.ABC):
 
     name: str = ""
     bytes_per_param: float = 0  # bytes of a home per parameter (RAM, disk; the device copy costs the same)
+    adam_w: bool = True  # AdamW's decoupled weight decay (False: Adam's L2 decay, added to the gradient)
+    master_fp32: bool = True  # the master is stored in fp32
+
+    @property
+    def decoupled_decay(self) -> bool:
+        """Whether AdamW's decoupled decay can be applied to the fp32 master before the step, so
+        ranges that differ only in weight decay step in one call (``optim.groups``)."""
+        return self.adam_w and self.master_fp32
 
     @abc.abstractmethod
     def home_spec(self, numel: int) -> tuple[int, torch.dtype]:
@@ -75,14 +89,15 @@ class OptimStateFormat(abc.ABC):
 
     @abc.abstractmethod
     def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
-                 step: int, grad_scale: float, threads: int) -> torch.Tensor:
+                 step: int, grad_scale: float, threads: int, *, span: Span = None) -> torch.Tensor:
         """One step of a host state in place with ``grad`` (host, fp32 or bf16, contiguous; divided
         by ``grad_scale`` on the way), ``step`` the step count after this one; with ``out`` (a bf16
-        home of ``numel``), the new weights are cast into it in the same pass. Returns the master."""
+        home of ``numel``), the new weights are cast into it in the same pass. Returns the master.
+        ``span``: only the shard's elements ``[a, b)`` are stepped (every step method takes it)."""
 
     @abc.abstractmethod
     def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
-                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
+                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float, span: Span = None) -> None:
         """One step of a state in place with torch's kernels, on whatever device ``flat`` is
         (the streamed device step, and the CPU path without the one-pass kernel); ``grad`` fp32 on
         the same device, ``step`` a scalar tensor there, ``inv_factor`` what grad is divided by;
@@ -91,7 +106,8 @@ class OptimStateFormat(abc.ABC):
 
     @abc.abstractmethod
     def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
-                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
+                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float,
+                    span: Span = None) -> None:
         """One step of a state kept on the compute device (``OffloadOptimizer.to_device``), on the
         current stream, ``grad`` in any float dtype there; the new weights are cast into ``out``
         (the unit's device buffer). ``step`` is the device scalar of the count (already advanced);
@@ -149,12 +165,14 @@ class AdamFp32(_MasterThenMoments):
         return torch.cat([master.float(), exp_avg.float(), exp_avg_sq.float()])
 
     def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
-                 step: int, grad_scale: float, threads: int) -> torch.Tensor:
+                 step: int, grad_scale: float, threads: int, *, span: Span = None) -> torch.Tensor:
         from pyinfinity import _C
 
         n = numel
-        _C.adam_step(flat.data_ptr(), flat.data_ptr() + 4 * n, flat.data_ptr() + 8 * n, grad.data_ptr(),
-                     1 if grad.dtype == torch.bfloat16 else 0, out.data_ptr() if out is not None else 0, n,
+        a, b = _span(span, n)
+        at = flat.data_ptr() + 4 * a  # a range is the same kernel over pointers moved to its first element
+        _C.adam_step(at, at + 4 * n, at + 8 * n, grad.data_ptr() + a * grad.element_size(),
+                     1 if grad.dtype == torch.bfloat16 else 0, out.data_ptr() + 2 * a if out is not None else 0, b - a,
                      hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
                      self.adam_w, step, grad_scale, threads)
         return flat[:n]
@@ -163,19 +181,23 @@ class AdamFp32(_MasterThenMoments):
         return torch._fused_adamw_ if self.adam_w else torch._fused_adam_
 
     def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
-                   inv_factor: Optional[torch.Tensor], *, count: int = 0, scale: float = 1.0) -> None:
+                   inv_factor: Optional[torch.Tensor], *, count: int = 0, scale: float = 1.0,
+                   span: Span = None) -> None:
         n = numel
+        a, b = _span(span, n)
         # unscaling/clipping happens inside the kernel (it divides by grad_scale): no extra pass
-        self._kernel()([flat[:n]], [grad], [flat[n:2 * n]], [flat[2 * n:]], [], [step], lr=hyper["lr"],
-                       beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=hyper["weight_decay"],
-                       eps=hyper["eps"], amsgrad=False, maximize=False, grad_scale=inv_factor)
+        self._kernel()([flat[a:b]], [grad[a:b]], [flat[n + a:n + b]], [flat[2 * n + a:2 * n + b]], [], [step],
+                       lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"],
+                       weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False,
+                       grad_scale=inv_factor)
 
     def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
                     step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int = 0,
-                    scale: float = 1.0) -> None:
+                    scale: float = 1.0, span: Span = None) -> None:
         n, kernel = numel, self._kernel()
-        for a in range(0, n, DEVICE_CHUNK):  # Adam is elementwise: the fp32 gradient a chunk at a time
-            b = min(n, a + DEVICE_CHUNK)
+        start, end = _span(span, n)
+        for a in range(start, end, DEVICE_CHUNK):  # Adam is elementwise: the fp32 gradient a chunk at a time
+            b = min(end, a + DEVICE_CHUNK)
             gc = grad[a:b] if grad.dtype == torch.float32 else grad[a:b].float()
             master = flat[a:b]
             kernel([master], [gc], [flat[n + a:n + b]], [flat[2 * n + a:2 * n + b]], [], [step], lr=hyper["lr"],
@@ -246,25 +268,48 @@ class Adam8bit(OptimStateFormat):
             dst.copy_(t)
         return flat
 
-    def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
-                 step: int, grad_scale: float, threads: int) -> torch.Tensor:
-        if not self.quantized(numel):
-            return self._fp32.step_cpu(flat.view(torch.float32), numel, grad, out, hyper, step, grad_scale, threads)
+    def _span_of(self, flat: torch.Tensor, numel: int, span: Span) -> Adam8bitState:
+        """The state of the elements ``span`` covers (views): whole blocks of the moments' scales,
+        so a span starts on a block boundary (``OffloadOptimizer.set_param_groups`` refuses others)."""
         state = self._state(flat, numel)
-        cpu_step_8bit(state, grad, _hyper(hyper, self.adam_w, step, grad_scale), out, threads=threads)
-        return state.master
+        if span is None:
+            return state
+        a, b = span
+        if a % QUANT_BLOCK or (b % QUANT_BLOCK and b != numel):
+            raise ValueError(f"8bit optimizer state: a step over elements [{a}, {b}) splits a quantisation block "
+                             f"of {QUANT_BLOCK}")
+        blocks = slice(a // QUANT_BLOCK, -(-b // QUANT_BLOCK))
+        return Adam8bitState(state.master[a:b], state.exp_avg[a:b], state.exp_avg_sq[a:b],
+                             state.exp_avg_scale[blocks], state.exp_avg_sq_scale[blocks])
+
+    @staticmethod
+    def _cut(t: Optional[torch.Tensor], span: Span) -> Optional[torch.Tensor]:
+        return t if t is None or span is None else t[span[0]:span[1]]
+
+    def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
+                 step: int, grad_scale: float, threads: int, *, span: Span = None) -> torch.Tensor:
+        if not self.quantized(numel):
+            return self._fp32.step_cpu(flat.view(torch.float32), numel, grad, out, hyper, step, grad_scale, threads,
+                                       span=span)
+        cpu_step_8bit(self._span_of(flat, numel, span), self._cut(grad, span),
+                      _hyper(hyper, self.adam_w, step, grad_scale), self._cut(out, span), threads=threads)
+        return self._state(flat, numel).master
 
     def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
-                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
+                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float, span: Span = None) -> None:
         if not self.quantized(numel):
-            return self._fp32.step_torch(flat.view(torch.float32), numel, grad, hyper, step, inv_factor)
-        device_step_8bit(self._state(flat, numel), grad, _hyper(hyper, self.adam_w, count, scale))
+            return self._fp32.step_torch(flat.view(torch.float32), numel, grad, hyper, step, inv_factor, span=span)
+        device_step_8bit(self._span_of(flat, numel, span), self._cut(grad, span),
+                         _hyper(hyper, self.adam_w, count, scale))
 
     def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
-                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
+                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float,
+                    span: Span = None) -> None:
         if not self.quantized(numel):
-            return self._fp32.step_device(flat.view(torch.float32), numel, grad, out, hyper, step, inv_factor)
-        device_step_8bit(self._state(flat, numel), grad, _hyper(hyper, self.adam_w, count, scale), out=out)
+            return self._fp32.step_device(flat.view(torch.float32), numel, grad, out, hyper, step, inv_factor,
+                                          span=span)
+        device_step_8bit(self._span_of(flat, numel, span), self._cut(grad, span),
+                         _hyper(hyper, self.adam_w, count, scale), out=self._cut(out, span))
 
 
 class AdamBf16(_MasterThenMoments):
@@ -276,6 +321,7 @@ class AdamBf16(_MasterThenMoments):
     formats; the new weights are the master, copied into it after the step."""
 
     name = "bf16"
+    master_fp32 = False
     # the bf16 master with the moments: what the planner charges for the state (4) and for the
     # gradient buffer a master in the weights' home would need (2)
     # the master is the weights' home: a gradient slot of its own beside it
@@ -290,21 +336,30 @@ class AdamBf16(_MasterThenMoments):
     def from_fp32(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> torch.Tensor:
         return torch.cat([master, exp_avg, exp_avg_sq]).to(torch.bfloat16)  # nearest even
 
+    def _span_parts(self, flat: torch.Tensor, numel: int, span: Span) -> tuple[torch.Tensor, ...]:
+        a, b = _span(span, numel)
+        return tuple(t[a:b] for t in self._parts(flat, numel))
+
     def step_cpu(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: Optional[torch.Tensor], hyper: dict,
-                 step: int, grad_scale: float, threads: int) -> torch.Tensor:
-        p, m, v = self._parts(flat, numel)
+                 step: int, grad_scale: float, threads: int, *, span: Span = None) -> torch.Tensor:
+        a, b = _span(span, numel)
+        p, m, v = self._span_parts(flat, numel, span)
         # out: the weights' home (where the gradient was), written with the new weights in the kernel's pass
-        cpu_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, step, grad_scale), threads=threads, out=out)
-        return p
+        cpu_step_bf16(p, m, v, grad[a:b], _hyper(hyper, self.adam_w, step, grad_scale), threads=threads,
+                      out=out[a:b] if out is not None else None)
+        return self._parts(flat, numel)[0]
 
     def step_torch(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, hyper: dict, step: torch.Tensor,
-                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
-        device_step_bf16(*self._parts(flat, numel), grad, _hyper(hyper, self.adam_w, count, scale))
+                   inv_factor: Optional[torch.Tensor], *, count: int, scale: float, span: Span = None) -> None:
+        a, b = _span(span, numel)
+        device_step_bf16(*self._span_parts(flat, numel, span), grad[a:b], _hyper(hyper, self.adam_w, count, scale))
 
     def step_device(self, flat: torch.Tensor, numel: int, grad: torch.Tensor, out: torch.Tensor, hyper: dict,
-                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float) -> None:
-        p, m, v = self._parts(flat, numel)
-        device_step_bf16(p, m, v, grad, _hyper(hyper, self.adam_w, count, scale), out=out)
+                    step: torch.Tensor, inv_factor: Optional[torch.Tensor], *, count: int, scale: float,
+                    span: Span = None) -> None:
+        a, b = _span(span, numel)
+        device_step_bf16(*self._span_parts(flat, numel, span), grad[a:b], _hyper(hyper, self.adam_w, count, scale),
+                         out=out[a:b])
 
 
 # the class of each ``Config.optimizer_state_format`` (a key of ``config.STATE_FORMATS``): the
@@ -330,5 +385,5 @@ def convert_home(data: torch.Tensor, numel: int, src: OptimStateFormat, dst: Opt
     return out
 
 
-__all__ = ["Adam8bit", "AdamBf16", "AdamFp32", "DEVICE_CHUNK", "OptimStateFormat", "convert_home",
+__all__ = ["Adam8bit", "AdamBf16", "AdamFp32", "DEVICE_CHUNK", "OptimStateFormat", "Span", "convert_home",
            "make_state_format"]

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from pyinfinity.swap.tensor_swapper import SwapRecord
-from pyinfinity.zero.optim.decay import DecayRanges
+from pyinfinity.zero.optim.groups import ShardRanges
 from pyinfinity.zero.partition import FlatShard
 
 
@@ -37,7 +37,7 @@ class ShardOptimState:
     landing: Optional[torch.Tensor] = None
     acc_event: Any = None
     home_written: bool = False  # the one-pass CPU step cast the new weights into the parameter home (``param_out``)
-    decay: Optional[DecayRanges] = None  # weight decay per range of the shard (``decay``); None: the group's
+    ranges: Optional[ShardRanges] = None  # the param group and weight decay per range (``optim.groups``); None: group 0
 
     @property
     def numel(self) -> int:
