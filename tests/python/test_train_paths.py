@@ -42,6 +42,8 @@ CHECKED_BY = {
     # read by train.run before either path is built (the schedule check), tested in test_cli.py
     "resume_reschedule": "test_cli.py's resume tests",
     "json": "the JSON file", "no_progress": "the bar on a terminal", "stop_after": "the first run's steps",
+    # the shape the planner chooses (both runs call cli.train_args.apply_tokens_per_step)
+    "tokens_per_step": "test_step_shape.py: the run at the chosen shape, bit for bit the plain loop at it",
 }
 
 BAR = re.compile(r"\r(?!\n)")  # a carriage return that is not the terminal's end of line: a bar redrawn
