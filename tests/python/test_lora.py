@@ -828,9 +828,14 @@ def test_plan_with_more_device_memory_is_never_predicted_slower(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
     plans = {}
+    # one unit size for both (the "auto" one follows the device budget): the same shards, so the
+    # disk's share shows the staging's effect alone
+    units = tmp_path / "units.json"
+    units.write_text(json.dumps({"pyinfinity": {"unit_bytes": "1GiB"}}))
     for gpu in ("8GiB", "16GiB"):
         out = tmp_path / f"p{gpu}.json"
-        p = _cli("plan", "--model-size", "70b", "--lora", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj",
+        p = _cli("plan", "--config", str(units), "--model-size", "70b", "--lora", "16",
+                 "--lora-targets", "q_proj,k_proj,v_proj,o_proj",
                  "--gpu-memory", gpu, "--cpu-memory", "100GiB", "--nvme", str(swap), "--nvme-free", "64GiB",
                  "--micro-batch", "1", "--seq-len", "1024", "--checkpointing", "--link", "h200-sxm", "--tflops",
                  "680", "--disk", "nvme-gen4", "--json", str(out))

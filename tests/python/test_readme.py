@@ -193,8 +193,13 @@ def test_the_first_example_as_printed_is_refused_in_one_line_before_it_writes(tm
     took = time.monotonic() - t0
     assert p.returncode != 0, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("pyinfinity.plan.charges.PlanError: ") or "PlanError: " in last, p.stderr[-3000:]
-    assert "does not fit this machine (nothing was written)" in last and "host RAM: needs" in last, last
+    # the planner's check of the fixed placement, or the engine's own host-RAM check when this
+    # machine's free RAM (the measured budget) is below even the engine's count: both run before a
+    # write, and which trips first depends on the RAM free when the test runs
+    planner = "PlanError: " in last and "does not fit this machine (nothing was written)" in last
+    engine = "CapacityError: " in last and "the model's training state does not fit" in last
+    assert planner or engine, p.stderr[-3000:]
+    assert ("host RAM: needs" if planner else "host RAM: ") in last, last
     assert took < 120, f"the refusal took {took:.0f} s"
     written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmpfs_dir) for f in fs)
     assert written < 1 << 20, f"{written} bytes written under the swap directories"
