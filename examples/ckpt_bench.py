@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 2  # steps left out of the means (allocator and page-cache warm-up)
+DEFAULT_WAYS = "no saves,background,blocking"
 
 
 def run_way(way: str, args: argparse.Namespace, work: Path) -> dict:
@@ -43,7 +44,7 @@ def run_way(way: str, args: argparse.Namespace, work: Path) -> dict:
     slug = way.replace(" ", "-")
     out, save = work / f"{slug}.json", work / f"ckpt-{slug}"
     cmd = [sys.executable, "-m", "pyinfinity", "train", "--model-size", args.model_size, "--steps", str(args.steps),
-           "--seq", str(args.seq), "--batch", str(args.batch), "--dtype", "fp32", "--optimizer-state", "fp32",
+           "--seq", str(args.seq), "--batch", str(args.batch), "--dtype", "fp32", "--optimizer-state", args.optimizer_state,
            "--device", args.device, "--gpu-memory", args.gpu_memory, "--checkpoint-activations", "--no-progress",
            "--json", str(out)]
     if args.nvme:
@@ -112,18 +113,22 @@ def nvme_case(args: argparse.Namespace) -> list[dict]:
     import pyinfinity
     from pyinfinity.cli.train import llama_config
 
+    if args.optimizer_state == "bf16":
+        raise SystemExit("--offload-optimizer nvme: measures fp32 or 8bit state (a bf16 state is `train`'s, "
+                         "not this engine config's)")
     if not args.nvme:
         raise SystemExit("--offload-optimizer nvme: needs --nvme DIR (the swap directory; checkpoints go beside it)")
     ns = argparse.Namespace(model_size=args.model_size, hidden=None, layers=None, heads=None, intermediate=None,
                             seq=args.seq)
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(ns))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as the runs above
     cfg = {"train_micro_batch_size_per_gpu": args.batch,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                  "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme, "ratio": 1.0}},
            "pyinfinity": {"device": args.device if args.device != "auto" else "cpu",
-                          "device_memory": args.gpu_memory}}
+                          "device_memory": args.gpu_memory, "optimizer_state": args.optimizer_state}}
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
 
@@ -137,7 +142,12 @@ def nvme_case(args: argparse.Namespace) -> list[dict]:
     with pyinfinity.initialize(model, cfg) as eng:
         for _ in range(2):
             step(eng)
-        for way, by_ref in (("copy", False), ("by reference", True)):
+        ways = [w.strip() for w in args.ways.split(",")] if args.ways != DEFAULT_WAYS else ["copy", "by reference"]
+        unknown = set(ways) - {"copy", "by reference"}
+        if unknown:
+            raise SystemExit(f"--offload-optimizer nvme: --ways takes copy and 'by reference', not {sorted(unknown)}")
+        for way in ways:
+            by_ref = way == "by reference"
             save = os.path.join(save_root, way.replace(" ", "-"))
             io = eng.state.checkpoint_io()
             written0 = io.stats()["write"]["bytes"]
@@ -182,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme", help="swap directory, if the planner puts state on NVMe")
     p.add_argument("--dir", help="where the checkpoints go (default: a temporary directory; its disk is the one "
                                   "measured)")
-    p.add_argument("--ways", default="no saves,background,blocking")
+    p.add_argument("--ways", default=DEFAULT_WAYS, help="which runs, of 'no saves,background,blocking' (the first "
+                   "must be 'no saves'); with --offload-optimizer nvme, of 'copy,by reference' (a copy of a large "
+                   "state needs its size free beside the swap file)")
+    p.add_argument("--optimizer-state", default="fp32", choices=["fp32", "8bit", "bf16"],
+                   help="the optimizer state's format (`pyinfinity train --optimizer-state`)")
     p.add_argument("--offload-optimizer", choices=["nvme"], help="measure one engine with the optimizer state on "
                    "--nvme instead: a copy save against a by-reference save (module doc)")
     p.add_argument("--out", default="ckpt_bench.json")

@@ -389,13 +389,13 @@ def phase_gathered(out: Path, opts: argparse.Namespace) -> dict:
 
     start = values()
     with deepspeed.zero.GatheredParameters([emb]):
-        read = emb.data[5].clone()
+        read = emb.data[5].float().cpu().clone()  # gathered where the engine computes (the GPU), compared on the host
     after_read = values()
     with deepspeed.zero.GatheredParameters([emb], modifier_rank=0):
         emb.data[5].fill_(0.5)
     modified = values()
     with deepspeed.zero.GatheredParameters([emb]):
-        gathered_row = emb.data[5].clone()
+        gathered_row = emb.data[5].float().cpu().clone()
     ids = torch.tensor([[5, 7, 9, 5, 11, 13]])
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
