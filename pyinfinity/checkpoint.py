@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from pyinfinity.config import STATE_FORMATS, format_size
+from pyinfinity.config import STATE_FORMATS, format_size, placement_values
 from pyinfinity.resume import apply_hyperparameters, hyperparameters
 from pyinfinity.swap.manifest import fsync_path, write_fsynced
 from pyinfinity.swap.ownership import clean_checkpoint_leftovers
@@ -204,6 +204,7 @@ class CheckpointWrite:
             "scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
             "lr": [g["lr"] for g in opt.param_groups],
             "hyperparameters": hyperparameters(state), "optimizer_state": fmt.name,
+            "placement": placement_values(state.config),
             "client_state": client_state or {},
         }
         if base is not None:  # the frozen shards are the pretrained weights': a load reads them from there
@@ -835,11 +836,14 @@ def _validate_meta(state: "TrainingState", path: str, meta: dict, convert: bool 
 
     keys = {"version", "global_steps", "micro_steps", "shards", "entries", "data_bytes", "scaler", "scheduler",
             "lr", "client_state"}
-    optional = {"hyperparameters", "base", "optimizer_state"}  # resumes compare them / frozen shards not saved / fp32
+    # resumes compare them / frozen shards not saved / fp32 / `train --resume` keeps it (config.PLACEMENT_KEYS)
+    optional = {"hyperparameters", "base", "optimizer_state", "placement"}
     missing, extra = keys - meta.keys(), meta.keys() - keys - optional
     if missing or extra:
         raise CheckpointError(f"{where}: " + "; ".join(
             ([f"missing keys {sorted(missing)}"] if missing else []) + ([f"unknown keys {sorted(extra)}"] if extra else [])))
+    if "placement" in meta and not isinstance(meta["placement"], dict):
+        raise bad("placement", f"expected an object of config keys, got {meta['placement']!r}")
     for k in ("global_steps", "micro_steps", "data_bytes"):
         if not _is_int(meta[k]):
             raise bad(k, f"expected an integer >= 0, got {meta[k]!r}")

@@ -346,6 +346,35 @@ class Config:
 # ----------------------------------------------------------------------------- parsing
 
 
+# The keys that decide where each shard's state lives, where it is stepped and how the model is cut
+# into units (the planner decides those left "auto"): what a checkpoint records of the run that saved
+# it (``placement_values``) and what ``pyinfinity train --resume`` keeps, so that a resumed run steps
+# every shard where the saved run did (planned anew on rates measured again, a shard stepped on the
+# CPU could step on the device, in another kernel's rounding, and the run would not continue bit
+# for bit).
+PLACEMENT_KEYS = (
+    "zero_optimization.offload_param.device", "zero_optimization.offload_param.max_in_cpu",
+    "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
+    "zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer.ratio",
+    "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_param_persistence_threshold",
+    "pyinfinity.prefetch", "pyinfinity.optimizer_step_device", "pyinfinity.resident_bytes",
+    "pyinfinity.device_optimizer_bytes", "pyinfinity.device_accumulator_bytes", "pyinfinity.unit_bytes",
+    "pyinfinity.overlap_step",
+)
+
+
+def placement_values(c: "Config") -> dict[str, Any]:
+    """The values of :data:`PLACEMENT_KEYS` in a resolved config, by dotted key."""
+    out = {}
+    for key in PLACEMENT_KEYS:
+        obj: Any = c
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        out[key] = obj
+    return out
+
+
 def _suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
@@ -778,6 +807,6 @@ def check_swap_dir(path: str, key: str = "nvme_path") -> None:
         raise ConfigError(f"{key}: swap directory {path!r} is not writable: {exc.strerror}") from exc
 
 
-__all__ = ["AUTO", "Config", "ConfigError", "load_config", "parse_scheduler", "parse_size", "format_size", "check_swap_dir", "replace",
+__all__ = ["AUTO", "PLACEMENT_KEYS", "placement_values", "Config", "ConfigError", "load_config", "parse_scheduler", "parse_size", "format_size", "check_swap_dir", "replace",
            "overlap_step_blocker", "auto_overlap_off", "default_optimizer_threads", "optimizer_threads", "OPTIMIZER_STATES", "STATE_FORMATS",
            "StateFormat", "QUANT_BLOCK", "MIN_QUANTIZED_NUMEL"]

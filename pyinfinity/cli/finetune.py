@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pyinfinity.cli import train_loop
 from pyinfinity.cli.train_args import (add_arguments, apply_tokens_per_step, check_arguments, engine_config, exported_line,
-                                       lora_config, mean)
+                                       keep_saved_placement, lora_config, mean)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ def run_finetune(args: argparse.Namespace, resume: Optional[tuple[str, Optional[
     apply_tokens_per_step(args, cfg, _device, model)
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if resume[0] is not None:
+        cfg = keep_saved_placement(args, cfg, _device, model, *resume)
     engine = pyinfinity.initialize(model, cfg, weights=weights, seq_len=args.seq)
     load_s = time.perf_counter() - t0
     peak_load = _peak_rss()

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from pyinfinity.cli.train_args import (add_arguments, apply_tokens_per_step, check_arguments, engine_config, exported_line,
-                                       mean, resume_status)
+                                       keep_saved_placement, mean, resume_status)
 from pyinfinity.presets import preset
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         model = LlamaForCausalLM(mcfg)
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if resume_dir is not None:
+        cfg = keep_saved_placement(args, cfg, device, model, resume_dir, resume_tag)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: Llama hidden %d, %d layers, %.1fM parameters", mcfg.hidden_size, mcfg.num_hidden_layers,
              n_params / 1e6)

@@ -122,6 +122,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --resume: continue a run under another learning-rate schedule than it was saved with "
                         "(a --steps or --warmup of its own, or another --config scheduler): the lr moves to the new "
                         "schedule's value at the checkpoint's step; without it such a resume is refused")
+    p.add_argument("--resume-replan", action="store_true",
+                   help="with --resume: plan the placement anew on this machine instead of keeping the one the "
+                        "checkpoint was saved under (which keeps a resumed run bit for bit the run it continues); "
+                        "e.g. on a larger machine. A saved placement that does not fit is planned anew all the same, "
+                        "with a warning")
     p.add_argument("--export", metavar="DIR", help="export the trained weights (safetensors) there")
     p.add_argument("--json", metavar="FILE", help="write the run's telemetry as JSON")
     p.add_argument("--no-progress", action="store_true",
@@ -258,6 +263,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Optional[str], Optional[s
         raise UsageError("--resume-convert: needs --resume DIR (the checkpoint to convert)")
     if args.resume_reschedule and not args.resume:
         raise UsageError("--resume-reschedule: needs --resume DIR (the run to continue on a new schedule)")
+    if args.resume_replan and not args.resume:
+        raise UsageError("--resume-replan: needs --resume DIR (the run whose placement to plan anew)")
     if args.save_every and not args.save:
         raise UsageError("--save-every: needs --save DIR (where to write the checkpoints)")
     if args.blocking_saves and not args.save_every:
@@ -370,6 +377,62 @@ def flag_schedule(args: argparse.Namespace) -> dict:
                                                        "warmup_num_steps": args.warmup}}
 
 
+def _resume_meta(save_dir: str, tag: Optional[str]) -> tuple[str, dict]:
+    """(the checkpoint's directory, its meta.json) of --resume's (save_dir, tag); OSError or
+    ValueError when either cannot be read (the engine's load then says what is wrong)."""
+    if tag is None:
+        with open(os.path.join(save_dir, "latest")) as f:
+            tag = f.read().strip()
+    where = os.path.join(save_dir, tag)
+    with open(os.path.join(where, "meta.json")) as f:
+        meta = json.load(f)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}/meta.json: not an object")
+    return where, meta
+
+
+def keep_saved_placement(args: argparse.Namespace, cfg: dict, device: str, model: Any, save_dir: str,
+                         tag: Optional[str]) -> dict:
+    """The engine config of a resumed run: ``cfg`` with the placement the checkpoint was saved
+    under (``config.PLACEMENT_KEYS``, recorded at save time) for every key ``cfg`` leaves "auto" or
+    out, so each shard is stored and stepped where it was and the run continues bit for bit; the
+    config's own values win. ``cfg`` as it is with --resume-replan, for a checkpoint that records
+    no placement, or (a warning) when the saved placement does not fit this machine
+    (``plan.resolve.check_placement``: host RAM, swap space, the device)."""
+    if args.resume_replan:
+        return cfg
+    try:
+        where, meta = _resume_meta(save_dir, tag)
+    except (OSError, ValueError):
+        return cfg  # the engine's load says what is wrong with it
+    saved = meta.get("placement")
+    if not isinstance(saved, dict):
+        return cfg
+    from pyinfinity.config import AUTO, PLACEMENT_KEYS, load_config
+    from pyinfinity.layout.charges import PlanError
+    from pyinfinity.plan.resolve import check_placement
+
+    out, kept = copy.deepcopy(cfg), []
+    for key in PLACEMENT_KEYS:
+        if key in saved and saved[key] != AUTO and _get(out, key) in (None, AUTO):
+            _put(out, key, saved[key])
+            kept.append(key)
+    if not kept:
+        return cfg
+    log = logging.getLogger(__name__)
+    try:
+        check_placement(load_config(out), model, device, seq_len=args.seq,
+                        checkpointing=bool(args.checkpoint_activations))
+    except (PlanError, OSError, ValueError) as exc:
+        log.warning("--resume: the placement %s was saved under cannot be kept here (%s): planned anew; the "
+                    "run continues from the checkpoint, not bit for bit where a shard now steps elsewhere", where,
+                    str(exc).splitlines()[0])
+        return cfg
+    log.info("--resume: the placement %s was saved under is kept (%d keys: each shard stored and stepped where it "
+             "was; --resume-replan plans anew)", where, len(kept))
+    return out
+
+
 def resume_status(args: argparse.Namespace, save_dir: str, tag: Optional[str]) -> Optional[str]:
     """What --resume's checkpoint says before anything is built: a line saying the run is already
     complete (its step is at --steps: nothing to train), else None. A run whose learning-rate
@@ -381,15 +444,10 @@ def resume_status(args: argparse.Namespace, save_dir: str, tag: Optional[str]) -
     from pyinfinity.zero.lr_schedules import build_scheduler
 
     try:
-        if tag is None:
-            with open(os.path.join(save_dir, "latest")) as f:
-                tag = f.read().strip()
-        with open(os.path.join(save_dir, tag, "meta.json")) as f:
-            meta = json.load(f)
+        where, meta = _resume_meta(save_dir, tag)
         step, saved = int(meta["global_steps"]), (meta.get("hyperparameters") or {})
     except (OSError, ValueError, KeyError, TypeError):
         return None  # the engine's load says what is wrong with it
-    where = os.path.join(save_dir, tag)
     if step >= args.steps:
         return (f"--resume: the run saved in {where} is already complete: at step {step}, --steps {args.steps}; "
                 "nothing to train (to train it further: a larger --steps with --resume-reschedule)")

@@ -134,6 +134,66 @@ def test_resume_continues_the_same_run(tmp_path):
     assert_one_line_user_error(p, "--resume", "not a checkpoint")
 
 
+def test_a_resume_keeps_the_placement_the_checkpoint_was_saved_under_and_replans_only_when_asked_or_it_cannot_fit(
+        tmp_path, monkeypatch, caplog):
+    """The planner decides the placement from the machine's budgets and measured rates, which a
+    resume may find otherwise (here: another device budget); the resumed run keeps the saved
+    placement (each shard stored and stepped where it was: bit for bit the run it continues),
+    --resume-replan plans anew, and a saved placement this machine cannot hold is planned anew with
+    a warning instead of refused."""
+    common = [*TRAIN[:3], "--steps", "4", "--seq", "32", "--batch", "2", "--device", "cpu", "--corpus-bytes", "64KB",
+              "--offload", "cpu", "--warmup", "1", "--lr", "1e-3", "--no-progress"]
+    whole = cli(*common, "--gpu-memory", "2MiB", "--save", str(tmp_path / "ck"), "--save-every", "2",
+                "--json", str(tmp_path / "a.json"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    live = "zero_optimization.stage3_max_live_parameters"
+    planned = json.loads((tmp_path / "a.json").read_text())["summary"]["auto"]  # the planner's decisions
+    saved = json.loads((tmp_path / "ck" / "global_step2" / "meta.json").read_text())["placement"]
+    assert saved[live] == planned[live]
+    ck2 = str(tmp_path / "ck" / "global_step2")
+
+    def resumed(tag: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+        p = cli(*common, "--resume", ck2, *extra, "--json", str(tmp_path / f"{tag}.json"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p, json.loads((tmp_path / f"{tag}.json").read_text())
+
+    planned_big = cli(*common, "--gpu-memory", "256MiB", "--json", str(tmp_path / "big.json"))
+    assert planned_big.returncode == 0, planned_big.stderr[-3000:]
+    big = json.loads((tmp_path / "big.json").read_text())["summary"]["auto"]
+    assert big[live] != saved[live]  # planned anew, the resumed run would place otherwise
+
+    p, doc = resumed("kept", "--gpu-memory", "256MiB")
+    assert "--resume: the placement" in p.stderr and "is kept" in p.stderr
+    z = doc["config"]["zero_optimization"]
+    for key in ("stage3_max_live_parameters", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
+        assert z[key] == saved["zero_optimization." + key], key
+    assert live not in doc["summary"]["auto"]
+    a = json.loads((tmp_path / "a.json").read_text())["steps"]
+    assert [(s["step"], repr(s["loss"])) for s in doc["steps"]] == [(s["step"], repr(s["loss"])) for s in a[2:]]
+
+    p, doc = resumed("replan", "--gpu-memory", "256MiB", "--resume-replan")
+    assert "is kept" not in p.stderr and doc["summary"]["auto"][live] == big[live]
+
+    # a saved placement this machine cannot hold (the engine's own check of a fixed placement refuses
+    # it: host RAM, swap space, the device) is planned anew, with a warning naming why
+    import argparse
+    import logging
+
+    from pyinfinity.cli.train_args import keep_saved_placement
+    from pyinfinity.layout.charges import PlanError
+    from pyinfinity.plan import resolve
+
+    def refuse(*a, **k):
+        raise PlanError("the config's placement does not fit this machine (nothing was written): host RAM: ...")
+
+    monkeypatch.setattr(resolve, "check_placement", refuse)
+    args = argparse.Namespace(resume_replan=False, seq=32, checkpoint_activations=False)
+    cfg = {"zero_optimization": {"stage": 3}, "pyinfinity": {"device": "cpu"}}
+    with caplog.at_level(logging.WARNING):
+        assert keep_saved_placement(args, cfg, "cpu", None, str(tmp_path / "ck"), "global_step2") is cfg
+    assert "cannot be kept here (the config's placement does not fit" in caplog.text and "planned anew" in caplog.text
+
+
 def test_resume_with_other_data_or_schedule_flags_is_refused(tmp_path):
     """The built-in corpus run: a --resume whose --seed/--lr/--batch/--seq/--grad-accum/--warmup
     differ from the saved run's is one line naming each (it trained on, with other losses)."""
