@@ -41,6 +41,7 @@ CHECKED_BY = {
     "resume": "the resumed run", "resume_convert": "the resumed run", "export": "the exported files",
     # read by train.run before either path is built (the schedule check), tested in test_cli.py
     "resume_reschedule": "test_cli.py's resume tests",
+    "resume_replan": "test_cli.py's placement-keeping resume test (finetune.py calls the same function)",
     "json": "the JSON file", "no_progress": "the bar on a terminal", "stop_after": "the first run's steps",
     # the shape the planner chooses (both runs call cli.train_args.apply_tokens_per_step)
     "tokens_per_step": "test_step_shape.py: the run at the chosen shape, bit for bit the plain loop at it",
