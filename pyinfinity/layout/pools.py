@@ -25,6 +25,9 @@ SWAP_STRIPE_MIN = 4 << 20  # SwapSpace: slots below this go to one file, round-r
 # fp32 chunk (zero.accumulate.ADD_CHUNK)
 GRAD_STAGING_SLOTS = 3
 ADD_SCRATCH = 4 * (1 << 20)
+# under accumulation: the pinned fp32 buffers the sums of device gradient accumulators land in for the
+# CPU step, each reused once the step that read it is done (zero.optim.landing.LandingRing)
+LANDING_SLOTS = 3
 # the parameter swapper's pinned pool beyond its homes (alignment of the slots)
 PINNED_SLACK = 1 << 20
 # pyinfinity.checkpoint_staging for a run that saves in the background (`train --save-every`)
@@ -69,6 +72,24 @@ def checkpoint_staging_bytes(budget: int, sizes: ModelSizes, state: StateFormat)
         saved = int(home_bytes(state, numel)) + SWAP_SLOT_ALIGN if trainable else sizes.shard_bytes(i)
         largest = max(largest, saved)
     return max(int(budget), largest)
+
+
+def landing_ring(acc_numels: Sequence[int]) -> tuple[int, int]:
+    """The landing ring of the device accumulators of shards of ``acc_numels`` elements: (buffers,
+    fp32 elements each): LANDING_SLOTS buffers (fewer when fewer units accumulate on the device) of
+    the largest such shard. A device accumulator's sum is copied into one of them in the boundary
+    micro-batch and read there by the unit's CPU step, which gives the buffer back."""
+    sizes = [int(n) for n in acc_numels if n > 0]
+    if not sizes:
+        return 0, 0
+    return min(LANDING_SLOTS, len(sizes)), max(sizes)
+
+
+def landing_bytes(acc_numels: Sequence[int]) -> int:
+    """Host bytes (pinned on a GPU) of :func:`landing_ring`: what the device accumulators cost in
+    RAM, whatever their number."""
+    count, numel = landing_ring(acc_numels)
+    return count * accumulator_bytes(numel)
 
 
 def ram_state_bytes(sizes: ModelSizes, state: StateFormat) -> int:
@@ -148,6 +169,7 @@ class Layout:
     biggest_disk_state: int = 0  # the largest shard's optimizer state on disk
     first_disk_state: int = 0  # the first shard's optimizer state on disk
     grad_staging: int = 0  # under accumulation, the host staging ring and the worker's chunk
+    landing: int = 0  # under accumulation, the landing ring of the device accumulators (landing_bytes)
     checkpoint_staging: int = 0  # a save's shard copies not yet written (pyinfinity.checkpoint_staging)
 
 
@@ -185,6 +207,7 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
         dev_state_cost += device_state_cost(sizes.shard_itemsize(i), train.grad_accum, state_fmt.name) * numels[i]
     dev_acc_numel = sum(numels[i] for i in sl.device_accumulators)
     acc_bytes = accumulator_bytes(dev_acc_numel)
+    landing = landing_bytes([numels[i] for i in sl.device_accumulators])
     # -- optimizer states: the shard's home, moved whole (compressed on disk). Under accumulation a
     # bf16 master's home keeps its gradient slot beside the fp32 accumulator (home_bytes); without
     # accumulation that slot is the gradient buffer the gradients' share counts below
@@ -203,7 +226,7 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
     # gradients on the host: none extra when they land in a parameter home in RAM (the step rewrites
     # it from the fp32 master), a buffer of their own for homes on disk or on the device, or when the
     # weights are the master; fp32 under accumulation (with the staging buffers they land in, pinned
-    # on a GPU; a device accumulator's sum lands in a pinned fp32 buffer of its own instead)
+    # on a GPU; the sums of device accumulators land in the few pinned buffers of the landing ring)
     total_train = sizes.trainable_numel
     grad_staging = 0
     if train.grad_accum > 1:
@@ -211,7 +234,7 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
             largest_trainable = max((nbytes[i] for i, t in enumerate(sizes.shard_trainable) if t), default=0)
             grad_staging = GRAD_STAGING_SLOTS * largest_trainable + ADD_SCRATCH
         grads = Share(device=acc_bytes,
-                      ram=accumulator_bytes(total_train - dev_state_numel) + grad_staging)
+                      ram=accumulator_bytes(total_train - dev_state_numel - dev_acc_numel) + landing + grad_staging)
     else:
         grads = Share(ram=sum(nbytes[i] for i, (t, pt) in enumerate(zip(sizes.shard_trainable, sl.param))
                               if t and (pt != "ram" or state_fmt.weights_are_master) and i not in dev_state))
@@ -248,15 +271,16 @@ def plan_layout(sizes: ModelSizes, train: TrainShape, knobs: Knobs, device_memor
         spaces = (1 if params.disk else 0) + (1 if optim.disk else 0)
         per = math.ceil(swap_bytes / len(swap_dirs)) + spaces * SWAP_GROW + 2 * len(numels) * SWAP_SLOT_ALIGN
         swap_per_dir = {d: per for d in swap_dirs}
-    # of host_bytes: the gradient staging and the buffers device accumulators land in are pinned too
-    pinned_all = pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + acc_bytes if cuda else 0)
+    # of host_bytes: the gradient staging and the landing ring of the device accumulators are pinned too
+    pinned_all = pinned + ((grad_staging - ADD_SCRATCH if grad_staging else 0) + landing if cuda else 0)
     return Layout(shards=sl, params=params, grads=grads, optimizer=optim, charges=charges, device_bytes=device_bytes,
                   host_bytes=host_bytes, pinned_bytes=pinned_all, swap_bytes=swap_bytes, swap_per_dir=swap_per_dir,
                   staging=staging, writeback=writeback, device_state_bytes=device_state_bytes,
                   device_state_numel=dev_state_numel, accumulator_bytes=acc_bytes,
                   accumulator_numel=dev_acc_numel, resident_bytes=resident_bytes, persistent_bytes=persistent,
                   fetch_ram=fetch_ram, fetch_disk=fetch_disk, biggest_disk_state=biggest_disk_state,
-                  first_disk_state=first_disk_state, grad_staging=grad_staging, checkpoint_staging=ckpt_staging)
+                  first_disk_state=first_disk_state, grad_staging=grad_staging, landing=landing,
+                  checkpoint_staging=ckpt_staging)
 
 
 @dataclass
@@ -314,17 +338,30 @@ def config_knobs(cfg: Any) -> Knobs:
                  optimizer_step_device=getattr(e, "optimizer_step_device", "cpu"), **budget)
 
 
+def _config_device_units(cfg: Any, sizes: ModelSizes, state: StateFormat, accumulation: int
+                         ) -> tuple[set[int], list[int], list[int]]:
+    numels = sizes.shard_numels
+    thr = int(cfg.zero_optimization.stage3_param_persistence_threshold or 0)
+    return device_units(
+        numels, [sizes.shard_bytes(i) for i in range(len(numels))], sizes.shard_trainable,
+        [is_persistent(n, thr) for n in numels], config_knobs(cfg), accumulation,
+        lambda i: device_state_cost(sizes.shard_itemsize(i), accumulation, state.name) * numels[i])
+
+
 def device_state_numel(cfg: Any, sizes: ModelSizes, state: StateFormat, accumulation: int) -> int:
     """Trainable elements of the units whose optimizer state (and gradient) the engine keeps and
     steps on the device under ``cfg`` (``layout.shards.device_units``, as ``TrainingState`` places
     them): their gradients never take a host buffer."""
-    numels = sizes.shard_numels
-    thr = int(cfg.zero_optimization.stage3_param_persistence_threshold or 0)
-    _, on_device, _ = device_units(
-        numels, [sizes.shard_bytes(i) for i in range(len(numels))], sizes.shard_trainable,
-        [is_persistent(n, thr) for n in numels], config_knobs(cfg), accumulation,
-        lambda i: device_state_cost(sizes.shard_itemsize(i), accumulation, state.name) * numels[i])
-    return sum(numels[i] for i in on_device)
+    _, on_device, _ = _config_device_units(cfg, sizes, state, accumulation)
+    return sum(sizes.shard_numels[i] for i in on_device)
+
+
+def device_accumulator_numels(cfg: Any, sizes: ModelSizes, state: StateFormat, accumulation: int) -> list[int]:
+    """The elements of each unit whose fp32 gradient accumulator the engine keeps on the device
+    under ``cfg`` (as ``TrainingState`` places them): their sums land in the landing ring
+    (:func:`landing_bytes`), not in a host accumulator each."""
+    _, _, accumulators = _config_device_units(cfg, sizes, state, accumulation)
+    return [sizes.shard_numels[i] for i in accumulators]
 
 
 def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_threshold: Optional[int] = None
@@ -350,9 +387,12 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
     # gradients on the host: they land in the parameter homes in RAM (the step rewrites those); homes
     # on NVMe or on the device need a buffer of their own (at most the trainable parameters' bytes);
     # accumulation keeps an fp32 sum on the host for every unit whose state does not step on the device
+    # and whose accumulator is not on the device (those land in the landing ring)
     accumulation = int(cfg.gradient_accumulation_steps)
     if accumulation > 1:
-        grads = accumulator_bytes(train - device_state_numel(cfg, sizes, fmt, accumulation))
+        on_device = device_accumulator_numels(cfg, sizes, fmt, accumulation)
+        grads = (accumulator_bytes(train - device_state_numel(cfg, sizes, fmt, accumulation) - sum(on_device))
+                 + landing_bytes(on_device))
     else:
         grads = min(param_disk + (sizes.param_bytes if op.device == "none" else 0), train * itemsize)
     thr = int(z.stage3_param_persistence_threshold) if persistence_threshold is None else persistence_threshold
@@ -373,6 +413,7 @@ def engine_pools(cfg: Any, sizes: ModelSizes, n_modules: int, persistence_thresh
 
 
 __all__ = ["Share", "Layout", "plan_layout", "EnginePools", "engine_pools", "config_knobs", "device_state_numel",
+           "device_accumulator_numels", "landing_ring", "landing_bytes", "LANDING_SLOTS",
            "home_bytes", "home_bytes_per_param", "checkpoint_staging_bytes", "CHECKPOINT_STAGING",
            "home_slack", "ram_state_bytes", "state_numel_within", "SwapFile",
            "swap_file", "SWAP_STRIPE_MIN", "SWAP_GROW", "SWAP_SLOT_ALIGN", "GRAD_STAGING_SLOTS", "ADD_SCRATCH",

@@ -111,6 +111,7 @@ class DevicePlacement:
             sh = self.partition.shards[i]
             self.device_grad_bytes += self.optimizer.accumulate_on_device(sh, self.device)
             numel += sh.numel
+        self.optimizer.reserve_landing()  # the pinned buffers their sums land in, shared (layout.pools.landing_ring)
         if units:
             log.info("gradient accumulators of %d units (%s parameters, %s) on %s: their micro-batch gradients are "
                      "added there", len(units), f"{numel:,}", format_size(self.device_grad_bytes), self.device)
@@ -279,7 +280,8 @@ class DevicePlacement:
         need = self._release((sh for sh in back if sh.device_step), need, self._state_to_host, gave,
                              "the optimizer state of {units} units ({size}) back to the host")
         need = self._release((sh for sh in back if sh.grad_on_device), need, self._accumulator_to_host, gave,
-                             "the gradient accumulators of {units} units ({size}) to the host")
+                             "the gradient accumulators of {units} units ({size}) to the host (as much host "
+                             "RAM, beyond the plan's landing ring)")
         if need > 0 and self.resident_units and all(sh.persistent for sh in self.partition.shards):
             # nothing was fetched in the last step: from now on a working set is (the unit in use and the next)
             need += 2 * max(sh.nbytes for sh in self.partition.shards)
@@ -321,7 +323,8 @@ class DevicePlacement:
 
     def _accumulator_to_host(self, sh: FlatShard) -> tuple[int, int]:
         """Moves one unit's gradient accumulator from the device to the host (the window's sum so
-        far with it); returns the device bytes freed (and 0: nothing else)."""
+        far with it, into a host accumulator of its own); returns the device bytes freed (and 0:
+        nothing else)."""
         n = self._unfix(self.optimizer.accumulator_to_host(sh))
         self.device_grad_bytes -= n
         return n, 0

@@ -11,6 +11,8 @@ is done by parts with one job each, in ``zero/optim/``:
 * ``grads.py`` — gradient intake: each unit's gradient until the step reads it (kept, or added
   into an fp32 accumulator under accumulation, on the host by the accumulation worker or on the
   device), the norms;
+* ``landing.py`` — the landing ring: the few pinned buffers device accumulators' sums are copied
+  into for the CPU step, each given back by the step that read it;
 * ``cpu_step.py`` — the per-shard step of a state the CPU reads (one pass, or streamed to the
   device) and the serial step over many shards, pipelined over NVMe homes;
 * ``device.py`` — units whose state lives on the compute device, and the streamed step's buffers;
@@ -102,7 +104,7 @@ class OffloadOptimizer:
                                     wait_idle=self.worker.wait_for, hand=self._hand,
                                     step_on_device=lambda st, hyper: self.on_device.step(st, hyper, None),
                                     on_worker=self.worker.is_current, release_grad=release_grad,
-                                    copy_to_host=copy_to_host)
+                                    copy_to_host=copy_to_host, step_failure=self.worker.raise_error)
         self.on_device = DeviceStates(self.states, self._by_shard, self.format, swapper, self.phases,
                                       self._state_in_ram)
         streamed = StreamedStep(self.step_device, self.format, self.states) if self.step_device is not None else None
@@ -285,6 +287,11 @@ class OffloadOptimizer:
         device bytes taken."""
         return self.grads.accumulate_on_device(shard, device)
 
+    def reserve_landing(self) -> int:
+        """Allocates the landing ring of the device accumulators placed now (``optim.landing``);
+        returns its bytes."""
+        return self.grads.reserve_landing()
+
     def accumulator_to_host(self, shard: FlatShard) -> int:
         """Undoes ``accumulate_on_device`` (the window's sum so far comes along); returns the device
         bytes freed."""
@@ -346,8 +353,12 @@ class OffloadOptimizer:
     def _adam(self, st: ShardOptimState, flat: torch.Tensor, hyper: dict, inv_factor: Optional[torch.Tensor],
               k: int = 0, grad: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One step of one shard's state ``flat`` (``optim.cpu_step.CpuStep.adam``): the function
-        every path (serial, background) runs; returns the new master."""
-        return self.cpu.adam(st, flat, hyper, inv_factor, k, grad)
+        every path (serial, background) runs; returns the new master. A device accumulator's sum
+        is read by then: its landing buffer goes back to the ring, also when the step failed."""
+        try:
+            return self.cpu.adam(st, flat, hyper, inv_factor, k, grad)
+        finally:
+            self.grads.release_landing(st)
 
     def _step_shard(self, st: ShardOptimState, flat: torch.Tensor, job: StepJob) -> None:
         """The background worker's step of one shard: Adam, then its new values home."""
@@ -376,7 +387,8 @@ class OffloadOptimizer:
         """Writes the current master values home for every shard whose home holds a gradient (a
         skipped or abandoned step): the parameters are as they were before the backward."""
         for st in self.states:  # a gradient on the device (or landed from there) never touched a home: drop it
-            if (st.dev is not None or st.landing is not None) and not st.handed:
+            if (st.dev is not None or st.device_acc or st.landing is not None) and not st.handed:
+                self.grads.release_landing(st)
                 st.src = st.event = st.norm = None
         dirty = [st for st in self.states if st.shard.run.home_stale and not st.busy]
         if not dirty:
@@ -409,7 +421,6 @@ class OffloadOptimizer:
         if early and (grad_scale != 1.0 or clip > 0 or check_overflow):
             raise RuntimeError("overlap_step: shards were stepped during backward, but this step needs loss "
                                "scaling, clipping or an overflow check first")
-        self.grads.land_rest()
         norm = self.grads.grad_norm()
         raw_norm = norm / grad_scale if grad_scale != 1.0 else norm
         w.close()
@@ -438,6 +449,8 @@ class OffloadOptimizer:
         if self.background and self.step_device is None:
             job = StepJob(hyper, inv_factor)
             for st in rest:
+                if st.device_acc and st.src is None:  # lands here (on the compute stream's side), waiting
+                    self.grads.land(st)               # for the worker to give a buffer back if need be
                 self._hand(st, job)
             busy = 0.0
         else:
@@ -532,7 +545,8 @@ class OffloadOptimizer:
             for st in self.states:
                 st.handed = False
                 st.norm = None
-                if st.dev is not None or st.landing is not None:  # its gradient is not in a home: forget it
+                if st.dev is not None or st.device_acc or st.landing is not None:  # not in a home: forget it
+                    self.grads.release_landing(st)
                     st.src = st.event = None
         return stepped
 
@@ -573,8 +587,8 @@ class OffloadOptimizer:
 
     @property
     def grad_bytes(self) -> int:
-        """Host bytes of fp32 gradients: the accumulators in RAM and the pinned buffers device
-        accumulators land in."""
+        """Host bytes of fp32 gradients: the accumulators in RAM and the landing ring device
+        accumulators' sums land in."""
         return self.grads.bytes_by_tier.get("cpu", 0)
 
     @property

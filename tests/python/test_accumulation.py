@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 import pyinfinity
 import pyinfinity.zero.optim.grads as grads_module
 from pyinfinity.config import OptimizerConfig
+from pyinfinity.layout.pools import LANDING_SLOTS, landing_bytes
 from pyinfinity.swap.tensor_swapper import TensorSwapper
 from pyinfinity.zero.accumulate import ADD_CHUNK, AccumulateWorker, GradStaging, add_into, norm_of_squares
 from pyinfinity.zero.optimizer import OffloadOptimizer
@@ -422,7 +423,7 @@ def test_device_accumulators_are_whole_units_from_the_front_within_the_budget(ti
         assert eng.device_grad_bytes == 4 * sum(sizes[i] for i in on)
         rep = eng.memory_report()
         assert rep.grads["device"] == eng.device_grad_bytes
-        assert rep.grads["cpu"] >= eng.device_grad_bytes  # the pinned buffers their sums land in
+        assert rep.grads["cpu"] == landing_bytes([sizes[i] for i in on])  # the ring their sums land in
     assert not any(sh.grad_on_device for sh in eng.partition.shards)  # close() frees them
     with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, "1MiB", gas=1)) as eng:
         assert eng.device_grad_bytes == 0  # without accumulation there is nothing to accumulate
@@ -511,6 +512,87 @@ def test_device_accumulators_leave_the_device_once_a_step(tiny_lm, lm_batches, e
         assert eng.history[0].bytes_moved["device.d2h"] == 4 * n
 
 
+def _slow_steps(monkeypatch, seconds: float, fail: bool = False) -> None:
+    """The CPU step of every shard takes ``seconds`` (and then fails, with ``fail``)."""
+    from pyinfinity.zero.optim import cpu_step
+
+    real = cpu_step.CpuStep.adam
+
+    def adam(self, *a, **kw):
+        time.sleep(seconds)
+        if fail:
+            raise OSError("the CPU step failed")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(cpu_step.CpuStep, "adam", adam)
+
+
+@pytest.mark.parametrize("overlap, clip", [(False, 0.0), (True, 0.0), (True, 0.05)])
+def test_device_accumulators_share_landing_slots_buffers_that_each_step_gives_back(overlap, clip, tiny_lm, lm_batches,
+                                                                                 engine_config, monkeypatch):
+    """More units than the landing ring has buffers, and a slow CPU step: every sum lands once a
+    step in one of LANDING_SLOTS buffers, never more held at once (the boundary backward waits for
+    the background step to give one back), all are back after the step, and the results are the
+    host accumulators' bit for bit."""
+    from pyinfinity.zero.optim import landing
+
+    _slow_steps(monkeypatch, 0.01)
+    seen = {"acquired": 0, "waited": 0, "held": 0, "buffers": set()}
+    real = landing.LandingRing.acquire
+
+    def acquire(self, st):
+        seen["waited"] += not self._free
+        buf = real(self, st)
+        seen["acquired"] += 1
+        seen["held"] = max(seen["held"], len(self._held))
+        seen["buffers"].add(buf.data_ptr())
+        return buf
+
+    monkeypatch.setattr(landing.LandingRing, "acquire", acquire)
+    batches = lm_batches(6)
+    got = []
+    for dab in (0, "1MiB"):
+        with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, dab, gas=3, overlap=overlap,
+                                                           clip=clip)) as eng:
+            units = sum(sh.grad_on_device for sh in eng.partition.shards)
+            losses = train_steps(eng, batches)
+            got.append((losses, [r.grad_norm for r in eng.history], engine_state(eng)))
+            ring = eng.optimizer.grads.ring
+            back = len(ring._free) == len(ring.buffers) and not ring._held
+    assert units > LANDING_SLOTS and back
+    assert seen["acquired"] == 2 * units  # two steps, each sum once
+    assert 1 <= seen["held"] <= LANDING_SLOTS and len(seen["buffers"]) <= LANDING_SLOTS
+    if overlap:
+        assert seen["held"] == LANDING_SLOTS and seen["waited"] > 0
+    (l0, n0, s0), (l1, n1, s1) = got
+    assert l1 == l0 and n1 == n0
+    assert s1.keys() == s0.keys() and all(torch.equal(s1[k], s0[k]) for k in s0)
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_a_failure_while_backward_waits_for_a_landing_buffer_is_raised_and_every_buffer_comes_back(
+        interrupt, tiny_lm, lm_batches, engine_config, monkeypatch):
+    """The boundary backward waits for a landing buffer while the background step fails (or the
+    user presses Ctrl-C there): backward raises at once instead of hanging, and the buffers held by
+    the units stepped or skipped come back to the ring."""
+    _slow_steps(monkeypatch, 0.05, fail=not interrupt)
+    (x0, y0), (x1, y1) = lm_batches(2)
+    with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, "1MiB", gas=2, overlap=True)) as eng:
+        ring = eng.optimizer.grads.ring
+        if interrupt:
+            def ctrl_c() -> None:
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(ring, "_check", ctrl_c)  # where a SIGINT in the wait is raised
+        eng.backward(eng(x0, y0))
+        eng.step()
+        t0 = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt if interrupt else OSError):
+            eng.backward(eng(x1, y1))
+        assert time.perf_counter() - t0 < 5.0
+        assert not ring._held and len(ring._free) == len(ring.buffers) == LANDING_SLOTS
+
+
 def test_the_planner_puts_accumulators_on_the_device_first(engine_config):
     from pyinfinity.presets import PRESETS as SIZES
     from pyinfinity.config import load_config
@@ -593,7 +675,8 @@ def test_device_accumulators_on_a_gpu(overlap, tiny_lm, lm_batches, engine_confi
             assert all(sh.grad_on_device for sh in trainable) == bool(dab)
             if dab:
                 assert all(eng.optimizer.state_of(sh).grad.is_cuda for sh in trainable)
-                assert all(eng.optimizer.state_of(sh).landing.is_pinned() for sh in trainable)
+                ring = eng.optimizer.grads.ring.buffers
+                assert len(ring) == min(LANDING_SLOTS, len(trainable)) and all(b.is_pinned() for b in ring)
             losses = train_steps(eng, batches)
             n = sum(sh.numel for sh in trainable)
             d2h = [r.bytes_moved.get("device.d2h", 0) for r in eng.history]
@@ -605,3 +688,37 @@ def test_device_accumulators_on_a_gpu(overlap, tiny_lm, lm_batches, engine_confi
     torch.testing.assert_close(torch.tensor(n1), torch.tensor(n0), rtol=1e-5, atol=0)
     for a, b in zip(t0, t1):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_landing_ring_on_a_gpu_trains_as_a_buffer_a_unit_bit_for_bit(overlap, tiny_lm, lm_batches, engine_config,
+                                                                        monkeypatch):
+    """On a GPU, with accumulation 4 and every unit's accumulator on the device: the sums landing
+    in LANDING_SLOTS shared buffers (the boundary backward waiting for a slowed background step to
+    give one back) train exactly as with a buffer a unit: the same losses, norms and weights, bit
+    for bit."""
+    from pyinfinity.layout import pools
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batches = [(x.cuda(), y.cuda()) for x, y in lm_batches(12)]
+    got = []
+    for slots in (None, pools.LANDING_SLOTS):
+        cfg = _cfg(engine_config, gas=4)
+        cfg["pyinfinity"] = {"device": "cuda", "device_memory": "1GiB", "unit_bytes": 0, "resident_bytes": 0,
+                             "device_optimizer_bytes": 0, "device_accumulator_bytes": "64MiB", "overlap_step": overlap}
+        with monkeypatch.context() as m:
+            if slots is None:
+                m.setattr(pools, "LANDING_SLOTS", 1 << 20)  # a buffer a unit, as when each unit had its own
+            else:
+                _slow_steps(m, 0.005)
+            with pyinfinity.initialize(tiny_lm(), cfg) as eng:
+                trainable = [sh for sh in eng.partition.shards if sh.trainable]
+                assert all(sh.grad_on_device for sh in trainable) and len(trainable) > LANDING_SLOTS
+                assert len(eng.optimizer.grads.ring.buffers) == (len(trainable) if slots is None else slots)
+                losses = train_steps(eng, batches)
+                got.append((losses, [r.grad_norm for r in eng.history],
+                            [eng.state.trained_values(sh).clone() for sh in eng.partition.shards]))
+    (l0, n0, t0), (l1, n1, t1) = got
+    assert l1 == l0 and n1 == n0
+    assert all(torch.equal(a, b) for a, b in zip(t0, t1))

@@ -15,6 +15,7 @@ from pyinfinity.config_values import SwapSpaceTooSmall
 from pyinfinity.layout.charges import fmt
 from pyinfinity.plan import Budgets, PlanError, Rates, SwapDir, placement_of, plan_engine_config
 from pyinfinity.plan.resolve import check_placement
+from tests.python.conftest import train_steps
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -83,12 +84,12 @@ def test_a_fixed_placement_over_the_device_budget_is_refused_in_one_line(tiny_lm
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_the_engine_applies_the_device_side_the_layout_decides(tiny_lm, engine_config, accumulation):
+def test_the_engine_applies_the_device_side_the_layout_decides(tiny_lm, lm_batches, engine_config, accumulation):
     """One rule, decided once: the units the engine keeps on the device, steps there and
     accumulates there are those the layout of the same resolved config places (``plan_layout``
     over the sizes counted from the module before the partition): the layout decides, the engine
-    applies."""
-    from pyinfinity.layout.pools import plan_layout
+    applies. The host gradient bytes the engine allocates are the layout's and its pools'."""
+    from pyinfinity.layout.pools import LANDING_SLOTS, landing_bytes, plan_layout
     from pyinfinity.plan.resolve import _fixed_knobs, _train_shape
     from pyinfinity.plan.sizes import model_sizes
 
@@ -107,7 +108,14 @@ def test_the_engine_applies_the_device_side_the_layout_decides(tiny_lm, engine_c
         resident = {sh.index for sh in dp.resident_units}
         stepped = sorted(sh.index for sh in eng.partition.shards if sh.device_step)
         accumulated = sorted(sh.index for sh in eng.partition.shards if sh.grad_on_device)
+        train_steps(eng, lm_batches(accumulation))
+        host_grads = eng.optimizer.grad_bytes  # what the engine allocated: host accumulators, landing ring
+        pools_grads = eng.state.pools.grads
     assert resident == lay.shards.resident and resident
     assert stepped == sorted(lay.shards.device_state) and stepped
     assert accumulated == sorted(lay.shards.device_accumulators)
     assert bool(accumulated) == (accumulation > 1)
+    if accumulation > 1:  # the device accumulators' sums land in the layout's ring, not a buffer each
+        assert host_grads == lay.grads.ram - lay.grad_staging == pools_grads
+        assert lay.landing == landing_bytes([sizes.shard_numels[i] for i in accumulated]) > 0
+        assert len(accumulated) > LANDING_SLOTS and lay.landing < 4 * sum(sizes.shard_numels[i] for i in accumulated)

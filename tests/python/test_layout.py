@@ -88,6 +88,34 @@ def test_under_accumulation_the_engine_charges_no_host_gradient_for_units_steppe
     assert engine_pools(cfg, sizes, 3).grads == 3000 * 4
 
 
+def test_device_accumulators_cost_the_landing_ring_in_ram_not_a_buffer_a_unit():
+    """Under accumulation, the units whose accumulator is on the device need no host accumulator:
+    their sums land in LANDING_SLOTS buffers of the largest of them. The engine's pools and the
+    planner's layout charge the same figure."""
+    from pyinfinity.layout.charges import TrainShape
+    from pyinfinity.layout.pools import LANDING_SLOTS, plan_layout
+
+    numels = [1000, 3000, 1000, 1000, 1000, 2000]
+    sizes = ModelSizes(shard_numels=numels, shard_trainable=[True] * 6, itemsize=2, block_bytes=6000,
+                       flops_per_token=0.0, largest_module_bytes=6000)
+    z = SimpleNamespace(offload_param=SimpleNamespace(device="cpu", max_in_cpu=0),
+                        offload_optimizer=SimpleNamespace(device="cpu", ratio=1.0),
+                        stage3_param_persistence_threshold=0)
+    e = SimpleNamespace(resident_bytes=0, device_optimizer_bytes=0, device_accumulator_bytes=4 * 7000,
+                        optimizer_step_device="cpu")  # the first five units, not the sixth
+    cfg = SimpleNamespace(zero_optimization=z, pyinfinity=e, optimizer_state_format="fp32",
+                          gradient_accumulation_steps=4)
+    ring = LANDING_SLOTS * 3000 * 4
+    assert engine_pools(cfg, sizes, 6).grads == 2000 * 4 + ring
+    knobs = Knobs(param_device="cpu", device_accumulator_bytes=4 * 7000)
+    lay = plan_layout(sizes, TrainShape(micro_batch=1, seq_len=8, grad_accum=4), knobs, 1 << 30, device_is_host=True)
+    assert lay.shards.device_accumulators == [0, 1, 2, 3, 4]
+    assert lay.landing == ring and lay.grads.ram - lay.grad_staging == 2000 * 4 + ring
+    assert lay.grads.device == 7000 * 4
+    e.device_accumulator_bytes = 0
+    assert engine_pools(cfg, sizes, 6).grads == sum(numels) * 4
+
+
 def test_a_swap_file_is_its_directorys_share_in_whole_steps_of_its_own_size():
     """``layout.pools.swap_file``: what the engine's claim preallocates in each directory and a fixed
     placement's check compares with the free space: the payload and one aligned slot a tensor,

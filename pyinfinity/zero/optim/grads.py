@@ -5,10 +5,11 @@ Gradients arrive one unit at a time (``grad_ready``), as a flat host tensor in t
 rewrites from the fp32 master anyway, so no fp32 gradient copy is kept) with the CUDA event that
 completes its copy and its L2 norm. Under gradient accumulation they are added into an fp32
 accumulator instead: by the accumulation worker (``zero.accumulate``) from a staging buffer while
-backward goes on, or, for a unit with a device accumulator, on the device, its sum copied to a
-pinned host buffer once, in the boundary micro-batch. A unit whose state is on the device keeps
-its gradient there. Here too: the per-unit and global norms, a shard's gradient as the step reads
-it, and the parameters that got none counting as zero.
+backward goes on, or, for a unit with a device accumulator, on the device, its sum copied once a
+step into a buffer of the landing ring (``optim.landing``), which the unit's CPU step reads and
+gives back. A unit whose state is on the device keeps its gradient there. Here too: the per-unit
+and global norms, a shard's gradient as the step reads it, and the parameters that got none
+counting as zero.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pyinfinity.zero.accumulate import ADD_CHUNK, AccumulateWorker, add_into, norm_of_squares
+from pyinfinity.zero.optim.landing import LandingRing
 from pyinfinity.zero.optim.records import ShardOptimState, StepJob, StepWindow
 from pyinfinity.zero.partition import FlatShard, ParamSlice
 
@@ -34,14 +36,15 @@ class GradientIntake:
     step worker is done with a shard (its last step still reads the accumulator or the buffer a
     gradient lands in), ``hand(st, job)`` hands a shard whose gradient is final to the step worker,
     ``step_on_device(st, hyper)`` steps a unit whose state is on the device, ``on_worker()`` says
-    whether the calling thread is the step worker."""
+    whether the calling thread is the step worker, ``step_failure()`` raises its failure."""
 
     def __init__(self, states: list[ShardOptimState], by_shard: dict[int, ShardOptimState], accumulate_steps: int,
                  window: StepWindow, *, wait_idle: Callable[[ShardOptimState, str], None],
                  hand: Callable[[ShardOptimState, StepJob], None],
                  step_on_device: Callable[[ShardOptimState, dict], None], on_worker: Callable[[], bool],
                  release_grad: Optional[Callable[[torch.Tensor], None]] = None,
-                 copy_to_host: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None) -> None:
+                 copy_to_host: Optional[Callable[[torch.Tensor, torch.Tensor], Any]] = None,
+                 step_failure: Optional[Callable[[], None]] = None) -> None:
         self.states = states
         self.by_shard = by_shard
         self.accumulate_steps = max(1, int(accumulate_steps))
@@ -60,6 +63,10 @@ class GradientIntake:
         self._scratch: dict[int, torch.Tensor] = {}  # thread ident -> fp32 gradient scratch (grad32)
         self._lock = threading.Lock()
         self._epoch = 0  # bumped by abandon(): a queued add of an abandoned step hands nothing to the step
+        # the buffers device accumulators' sums land in; a unit being stepped gives its buffer back,
+        # and a wait for one raises the step worker's failure (``step_failure``)
+        self.ring = LandingRing(check=step_failure or (lambda: None), releasing=lambda st: st.busy)
+        self._pin_landing = False
 
     # ------------------------------------------------------------------------- intake
     def grad_ready(self, shard: FlatShard, src: torch.Tensor, event: Any, norm: Optional[torch.Tensor]) -> None:
@@ -73,7 +80,7 @@ class GradientIntake:
         if st.dev is not None:
             self._grad_on_device(st, src, norm)
             return
-        if st.landing is not None:
+        if st.device_acc:
             self._add_on_device(st, src)
             return
         if self.accumulate_steps > 1:
@@ -155,8 +162,9 @@ class GradientIntake:
 
     def _add_on_device(self, st: ShardOptimState, src: torch.Tensor) -> None:
         """A unit with a device accumulator: its gradient (on the device) is added there on the
-        current stream; in the boundary micro-batch the sum's norm is taken there and the sum is
-        copied to the host (``_land``), then handed to the step like an unaccumulated gradient."""
+        current stream; in the boundary micro-batch the sum's norm is taken there and, when the unit
+        is handed to the background step at once, the sum is copied to the host (``land``) and
+        handed over like an unaccumulated gradient; otherwise it lands when ``step()`` steps it."""
         self.check("backward()")
         if st.acc_event is not None:  # the last window's sum may still be on its way to the host
             if st.grad.is_cuda:
@@ -172,30 +180,51 @@ class GradientIntake:
         if fresh:
             st.written.update(sl.offset for sl in st.shard.slices)
         if final:
-            self._land(st, norm_of_squares(squares))
-            if w.eager:
+            st.norm = norm_of_squares(squares)
+            if w.eager:  # without a consumer until step(), a landed sum would hold its buffer
+                self.land(st)
                 self._hand(st, StepJob(w.hyper, None))
                 w.handed_early += 1
 
-    def _land(self, st: ShardOptimState, norm: torch.Tensor) -> None:
-        """Copies a device accumulator's sum into its pinned host buffer: from here on it is the
-        shard's gradient for the step (``src``, complete once ``event`` has)."""
-        # the last step of this shard may still read the buffer (a background step)
+    def land(self, st: ShardOptimState) -> None:
+        """Copies a device accumulator's complete sum into a buffer of the landing ring (waiting for
+        a free one): from here on it is the shard's gradient for the step (``src``, complete once
+        ``event`` has), until the step gives the buffer back (``release_landing``)."""
+        # the last step of this shard must be done (its forward waited for it already)
         self._wait_idle(st, _name(st))
-        if self.copy_to_host is not None:
-            ev = self.copy_to_host(st.grad, st.landing)
-        else:
-            st.landing.copy_(st.grad)
-            ev = None
-        st.src, st.event, st.norm, st.acc_event = st.landing, ev, norm, ev
+        buf = self.ring.acquire(st)
+        try:
+            if self.copy_to_host is not None:
+                ev = self.copy_to_host(st.grad, buf)
+            else:
+                buf.copy_(st.grad)
+                ev = None
+        except BaseException:
+            self.ring.release(st)
+            raise
+        st.landing, st.src, st.event, st.acc_event = buf, buf, ev, ev
 
-    def land_rest(self) -> None:
-        """In step(): the device accumulators whose unit got no gradient in the boundary micro-batch
-        land now (their unwritten parts as zeros; the norm as the host accumulators' is taken)."""
-        for st in self.states:
-            if st.landing is not None and st.src is None and not st.handed:
-                self.fill_unwritten([st])
-                self._land(st, torch.linalg.vector_norm(st.grad, 2))
+    def release_landing(self, st: ShardOptimState) -> None:
+        """Gives the landing buffer ``st`` holds back to the ring (nothing if none): its step has
+        read it, or its gradient is dropped (then ``src`` is forgotten too)."""
+        if st.landing is None:
+            return
+        if st.src is st.landing:
+            if st.event is not None:
+                st.event.synchronize()  # the copy into it must be done before another lands there
+            st.src = st.event = None
+        st.landing = None
+        self.ring.release(st)
+
+    def _landed_for_step(self, st: ShardOptimState) -> None:
+        """A device accumulator's sum that has not landed yet lands now, on the stepping thread
+        (the serial step: its buffer was given back by the shard before)."""
+        if st.src is not None or not st.device_acc:
+            return
+        if self._on_worker():
+            raise RuntimeError(f"{_name(st)}: handed to the background step before its device sum landed")
+        self.fill_unwritten([st])
+        self.land(st)
 
     def accumulate(self, shard: FlatShard, sl: ParamSlice, grad: torch.Tensor) -> None:
         """Adds one parameter's gradient (any device/dtype) into the shard's fp32 accumulator."""
@@ -229,32 +258,43 @@ class GradientIntake:
         micro-batch's gradient is added there (no copy off the device, no host add) and the sum is
         copied into a pinned host buffer once, in the boundary micro-batch, for the CPU step.
         Returns the device bytes taken (0: frozen, stepped on the device, or no accumulation)."""
-        from pyinfinity.swap.tensor_swapper import aligned_empty
-
         st = self.by_shard.get(shard.index)
-        if st is None or st.dev is not None or st.landing is not None or self.accumulate_steps <= 1:
+        if st is None or st.dev is not None or st.device_acc or self.accumulate_steps <= 1:
             return 0
         self.wait("moving an accumulator", raise_failure=False)
         acc = torch.empty(st.numel, dtype=torch.float32, device=device)
         if st.grad is not None and st.written:  # the window's sum so far comes along
             acc.copy_(st.grad)
-        st.landing = aligned_empty(st.numel, torch.float32, pin=device.type == "cuda")
-        st.grad, st.acc_event = acc, None
+        st.grad, st.acc_event, st.device_acc = acc, None, True
+        self._pin_landing = device.type == "cuda"
+        self._size_ring()
         shard.run.accumulator_to_device()
         return acc.numel() * 4
 
+    def _size_ring(self) -> None:
+        self.ring.size_for([st.numel for st in self.states if st.device_acc], pin=self._pin_landing)
+
+    def reserve_landing(self) -> int:
+        """Allocates the landing ring for the units placed with a device accumulator now (else the
+        first sum to land does); returns its bytes."""
+        self.ring.reserve()
+        return self.ring.nbytes
+
     def accumulator_to_host(self, shard: FlatShard) -> int:
-        """Undoes ``accumulate_on_device``: the window's sum so far comes to the host, the pinned
-        buffer becomes the host accumulator. Returns the device bytes freed."""
+        """Undoes ``accumulate_on_device``: the window's sum so far comes to a host accumulator of
+        its own (a sum that landed already stays the step's gradient until the step gives its
+        buffer back). Returns the device bytes freed."""
         st = self.by_shard.get(shard.index)
-        if st is None or st.landing is None:
+        if st is None or not st.device_acc:
             return 0
         if st.acc_event is not None:
             st.acc_event.synchronize()
         freed = st.grad.numel() * 4
+        host = torch.empty(st.numel, dtype=torch.float32)
         if st.written:
-            st.landing.copy_(st.grad)
-        st.grad, st.landing, st.acc_event = st.landing, None, None
+            host.copy_(st.grad)
+        st.grad, st.acc_event, st.device_acc = host, None, False
+        self._size_ring()
         shard.run.accumulator_to_host()
         return freed
 
@@ -360,7 +400,9 @@ class GradientIntake:
     # ------------------------------------------------------------------------- what the step reads
     def for_step(self, st: ShardOptimState) -> torch.Tensor:
         """The shard's gradient for the one-pass CPU step as it is (the compute dtype or the fp32
-        accumulator; a shard that got none: zeros, weight decay still applies)."""
+        accumulator, or a device accumulator's sum, landed now if it has not; a shard that got none:
+        zeros, weight decay still applies)."""
+        self._landed_for_step(st)
         if st.src is not None:
             if st.event is not None:
                 st.event.synchronize()
@@ -375,6 +417,7 @@ class GradientIntake:
         """The shard's gradient for the step, in fp32 on the host (consumes ``src``). The fp32
         accumulator is completed (``fill_unwritten``) by ``step`` before any shard is handed over:
         the worker must not look at ``written``, which the caller resets for the next window."""
+        self._landed_for_step(st)
         if st.src is not None:
             if st.event is not None:
                 st.event.synchronize()
@@ -391,17 +434,16 @@ class GradientIntake:
     # ------------------------------------------------------------------------- reports and life
     @property
     def bytes_by_tier(self) -> dict[str, int]:
-        """Bytes of fp32 gradients by tier: "cpu" (accumulators in RAM, the buffers device
-        accumulators land in) and "device" (device accumulators)."""
+        """Bytes of fp32 gradients by tier: "cpu" (accumulators in RAM, the landing ring device
+        accumulators' sums land in) and "device" (device accumulators)."""
         out: dict[str, int] = {}
         for st in self.states:
-            parts = []
-            if st.landing is not None:
-                parts = [("device", st.grad), ("cpu", st.landing)]
-            elif st.grad is not None:
-                parts = [("cpu" if st.grad.device.type == "cpu" else "device", st.grad)]
-            for tier, t in parts:
-                out[tier] = out.get(tier, 0) + t.numel() * 4
+            if st.grad is not None:
+                on_device = st.device_acc or st.dev is not None or st.grad.device.type != "cpu"
+                tier = "device" if on_device else "cpu"  # the CPU device's "device" is RAM too
+                out[tier] = out.get(tier, 0) + st.grad.numel() * 4
+        if self.ring.nbytes:
+            out["cpu"] = out.get("cpu", 0) + self.ring.nbytes
         return out
 
     def stop(self) -> None:
@@ -417,7 +459,9 @@ class GradientIntake:
         for st in self.states:
             st.grad = None
             st.landing = st.acc_event = None
+            st.device_acc = False
             st.shard.run.accumulator_to_host()
+        self.ring.free()
 
 
 __all__ = ["GradientIntake"]

@@ -32,8 +32,10 @@ class ShardOptimState:
     dev: Optional[torch.Tensor] = None  # the state on the compute device: the unit steps there (``to_device``)
     dev_step: Optional[torch.Tensor] = None  # its step count, a device scalar (the fused kernel reads it there)
     dev_stale: bool = False  # the host home lags ``dev`` (``sync_homes`` brings it up to date)
-    # a device accumulator (``accumulate_on_device``): ``grad`` is on the device, its sum is copied into
-    # ``landing`` (pinned host fp32) in the boundary micro-batch, ``acc_event`` completes that copy
+    # a device accumulator (``accumulate_on_device``): ``grad`` is on the device; its sum is copied into
+    # ``landing``, a buffer of the landing ring (``optim.landing``) held until the step has read it;
+    # ``acc_event`` completes that copy
+    device_acc: bool = False
     landing: Optional[torch.Tensor] = None
     acc_event: Any = None
     home_written: bool = False  # the one-pass CPU step cast the new weights into the parameter home (``param_out``)
