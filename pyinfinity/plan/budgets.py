@@ -1,18 +1,16 @@
 """The budgets a plan must respect: device memory, host RAM, and free space per swap directory.
 
-Host RAM is what the kernel says is available (``/proc/meminfo`` MemAvailable) capped by the
-cgroup's limit (v2 ``memory.max - memory.current``, v1 ``limit_in_bytes - usage_in_bytes``), so a
-container's limit is honoured. Free space is ``statvfs`` per directory; directories on one
-filesystem share its free bytes.
+Host RAM is what the kernel says is available (``host_memory.mem_available``: MemAvailable
+capped by the cgroup's limit, so a container's limit is honoured). Free space is ``statvfs`` per
+directory; directories on one filesystem share its free bytes.
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-log = logging.getLogger(__name__)
+from pyinfinity.host_memory import mem_available
 
 HOST_FRACTION = 0.8
 """Share of the available host RAM a plan may use when no host budget is given."""
@@ -51,63 +49,6 @@ class Budgets:
     @property
     def swap_paths(self) -> list[str]:
         return [d.path for d in self.swap]
-
-
-def mem_available() -> int:
-    """Host bytes available now: MemAvailable, capped by the cgroup limit if there is one."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    left = cgroup_memory_left()
-    if left is not None and left < avail:
-        log.debug("cgroup limit leaves %d bytes (MemAvailable %d)", left, avail)
-        avail = left
-    return avail
-
-
-def _read_int(path: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    if not text or text == "max":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def cgroup_memory_left(root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """Bytes the cgroup may still allocate (None when unlimited or unknown). ``root`` is a test seam."""
-    rel = ""
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                parts = line.strip().split(":", 2)
-                if len(parts) == 3 and parts[0] == "0":
-                    rel = parts[2].lstrip("/")
-    except OSError:
-        pass
-    for base in (os.path.join(root, rel), root):  # v2: own group, then the mount's root
-        limit = _read_int(os.path.join(base, "memory.max"))
-        if limit is not None:
-            used = _read_int(os.path.join(base, "memory.current")) or 0
-            return max(0, limit - used)
-    limit = _read_int(os.path.join(root, "memory", "memory.limit_in_bytes"))
-    if limit is not None and limit < (1 << 60):  # v1 "unlimited" is a huge number
-        used = _read_int(os.path.join(root, "memory", "memory.usage_in_bytes")) or 0
-        return max(0, limit - used)
-    return None
 
 
 def swap_dirs(paths: Sequence[str]) -> list[SwapDir]:
@@ -164,5 +105,5 @@ def measure_budgets(device: Any = "cpu", nvme_paths: Sequence[str] = (), *,
                    swap=swap_dirs(nvme_paths), device_is_host=dev.type == "cpu")
 
 
-__all__ = ["Budgets", "SwapDir", "measure_budgets", "mem_available", "cgroup_memory_left", "swap_dirs",
+__all__ = ["Budgets", "SwapDir", "measure_budgets", "swap_dirs",
            "device_memory_free"]

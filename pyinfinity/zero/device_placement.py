@@ -15,11 +15,12 @@ planner's activation estimate errs high: the measured peak is what a step held).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from pyinfinity.config import format_size
+from pyinfinity.host_memory import mem_available
 from pyinfinity.layout.charges import DEVICE_HEADROOM, PlanError, TrainShape, grad_buffer_bytes, shape_refusal
 from pyinfinity.swap.tensor_swapper import Tier
 from pyinfinity.zero.budget import DeviceBudgetExceeded
@@ -30,6 +31,9 @@ from pyinfinity.zero.partition import FlatShard, Partition
 
 log = logging.getLogger(__name__)
 
+# host RAM a device placement given up leaves free (the process's other allocations): the
+# gradient accumulators come to the host only while they fit beside it
+HOST_SPARE = 2 << 30
 # a step whose measured device peak passes this share of the budget gives up part of the placement
 # (prefetch, device optimizer state, device accumulators, resident units) until the charges are back under the
 # planner's target (1 - DEVICE_HEADROOM of the budget)
@@ -279,8 +283,8 @@ class DevicePlacement:
         back = list(reversed(self.partition.shards))  # small persistent shards may step there too
         need = self._release((sh for sh in back if sh.device_step), need, self._state_to_host, gave,
                              "the optimizer state of {units} units ({size}) back to the host")
-        need = self._release((sh for sh in back if sh.grad_on_device), need, self._accumulator_to_host, gave,
-                             "the gradient accumulators of {units} units ({size}) to the host (as much host "
+        need = self._release(self._accumulators_the_host_holds(back, need, gave), need, self._accumulator_to_host,
+                             gave, "the gradient accumulators of {units} units ({size}) to the host (as much host "
                              "RAM, beyond the plan's landing ring)")
         if need > 0 and self.resident_units and all(sh.persistent for sh in self.partition.shards):
             # nothing was fetched in the last step: from now on a working set is (the unit in use and the next)
@@ -289,6 +293,27 @@ class DevicePlacement:
                       "{units} resident units ({size}) back to their homes")
         self.gave_up += gave
         return gave
+
+    @staticmethod
+    def _accumulators_the_host_holds(shards: list[FlatShard], need: int, gave: list[str]) -> Iterator[FlatShard]:
+        """The units of ``shards`` with a device accumulator, in order, as long as the host RAM
+        available now (``host_memory.mem_available``, less HOST_SPARE) holds a host accumulator
+        of each (4 bytes a parameter, which no plan charged): a unit that would not fit ends them,
+        with a line in ``gave`` saying so (the resident units go back instead)."""
+        if need <= 0:
+            return
+        room = mem_available() - HOST_SPARE
+        for sh in shards:
+            if not sh.grad_on_device:
+                continue
+            n = sh.numel * 4
+            if n > room:
+                gave.append(f"not the gradient accumulators from unit {sh.module_name or '<root>'} on: the host has "
+                            f"{format_size(max(0, room + HOST_SPARE))} available, short of {format_size(n)} for the "
+                            "first")
+                return
+            room -= n
+            yield sh
 
     @staticmethod
     def _release(shards: Iterable[FlatShard], need: int, release: Callable[[FlatShard], tuple[int, int]],

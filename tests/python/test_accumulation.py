@@ -502,6 +502,35 @@ def test_giving_the_accumulators_up_mid_window_keeps_the_sums(tiny_lm, lm_batche
     assert all(torch.equal(got[1][k], v) for k, v in got[0].items())
 
 
+def test_accumulators_given_up_come_to_the_host_only_while_its_free_ram_holds_them(tiny_lm, lm_batches,
+                                                                                     engine_config, monkeypatch):
+    """A host accumulator of a unit given up is RAM no plan charged: with too little available
+    (host_memory.mem_available), the accumulators stay on the device, the line given says why,
+    and training goes on with the same values."""
+    from pyinfinity.zero import device_placement
+
+    batches = lm_batches(4)
+    got = []
+    for short in (False, True):
+        with pyinfinity.initialize(tiny_lm(), _dev_acc_cfg(engine_config, "1MiB", gas=2)) as eng:
+            for i, (x, y) in enumerate(batches):
+                eng.backward(eng(x, y))
+                eng.step()
+                if i == 1:
+                    if short:
+                        monkeypatch.setattr(device_placement, "mem_available", lambda: device_placement.HOST_SPARE)
+                    gave = eng.state.placement.give_up(1 << 62, prefetch=False)
+                    monkeypatch.undo()
+                    on_device = [sh for sh in eng.partition.shards if sh.grad_on_device]
+                    if short:
+                        assert on_device and eng.device_grad_bytes > 0
+                        assert any(g.startswith("not the gradient accumulators") and "available" in g for g in gave)
+                    else:
+                        assert not on_device and any(g.startswith("the gradient accumulators") for g in gave)
+            got.append(engine_state(eng))
+    assert all(torch.equal(got[1][k], v) for k, v in got[0].items())
+
+
 def test_device_accumulators_leave_the_device_once_a_step(tiny_lm, lm_batches, engine_config):
     """Gradients off the device: a host-accumulated unit every micro-batch, a device accumulator's
     fp32 sum once a step."""

@@ -13,7 +13,8 @@ import pyinfinity
 from pyinfinity.config import load_config
 from pyinfinity.plan import (Budgets, Fixed, PlanError, Rates, SwapDir, TrainShape, placement_of, plan_engine_config,
                              resolve_auto, solve)
-from pyinfinity.plan.budgets import cgroup_memory_left, swap_dirs
+from pyinfinity.host_memory import cgroup_memory_left
+from pyinfinity.plan.budgets import swap_dirs
 from pyinfinity.plan.rates import load_rates_file
 from pyinfinity.plan.sizes import llama_sizes, sizes_from_config, sizes_from_module
 

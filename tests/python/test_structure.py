@@ -34,7 +34,8 @@ FACE = PACKAGE  # the package's __init__: its imports inside functions are lazy 
 # draws the same table.
 LAYERS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("core", ("_C",), ()),
-    ("leaves", ("config_values", "units", "device", "guards", "presets", "post_import", "progress"), ("core",)),
+    ("leaves", ("config_values", "units", "device", "host_memory", "guards", "presets", "post_import", "progress"),
+     ("core",)),
     ("config", ("config",), ("leaves",)),
     ("swap", ("swap", "aio"), ("core", "leaves", "config")),
     ("layout", ("layout",), ("leaves",)),
