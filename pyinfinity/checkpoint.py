@@ -352,8 +352,11 @@ class CheckpointWrite:
         return sum(n for _, n in self._inflight)
 
     def _submit(self, e: dict, buf: torch.Tensor) -> None:
-        """Writes a copy whose CRC-32C ``e`` holds; its place in the ring is held until the write is done."""
-        self._inflight.append((self._io.write(buf, self._data_path, e["offset"]), e["nbytes"]))
+        """Writes a copy whose CRC-32C ``e`` holds; its place in the ring is held until the write is
+        done. The bytes of ``state.bin`` up to the next page after an entry are its own (the layout
+        rounds each up): an unaligned tail goes out as one zero-padded O_DIRECT block, not a
+        buffered read-modify-write of its page."""
+        self._inflight.append((self._io.submit(buf, self._data_path, e["offset"], True, pad_tail=True), e["nbytes"]))
         self.staged_peak = max(self.staged_peak, self._staged())
 
     def _complete(self) -> None:

@@ -363,9 +363,13 @@ def test_a_save_writes_every_copy_from_one_staging_buffer_the_engine_keeps_betwe
     storages: list[list[int]] = []
     with pyinfinity.initialize(model(), config()) as eng:
         io = eng.state.checkpoint_io()
-        write = io.write
-        monkeypatch.setattr(io, "write", lambda t, *a, **kw: (storages[-1].append(t.untyped_storage().data_ptr()),
-                                                              write(t, *a, **kw))[1])
+        submit = io.submit
+
+        def recorded(tensor, file, offset, write, *a, **kw):
+            if write:
+                storages[-1].append(tensor.untyped_storage().data_ptr())
+            return submit(tensor, file, offset, write, *a, **kw)
+        monkeypatch.setattr(io, "submit", recorded)
         losses = train_steps(eng, batches[:1])
         for name in ("a", "b"):
             storages.append([])
