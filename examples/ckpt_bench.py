@@ -13,6 +13,11 @@ longest time training stopped for it (the save call, plus what the next save wai
 mean time from the call to `latest` moved, the bytes written and the shard copies a step took
 first; the save directory's size at the end (the end-of-run save included) and the free disk a
 run needs (`--save-total-limit` + 1 checkpoints: the newest is complete before the oldest goes).
+Why a case cannot meet a ratio: per way with saves, the write rate (a checkpoint's bytes / the
+mean time from the call to `latest`), and per background way the disk-bound floor of its ratio,
+max(1, mean save seconds / (save_every x the no-saves step seconds)): a save that takes longer
+than the steps between saves makes training wait for the disk whatever the engine does. The JSON
+holds every step's seconds of each way (`step_seconds`) besides.
 
 `--offload-optimizer nvme` measures instead, in this interpreter, one engine with the optimizer
 state on disk (ratio 1.0, `--nvme` the swap directory, the checkpoints beside it) saving the same
@@ -67,36 +72,55 @@ def run_way(way: str, args: argparse.Namespace, work: Path) -> dict:
     return {"doc": doc, "disk_bytes": disk, "wall_s": wall}
 
 
-def summarize(way: str, res: dict, base_step: float | None) -> dict:
-    steps = [s["seconds"] for s in res["doc"]["steps"]][WARMUP:]
+def disk_floor(mean_save_s: float, save_every: int, base_step_s: float) -> float:
+    """The lowest effective-step ratio background saves can reach when the disk is the limit:
+    a save taking longer than the ``save_every`` steps between saves (``base_step_s`` each,
+    without saves) makes the next one wait for it."""
+    return max(1.0, mean_save_s / (save_every * base_step_s)) if base_step_s > 0 else 1.0
+
+
+def summarize(way: str, res: dict, base: dict | None, save_every: int) -> dict:
+    """One way's row: ``base`` is the no-saves row (None: this is it)."""
+    seconds = [s["seconds"] for s in res["doc"]["steps"]]
+    steps = seconds[WARMUP:]
     saves = res["doc"].get("saves", [])
     step_mean = sum(steps) / max(1, len(steps))
     loop = (sum(steps) + sum(s["blocked_s"] for s in saves if s["step"] > WARMUP)) / max(1, len(steps))
-    loop_base = loop if base_step is None else base_step
+    loop_base = loop if base is None else base["effective_step_s"]
     ckpt = max((s["bytes"] for s in saves), default=0)
+    mean_save = (sum(s["total_s"] or 0 for s in saves) / len(saves)) if saves else 0.0
     return {
-        "way": way, "steps": len(res["doc"]["steps"]), "step_s": step_mean, "effective_step_s": loop,
+        "way": way, "steps": len(seconds), "step_s": step_mean, "effective_step_s": loop,
         "ratio": loop / loop_base if loop_base else None, "saves": len(saves),
         "max_blocked_s": max((s["blocked_s"] for s in saves), default=0.0),
-        "mean_save_total_s": (sum(s["total_s"] or 0 for s in saves) / len(saves)) if saves else 0.0,
-        "bytes_written": sum(s["bytes"] for s in saves), "checkpoint_bytes": ckpt,
+        "mean_save_total_s": mean_save, "bytes_written": sum(s["bytes"] for s in saves), "checkpoint_bytes": ckpt,
+        "write_rate_bytes_s": ckpt / mean_save if saves and mean_save > 0 else None,
+        "disk_floor_ratio": (disk_floor(mean_save, save_every, base["step_s"])
+                             if saves and base is not None and way != "blocking" else None),
         "copied_by_step": sum(s["copied_by_step"] for s in saves), "disk_at_end": res["disk_bytes"],
-        "wall_s": res["wall_s"], "saves_detail": saves,
+        "wall_s": res["wall_s"], "step_seconds": seconds, "saves_detail": saves,
     }
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     gb = 1e9
-    head = (f"{'way':<11} {'steps':>5} {'step s':>8} {'eff. s':>8} {'ratio':>6} {'saves':>5} {'max blocked s':>13} "
-            f"{'save s':>7} {'written GB':>10} {'disk GB':>8} {'copied':>6}")
+    head = (f"{'way':<11} {'steps':>5} {'step s':>8} {'eff. s':>8} {'ratio':>6} {'floor':>6} {'saves':>5} "
+            f"{'max blocked s':>13} {'save s':>7} {'GB/s':>6} {'written GB':>10} {'disk GB':>8} {'copied':>6}")
     lines = [head, "-" * len(head)]
+
+    def opt(v: float | None, width: int, digits: int) -> str:
+        return f"{v:>{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
     for r in rows:
+        rate = r["write_rate_bytes_s"] / gb if r["write_rate_bytes_s"] is not None else None
         lines.append(f"{r['way']:<11} {r['steps']:>5} {r['step_s']:>8.3f} {r['effective_step_s']:>8.3f} "
-                     f"{r['ratio']:>6.3f} {r['saves']:>5} {r['max_blocked_s']:>13.3f} {r['mean_save_total_s']:>7.2f} "
+                     f"{r['ratio']:>6.3f} {opt(r['disk_floor_ratio'], 6, 3)} {r['saves']:>5} "
+                     f"{r['max_blocked_s']:>13.3f} {r['mean_save_total_s']:>7.2f} {opt(rate, 6, 2)} "
                      f"{r['bytes_written'] / gb:>10.2f} {r['disk_at_end'] / gb:>8.2f} {r['copied_by_step']:>6}")
     ck = max(r["checkpoint_bytes"] for r in rows)
     lines.append(f"one checkpoint {ck / gb:.2f} GB; free disk a run needs: {(args.save_total_limit + 1) * ck / gb:.2f} "
                  f"GB (--save-total-limit {args.save_total_limit} + 1 while the newest is written)")
+    lines.append(f"GB/s: a checkpoint's bytes / the mean save time; floor: the lowest ratio background saves reach "
+                 f"when the disk is the limit, max(1, save s / ({args.save_every} x the no-saves step s))")
     return "\n".join(lines)
 
 
@@ -215,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         for way in ways:
             res = run_way(way, args, Path(d))
-            row = summarize(way, res, base)
+            row = summarize(way, res, base, args.save_every)
             if base is None:
-                base = row["effective_step_s"]
+                base = row
                 row["ratio"] = 1.0
             rows.append(row)
             print(f"{way}: done in {res['wall_s']:.0f} s", file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import ctypes
 import errno
 import io as _io
 import itertools
@@ -73,6 +74,7 @@ CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
 WAIT_SLICE_S = 0.1  # a wait for a background save wakes this often (Ctrl-C arrives within one)
+COPY_CHUNK = 1 << 20  # a shard is copied into staging this much at a time, each piece checksummed while in cache
 
 
 def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
@@ -133,7 +135,15 @@ class CheckpointWrite:
     is about to step (``OffloadOptimizer.set_before_update``), waiting for staging room if the
     budget is full; the writer takes the other copies in order. Frozen shards' values do not change
     while training. A failure is kept (``failure``) and raised by ``raise_failure``; the temporary
-    directory then goes, and ``latest`` is not moved."""
+    directory then goes, and ``latest`` is not moved.
+
+    The copies go into one page-aligned buffer (``StagingRing``: each at the next free place,
+    given back oldest first as its write finishes), the engine's own between background saves
+    (``TrainingState.take_checkpoint_staging``): no allocation, page fault or unmap per shard. A
+    copy is one pass on the thread that takes it (``_copy_crc``: no torch intra-op threads beside
+    the optimizer's), each piece checksummed right after it is copied, while it is in cache; a
+    state on disk (copied, not by reference) and a frozen shard's values are read straight into
+    their place in the buffer."""
 
     def __init__(self, state: "TrainingState", save_dir: str, tag: str, tmp: str, client_state: Optional[dict],
                  base: Optional[dict], keep_last: Optional[int], staging: int = 0, by_reference: bool = True) -> None:
@@ -154,7 +164,9 @@ class CheckpointWrite:
         self._data_path = os.path.join(tmp, "state.bin")
         self._io = state.checkpoint_io()
         self._lock = threading.Lock()  # one copy taken at a time; the in-flight queue
-        self._inflight: collections.deque = collections.deque()  # (request, buffer), oldest first
+        self._inflight: collections.deque = collections.deque()  # (request, bytes), oldest first, as the ring's spans
+        self._ring: Optional[StagingRing] = None  # made once the entries are known (its capacity)
+        self._keep_staging = staging > 0  # charged in the layout's host RAM: the engine keeps it for the next save
         self._thread: Optional[threading.Thread] = None
         self._finished = threading.Event()  # run() is over (Thread.join, interrupted, may call a live thread done)
         opt, fmt = state.optimizer, state.optimizer.format
@@ -224,10 +236,14 @@ class CheckpointWrite:
             for slot in self._frozen_slots:
                 space.freeze(slot, self.ref)
             opt.swapper.note_links([os.path.join(self.path, n) for n in self.ref.names])
+        largest = max((e["nbytes"] for e in self.entries if "ref" not in e), default=0)
+        if largest:  # the budget (whole pages), or one larger copy; never more than the checkpoint's bytes
+            capacity = min(max(staging // ALIGN * ALIGN, _pages(largest)), self.data_bytes)
+            self._ring = StagingRing(state.take_checkpoint_staging(capacity))
         self._pending = {e["shard"] for e, _ in self._optim}  # shards whose copy is not taken yet
         for e, st in self._optim:  # kept on the device: stepped there, their home written back any time
             if st.dev is not None:
-                self._take(e, st, opt.home_in_ram(st))
+                self._take(e, st, self._state_source(st))
 
     # ------------------------------------------------------------------------- running
     def start(self) -> None:
@@ -240,16 +256,20 @@ class CheckpointWrite:
     def run(self) -> None:
         """Copies and writes every entry, then completes the checkpoint (see the class doc)."""
         try:
-            opt = self.state.optimizer
             for e, st in self._optim:
                 with self._lock:
                     if e["shard"] in self._pending:
-                        self._take(e, st, opt.home_in_ram(st))
+                        self._take(e, st, self._state_source(st))
             self._drop_hook()
             for e, sh in self._params:
                 with self._lock:
-                    self._make_room(e["nbytes"])
-                    self._submit(e, self.state.param_values(sh))
+                    buf = self._make_room(e["nbytes"])
+                    try:
+                        e["crc32c"] = _crc32c(self.state.param_values(sh, out=buf.view(sh.dtype)))
+                    except BaseException:
+                        self._ring.drop_newest()
+                        raise
+                    self._submit(e, buf)
             with self._lock:
                 while self._inflight:
                     self._inflight.popleft()[0].wait()
@@ -266,6 +286,9 @@ class CheckpointWrite:
                     except Exception:  # noqa: BLE001 - the first error is the one raised
                         pass
                 self._inflight.clear()
+                if self._ring is not None:  # no write reads it any more
+                    self.state.give_back_checkpoint_staging(self._ring.buf, self._keep_staging)
+                    self._ring = None
             if self.failure is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 if self.ref is not None:  # its links went with the folder: the frozen slots are free again
@@ -283,38 +306,58 @@ class CheckpointWrite:
             return
         t0 = time.perf_counter()
         with self._lock:
-            if st.shard.index not in self._pending or self.failure is not None:
+            if st.shard.index not in self._pending or self.failure is not None or self._ring is None:
                 return
             e = next(e for e, s in self._optim if s is st)
             try:
-                self._take(e, st, flat if flat is not None else self.state.optimizer.home_in_ram(st))
+                self._take(e, st, flat if flat is not None else self._state_source(st))
                 self.copied_by_step += 1
             except BaseException as exc:  # noqa: BLE001 - the save fails, the step goes on
                 self.failure = self.failure or exc
                 self._pending = set()
         self.blocked_s += time.perf_counter() - t0
 
-    def _take(self, e: dict, st: Any, flat: torch.Tensor) -> None:
-        """The copy of one shard's state (under the lock): into staging, then written."""
-        self._make_room(e["nbytes"])
-        data = self.state.optimizer.format.save(flat, st.numel)
-        buf = aligned_empty(data.numel(), data.dtype)
-        buf.copy_(data)
+    def _take(self, e: dict, st: Any, flat: Optional[torch.Tensor]) -> None:
+        """The copy of one shard's state (under the lock) into staging, then written: from ``flat``
+        (a state in RAM), or with None read from its home on disk straight into staging."""
+        fmt = self.state.optimizer.format
+        buf = self._make_room(e["nbytes"])
+        try:
+            if flat is None:
+                numel, dtype = fmt.home_spec(st.numel)
+                home = self.state.optimizer.home_in_ram(st, out=buf.view(dtype)[:numel])
+                data = fmt.save(home, st.numel)
+                e["crc32c"] = _crc32c(buf) if data.data_ptr() == buf.data_ptr() else _copy_crc(buf, data)
+            else:
+                e["crc32c"] = _copy_crc(buf, fmt.save(flat, st.numel))
+        except BaseException:
+            self._ring.drop_newest()
+            raise
         self._pending.discard(e["shard"])
         self._submit(e, buf)
 
-    def _make_room(self, n: int) -> None:
+    def _state_source(self, st: Any) -> Optional[torch.Tensor]:
+        """A shard's state to copy: its home in RAM, or None when the home is on disk."""
+        return self.state.optimizer.home_in_ram(st) if self.state.optimizer.home_on_host(st) else None
+
+    def _make_room(self, n: int) -> torch.Tensor:
         """Waits (under the lock) until a copy of ``n`` bytes fits the staging budget beside the
-        copies still being written (or none is): the oldest copy's write first."""
-        while self._inflight and self._staged() + n > self.staging:
+        copies still being written (or none is) and has a place in the ring: the oldest copy's
+        write first. Returns that place."""
+        while self._inflight and (self._staged() + n > self.staging or self._ring.place(n) is None):
             self._inflight.popleft()[0].wait()
+            self._ring.release()
+        return self._ring.take(n)
 
     def _staged(self) -> int:
-        return sum(b.numel() * b.element_size() for _, b in self._inflight)
+        return sum(n for _, n in self._inflight)
 
     def _submit(self, e: dict, buf: torch.Tensor) -> None:
-        e["crc32c"] = _crc32c(buf)
-        self._inflight.append((self._io.write(buf, self._data_path, e["offset"]), buf))
+        """Writes a copy whose CRC-32C ``e`` holds; its place in the ring is held until the write is
+        done. The bytes of ``state.bin`` up to the next page after an entry are its own (the layout
+        rounds each up): an unaligned tail goes out as one zero-padded O_DIRECT block, not a
+        buffered read-modify-write of its page."""
+        self._inflight.append((self._io.submit(buf, self._data_path, e["offset"], True, pad_tail=True), e["nbytes"]))
         self.staged_peak = max(self.staged_peak, self._staged())
 
     def _complete(self) -> None:
@@ -383,6 +426,57 @@ class CheckpointWrite:
 
     def __str__(self) -> str:
         return self.path
+
+
+def _pages(n: int) -> int:
+    """``n`` bytes rounded up to whole pages (ALIGN), at least one."""
+    return max(1, -(-n // ALIGN)) * ALIGN
+
+
+class StagingRing:
+    """The staging of one save: a page-aligned host buffer holding the copies not yet written, one
+    after the other, each at a page boundary (written with O_DIRECT), wrapping to the start when the
+    end has no room; given back oldest first, as the writer waits for them. ``place`` says where a
+    copy of ``n`` bytes would go (None: not before the oldest is given back); an empty ring holds
+    any copy up to its capacity."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf  # uint8, page aligned
+        self.capacity = buf.numel()
+        self._spans: collections.deque = collections.deque()  # (start, end) of the copies held, oldest first
+
+    def place(self, n: int) -> Optional[int]:
+        size = _pages(n)
+        if size > self.capacity:
+            raise ValueError(f"checkpoint staging: a copy of {n} bytes does not fit the {self.capacity} bytes staged")
+        if not self._spans:
+            return 0
+        first, (last_start, last_end) = self._spans[0][0], self._spans[-1]
+        if last_start >= first:  # the held bytes in one piece: room after them, else before them
+            if last_end + size <= self.capacity:
+                return last_end
+            return 0 if size <= first else None
+        return last_end if last_end + size <= first else None  # wrapped: room between the newest and the oldest
+
+    def take(self, n: int) -> torch.Tensor:
+        """The place of a copy of ``n`` bytes, held until ``release`` (RuntimeError if there is none now)."""
+        at = self.place(n)
+        if at is None:
+            raise RuntimeError(f"checkpoint staging: no room for {n} bytes before the oldest copy is given back")
+        self._spans.append((at, at + _pages(n)))
+        return self.buf[at:at + n]
+
+    def release(self) -> None:
+        """Gives back the oldest copy's place (its write is done)."""
+        self._spans.popleft()
+
+    def drop_newest(self) -> None:
+        """Gives back the newest place (its copy failed before it was written)."""
+        self._spans.pop()
+
+    @property
+    def held(self) -> int:
+        return len(self._spans)
 
 
 class SwapRef:
@@ -1023,6 +1117,29 @@ def _crc32c(t: torch.Tensor) -> int:
     from pyinfinity import _C
 
     return int(_C.crc32c(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _copy_crc(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Copies ``src``'s bytes into ``dst`` (uint8, as many bytes; both contiguous host tensors) on
+    this thread alone, COPY_CHUNK at a time with the GIL released, each piece's CRC-32C taken right
+    after its copy, while it is in cache; returns the CRC-32C of them all. One read of ``src`` and
+    one write of ``dst``; no torch intra-op threads (the optimizer's threads keep the cores)."""
+    from pyinfinity import _C
+
+    if not src.is_contiguous():
+        src = src.contiguous()
+    n = dst.numel()
+    if dst.dtype != torch.uint8 or src.device.type != "cpu" or src.numel() * src.element_size() != n:
+        raise ValueError(f"checkpoint staging: cannot copy {src.numel()} {src.dtype} elements on {src.device} into "
+                         f"{n} bytes")
+    d, s = dst.data_ptr(), src.data_ptr()
+    view = memoryview(dst.numpy())
+    crc = 0
+    for a in range(0, n, COPY_CHUNK):
+        k = min(COPY_CHUNK, n - a)
+        ctypes.memmove(d + a, s + a, k)
+        crc = _C.crc32c(view[a:a + k], crc)
+    return int(crc)
 
 
 def _crc32c_bytes(data: bytes) -> int:

@@ -243,20 +243,28 @@ class OffloadOptimizer:
         for st in self.states:
             st.ranges = ranges[st.shard.index]
 
-    def _state_in_ram(self, st: ShardOptimState, read: bool) -> torch.Tensor:
-        """A shard's state in RAM: its home there, else a buffer of its size (filled from the home
-        on disk when ``read``)."""
+    def _state_in_ram(self, st: ShardOptimState, read: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A shard's state in RAM: its home there, else a buffer of its size (``out``, or a new
+        one), filled from the home on disk when ``read``."""
         if st.home.tier == Tier.CPU:
             return st.home.tensor
         numel, dtype = self.format.home_spec(st.numel)
-        buf = aligned_empty(numel, dtype)
+        if out is not None and (out.numel(), out.dtype) != (numel, dtype):
+            raise ValueError(f"shard {st.shard.index}: its state needs {numel} {dtype} elements, out has "
+                             f"{out.numel()} {out.dtype}")
+        buf = out if out is not None else aligned_empty(numel, dtype)
         if read:
             self.swapper.read(st.home, buf).wait()
         return buf
 
-    def home_in_ram(self, st: ShardOptimState) -> torch.Tensor:
-        """A shard's state as its home holds it, in RAM (its home there, else read from the disk)."""
-        return self._state_in_ram(st, True)
+    def home_on_host(self, st: ShardOptimState) -> bool:
+        """Whether a shard's state has its home in RAM (else on disk)."""
+        return st.home.tier == Tier.CPU
+
+    def home_in_ram(self, st: ShardOptimState, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A shard's state as its home holds it, in RAM: its home there, else read from the disk
+        into ``out`` (its home's elements and dtype) or a new buffer."""
+        return self._state_in_ram(st, True, out)
 
     def set_before_update(self, fn: Optional[Callable[[ShardOptimState, Optional[torch.Tensor]], None]]) -> None:
         """``fn(state, flat)`` runs before anything changes a shard's host state (its step, from any

@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import threading
 import time
 import weakref
 from typing import Any, Iterator, Optional, Sequence
@@ -117,6 +118,8 @@ class TrainingState:
         self.pending_backward = False  # a boundary backward's gradients wait for step()
         self._partly_stepped: Optional[str] = None  # why some shards hold a step's values and others not
         self._in_pass = 0  # forwards/backwards running now (a save from a signal handler refuses)
+        self._checkpoint_staging: Optional[torch.Tensor] = None  # a background save's staging, kept for the next
+        self._staging_lock = threading.Lock()  # a save's writer thread gives it back
         z = cfg.zero_optimization
 
         # the swap layer: one engine per state class so I/O time can be told apart
@@ -394,11 +397,33 @@ class TrainingState:
         """Each swap engine's counters, by state class ("params", "optimizer", "checkpoint")."""
         return {name: e.stats() for name, e in self._swap_engines.items()}
 
-    def param_values(self, shard: FlatShard) -> torch.Tensor:
-        """A copy of a shard's values from its home (in the compute dtype)."""
-        buf = aligned_empty(shard.numel, shard.dtype)
+    def param_values(self, shard: FlatShard, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A copy of a shard's values from its home (in the compute dtype), into ``out`` (a
+        contiguous host tensor of the shard's elements and dtype) or a new buffer."""
+        if out is not None and (out.numel(), out.dtype) != (shard.numel, shard.dtype):
+            raise ValueError(f"shard {shard.index}: needs {shard.numel} {shard.dtype} elements, out has "
+                             f"{out.numel()} {out.dtype}")
+        buf = out if out is not None else aligned_empty(shard.numel, shard.dtype)
         self.param_swapper.read(shard.home, buf).wait()
         return buf
+
+    def take_checkpoint_staging(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned host buffer of ``nbytes`` for a save's shard copies (``checkpoint.StagingRing``):
+        the one the last background save gave back when it is large enough, else a new one. The
+        save owns it until ``give_back_checkpoint_staging`` (a save beside it gets its own)."""
+        with self._staging_lock:
+            kept, self._checkpoint_staging = self._checkpoint_staging, None
+        if kept is not None and kept.numel() >= nbytes:
+            return kept[:nbytes]
+        return aligned_empty(nbytes, torch.uint8)
+
+    def give_back_checkpoint_staging(self, buf: torch.Tensor, keep: bool) -> None:
+        """A save's staging once no write reads it: kept for the next save when ``keep`` (the layout
+        charges ``pyinfinity.checkpoint_staging`` in host RAM), else freed."""
+        with self._staging_lock:
+            if keep and not self._closed and (self._checkpoint_staging is None
+                                              or self._checkpoint_staging.numel() < buf.numel()):
+                self._checkpoint_staging = buf
 
     def trained_values(self, shard: FlatShard) -> torch.Tensor:
         """A shard's trained values: its fp32 master when it has one, else its home's values."""
@@ -495,6 +520,7 @@ class TrainingState:
             self._closed = True
             return
         self._closed = True
+        self._checkpoint_staging = None
         coord = self.__dict__.get("coordinator")
         if coord is not None:
             try:
