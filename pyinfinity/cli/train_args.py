@@ -411,7 +411,16 @@ def keep_saved_placement(args: argparse.Namespace, cfg: dict, device: str, model
     from pyinfinity.config import AUTO, PLACEMENT_KEYS, load_config
     from pyinfinity.layout.charges import PlanError
     from pyinfinity.plan.resolve import check_placement
+    from pyinfinity.zero.partition import compute_dtype_for
 
+    log = logging.getLogger(__name__)
+    parsed = load_config(cfg)
+    mine = {str(compute_dtype_for(p.dtype, parsed.fp16.enabled, parsed.bf16.enabled)) for p in model.parameters()}
+    theirs = {s.get("dtype") for s in meta.get("shards") or [] if isinstance(s, dict)}
+    if mine != theirs:  # the units are cut by bytes: in another dtype the same unit_bytes cuts them otherwise
+        log.info("--resume: %s was saved computing in %s, this run computes in %s: its placement is planned anew",
+                 where, ", ".join(sorted(map(str, theirs))), ", ".join(sorted(mine)))
+        return cfg
     out, kept = copy.deepcopy(cfg), []
     for key in PLACEMENT_KEYS:
         if key in saved and saved[key] != AUTO and _get(out, key) in (None, AUTO):
@@ -419,7 +428,6 @@ def keep_saved_placement(args: argparse.Namespace, cfg: dict, device: str, model
             kept.append(key)
     if not kept:
         return cfg
-    log = logging.getLogger(__name__)
     try:
         check_placement(load_config(out), model, device, seq_len=args.seq,
                         checkpointing=bool(args.checkpoint_activations))

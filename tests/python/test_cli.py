@@ -190,7 +190,8 @@ def test_a_resume_keeps_the_placement_the_checkpoint_was_saved_under_and_replans
     args = argparse.Namespace(resume_replan=False, seq=32, checkpoint_activations=False)
     cfg = {"zero_optimization": {"stage": 3}, "pyinfinity": {"device": "cpu"}}
     with caplog.at_level(logging.WARNING):
-        assert keep_saved_placement(args, cfg, "cpu", None, str(tmp_path / "ck"), "global_step2") is cfg
+        model = torch.nn.Linear(2, 2)  # fp32, as the saved run computed (a model in another dtype is planned anew)
+        assert keep_saved_placement(args, cfg, "cpu", model, str(tmp_path / "ck"), "global_step2") is cfg
     assert "cannot be kept here (the config's placement does not fit" in caplog.text and "planned anew" in caplog.text
 
 
