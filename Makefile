@@ -54,7 +54,7 @@ train: build  # the run creates SWAP_DIR when it is missing and removes it at th
 	$(PY) -m pyinfinity train $(TRAIN_ARGS)
 
 TEST_TIME_NOTE = "make test: the C++ suites (plain, ASan+UBSan, TSan builds; about 8 min on 2 cores), then pytest's \
-	1,400 tests: about 30 min in all on a quiet 2-core machine, 50 on a busy one. For a first check: make test-quick"
+	1,450 tests: about 30 min in all on a quiet 2-core machine, 50 on a busy one. For a first check: make test-quick"
 
 test: test-note build test-cpp test-asan test-tsan test-python
 
