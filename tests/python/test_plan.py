@@ -938,3 +938,14 @@ def test_the_live_parameter_cap_counts_resident_units_at_the_narrowest_dtype():
     assert 0 < k.resident_bytes < lora.param_bytes and k.prefetch_bytes > 0, p.table()
     held = k.resident_bytes + working_set_bytes(lora, train) + k.prefetch_bytes
     assert k.max_live * 2 >= held  # at 4 bytes an element the cap would be about held / 4
+
+
+def test_the_planner_decides_only_keys_a_checkpoint_records_as_its_placement():
+    """``plan.resolve.KEYS`` (what the planner decides) and ``config.PLACEMENT_KEYS`` (what a
+    checkpoint records and ``train --resume`` keeps) name the same config keys: a knob the planner
+    gains that the list lacks would be planned anew on every resume."""
+    from pyinfinity.config import PLACEMENT_KEYS
+    from pyinfinity.plan.resolve import KEYS
+
+    assert set(KEYS.values()) <= set(PLACEMENT_KEYS)
+    assert set(PLACEMENT_KEYS) - set(KEYS.values()) == {"pyinfinity.unit_bytes", "pyinfinity.overlap_step"}
