@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import ctypes
 import errno
 import io as _io
 import itertools
@@ -52,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from pyinfinity.config import STATE_FORMATS, format_size, placement_values
+from pyinfinity.host_memory import HOST_SPARE, mem_available
 from pyinfinity.resume import apply_hyperparameters, hyperparameters
 from pyinfinity.swap.manifest import fsync_path, write_fsynced
 from pyinfinity.swap.ownership import clean_checkpoint_leftovers
@@ -74,7 +74,6 @@ CHECKSUMS_NAME = "checksums.json"
 CHECKSUMS_FORMAT = "pyinfinity-checkpoint-checksums"
 ALIGN = 4096
 WAIT_SLICE_S = 0.1  # a wait for a background save wakes this often (Ctrl-C arrives within one)
-COPY_CHUNK = 1 << 20  # a shard is copied into staging this much at a time, each piece checksummed while in cache
 
 
 def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
@@ -109,7 +108,8 @@ def save(state: "TrainingState", save_dir: str, tag: Optional[str] = None,
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        write = CheckpointWrite(state, save_dir, tag, tmp, client_state, base, keep_last, staging, by_reference)
+        write = CheckpointWrite(state, save_dir, tag, tmp, client_state, base, keep_last, staging, by_reference,
+                                background=not blocking)
     except BaseException:  # a client state that is not JSON, Ctrl-C: nothing of this save stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -137,28 +137,37 @@ class CheckpointWrite:
     while training. A failure is kept (``failure``) and raised by ``raise_failure``; the temporary
     directory then goes, and ``latest`` is not moved.
 
-    The copies go into one page-aligned buffer (``StagingRing``: each at the next free place,
-    given back oldest first as its write finishes), the engine's own between background saves
+    The staging budget is ``pyinfinity.checkpoint_staging`` (what the layout charges); a background
+    save stages more, up to the whole checkpoint, where the host has it free now (MemAvailable less
+    HOST_SPARE): a shard is updated every step, so with a disk slower than the step everything not
+    written within one step must be staged, or the step waits for the disk. A blocking save takes
+    two copies' room where free (the next copy taken while one is written). The copies go into one
+    page-aligned buffer (``StagingRing``: each at the next free place, given back oldest first as
+    its write finishes), the engine's own between background saves
     (``TrainingState.take_checkpoint_staging``): no allocation, page fault or unmap per shard. A
-    copy is one pass on the thread that takes it (``_copy_crc``: no torch intra-op threads beside
-    the optimizer's), each piece checksummed right after it is copied, while it is in cache; a
-    state on disk (copied, not by reference) and a frozen shard's values are read straight into
-    their place in the buffer."""
+    copy is one pass on the optimizer's thread count (``_copy_crc``: the core's own threads, no
+    GIL), each 1 MiB piece checksummed right after it is copied, while it is in cache; a state on
+    disk (copied, not by reference) and a frozen shard's values are read straight into their
+    place in the buffer. The writer takes the copies in the order the next step updates the
+    shards, and lets go of the lock while it waits for the disk."""
 
     def __init__(self, state: "TrainingState", save_dir: str, tag: str, tmp: str, client_state: Optional[dict],
-                 base: Optional[dict], keep_last: Optional[int], staging: int = 0, by_reference: bool = True) -> None:
+                 base: Optional[dict], keep_last: Optional[int], staging: int = 0, by_reference: bool = True,
+                 background: bool = False) -> None:
         if isinstance(staging, bool) or not isinstance(staging, int) or staging < 0:
             raise ValueError(f"staging: expected bytes >= 0 (pyinfinity.checkpoint_staging), got {staging!r}")
         self.state = state
         self.staging = staging
+        self.background = background
         self.staged_peak = 0  # most bytes of copies held at once (never above max(staging, one copy))
         self._frozen_slots: list = []  # NVMe slots saved by reference
         self.save_dir, self.tag, self.tmp = save_dir, tag, tmp
         self.path = os.path.join(save_dir, tag)
         self.keep_last = keep_last
         self.failure: Optional[BaseException] = None
-        self.blocked_s = 0.0  # time the training thread spent in this save (fixing the point, waits)
+        self.blocked_s = 0.0  # time training spent in this save (fixing the point, a step's copies and waits)
         self.copied_by_step = 0  # shard copies a step took before updating the shard
+        self._threads = max(1, int(state.optimizer.threads or torch.get_num_threads()))  # of each copy
         self.seconds: Optional[float] = None  # from this save's start to latest moved (once complete)
         self._t0 = time.perf_counter()
         self._data_path = os.path.join(tmp, "state.bin")
@@ -238,9 +247,20 @@ class CheckpointWrite:
             opt.swapper.note_links([os.path.join(self.path, n) for n in self.ref.names])
         largest = max((e["nbytes"] for e in self.entries if "ref" not in e), default=0)
         if largest:  # the budget (whole pages), or one larger copy; never more than the checkpoint's bytes
-            capacity = min(max(staging // ALIGN * ALIGN, _pages(largest)), self.data_bytes)
+            budget = staging // ALIGN * ALIGN
+            room = (mem_available() - HOST_SPARE + state.kept_checkpoint_staging()) // ALIGN * ALIGN
+            if background:  # what the host has free now, beyond the budget: no step waits for the disk
+                budget = max(budget, room)
+            else:  # two copies where the host has them free: the next copy is taken while one is written
+                budget = max(budget, min(room, 2 * _pages(largest)))
+            capacity = min(max(budget, _pages(largest)), self.data_bytes)
+            self.staging = max(self.staging, capacity)
             self._ring = StagingRing(state.take_checkpoint_staging(capacity))
         self._pending = {e["shard"] for e, _ in self._optim}  # shards whose copy is not taken yet
+        self._entry_of = {e["shard"]: e for e, _ in self._optim}
+        # the writer takes the copies in the order the next step updates the shards: as backward
+        # reaches them (the last first) when the last step began during backward, else in order
+        self._order = list(reversed(self._optim)) if opt.steps_during_backward else list(self._optim)
         for e, st in self._optim:  # kept on the device: stepped there, their home written back any time
             if st.dev is not None:
                 self._take(e, st, self._state_source(st))
@@ -256,7 +276,7 @@ class CheckpointWrite:
     def run(self) -> None:
         """Copies and writes every entry, then completes the checkpoint (see the class doc)."""
         try:
-            for e, st in self._optim:
+            for e, st in self._order:
                 with self._lock:
                     if e["shard"] in self._pending:
                         self._take(e, st, self._state_source(st))
@@ -301,52 +321,67 @@ class CheckpointWrite:
 
     def _before_update(self, st: Any, flat: Optional[torch.Tensor]) -> None:
         """A shard is about to change: its copy first, if not taken yet (from ``flat``, the state
-        about to be stepped, or the home when None)."""
+        about to be stepped, or the home when None). The time counts as blocked, the wait for the
+        writer's copy of the same shard included."""
         if st.shard.index not in self._pending:
             return
         t0 = time.perf_counter()
         with self._lock:
-            if st.shard.index not in self._pending or self.failure is not None or self._ring is None:
-                return
-            e = next(e for e, s in self._optim if s is st)
             try:
-                self._take(e, st, flat if flat is not None else self._state_source(st))
-                self.copied_by_step += 1
+                if st.shard.index in self._pending and self.failure is None and self._ring is not None:
+                    if self._take(self._entry_of[st.shard.index], st,
+                                  flat if flat is not None else self._state_source(st)):
+                        self.copied_by_step += 1
             except BaseException as exc:  # noqa: BLE001 - the save fails, the step goes on
                 self.failure = self.failure or exc
                 self._pending = set()
-        self.blocked_s += time.perf_counter() - t0
+            self.blocked_s += time.perf_counter() - t0
 
-    def _take(self, e: dict, st: Any, flat: Optional[torch.Tensor]) -> None:
+    def _take(self, e: dict, st: Any, flat: Optional[torch.Tensor]) -> bool:
         """The copy of one shard's state (under the lock) into staging, then written: from ``flat``
-        (a state in RAM), or with None read from its home on disk straight into staging."""
+        (a state in RAM), or with None read from its home on disk straight into staging. False
+        when the other thread took it while this one waited for room."""
         fmt = self.state.optimizer.format
         buf = self._make_room(e["nbytes"])
+        if e["shard"] not in self._pending:
+            self._ring.drop_newest()
+            return False
         try:
             if flat is None:
                 numel, dtype = fmt.home_spec(st.numel)
                 home = self.state.optimizer.home_in_ram(st, out=buf.view(dtype)[:numel])
                 data = fmt.save(home, st.numel)
-                e["crc32c"] = _crc32c(buf) if data.data_ptr() == buf.data_ptr() else _copy_crc(buf, data)
+                e["crc32c"] = (_crc32c(buf) if data.data_ptr() == buf.data_ptr()
+                               else _copy_crc(buf, data, self._threads))
             else:
-                e["crc32c"] = _copy_crc(buf, fmt.save(flat, st.numel))
+                e["crc32c"] = _copy_crc(buf, fmt.save(flat, st.numel), self._threads)
         except BaseException:
             self._ring.drop_newest()
             raise
         self._pending.discard(e["shard"])
         self._submit(e, buf)
+        return True
 
     def _state_source(self, st: Any) -> Optional[torch.Tensor]:
         """A shard's state to copy: its home in RAM, or None when the home is on disk."""
         return self.state.optimizer.home_in_ram(st) if self.state.optimizer.home_on_host(st) else None
 
     def _make_room(self, n: int) -> torch.Tensor:
-        """Waits (under the lock) until a copy of ``n`` bytes fits the staging budget beside the
-        copies still being written (or none is) and has a place in the ring: the oldest copy's
-        write first. Returns that place."""
+        """Waits until a copy of ``n`` bytes fits the staging budget beside the copies still being
+        written (or none is) and has a place in the ring: the oldest copy's write first. Called
+        and returning with the lock held; the lock is let go while a write is waited for, so a
+        step can take its shard's copy meanwhile (the caller checks its shard is still pending).
+        Returns that place."""
         while self._inflight and (self._staged() + n > self.staging or self._ring.place(n) is None):
-            self._inflight.popleft()[0].wait()
-            self._ring.release()
+            req = self._inflight[0][0]
+            self._lock.release()
+            try:
+                req.wait()
+            finally:
+                self._lock.acquire()
+            if self._inflight and self._inflight[0][0] is req:  # not given back by the other thread meanwhile
+                self._inflight.popleft()
+                self._ring.release()
         return self._ring.take(n)
 
     def _staged(self) -> int:
@@ -1119,11 +1154,11 @@ def _crc32c(t: torch.Tensor) -> int:
     return int(_C.crc32c(t.reshape(-1).view(torch.uint8).numpy()))
 
 
-def _copy_crc(dst: torch.Tensor, src: torch.Tensor) -> int:
+def _copy_crc(dst: torch.Tensor, src: torch.Tensor, threads: int = 1) -> int:
     """Copies ``src``'s bytes into ``dst`` (uint8, as many bytes; both contiguous host tensors) on
-    this thread alone, COPY_CHUNK at a time with the GIL released, each piece's CRC-32C taken right
-    after its copy, while it is in cache; returns the CRC-32C of them all. One read of ``src`` and
-    one write of ``dst``; no torch intra-op threads (the optimizer's threads keep the cores)."""
+    ``threads`` threads of the core's own (no GIL, no torch intra-op pool), each 1 MiB piece's
+    CRC-32C taken right after its copy, while it is in cache; returns the CRC-32C of them all
+    (the pieces' combined). One read of ``src`` and one write of ``dst``."""
     from pyinfinity import _C
 
     if not src.is_contiguous():
@@ -1132,14 +1167,7 @@ def _copy_crc(dst: torch.Tensor, src: torch.Tensor) -> int:
     if dst.dtype != torch.uint8 or src.device.type != "cpu" or src.numel() * src.element_size() != n:
         raise ValueError(f"checkpoint staging: cannot copy {src.numel()} {src.dtype} elements on {src.device} into "
                          f"{n} bytes")
-    d, s = dst.data_ptr(), src.data_ptr()
-    view = memoryview(dst.numpy())
-    crc = 0
-    for a in range(0, n, COPY_CHUNK):
-        k = min(COPY_CHUNK, n - a)
-        ctypes.memmove(d + a, s + a, k)
-        crc = _C.crc32c(view[a:a + k], crc)
-    return int(crc)
+    return int(_C.copy_crc32c(dst.numpy(), src.reshape(-1).view(torch.uint8).numpy(), threads))
 
 
 def _crc32c_bytes(data: bytes) -> int:

@@ -260,9 +260,10 @@ class EngineConfig:
     checkpoint_staging: host RAM a save may hold in shard copies taken and not yet written (at
     least one shard's: a copy larger than the budget goes alone), charged in the layout's host RAM
     beside the training state: one buffer, kept by the engine from one save to the next. A
-    background save needs it to hold what is not yet written when a shard is next updated. "auto" = 0: a run that never saves in the background pays nothing, and a
-    save then stages one shard at a time; `pyinfinity train --save-every` sets 1 GiB unless
-    ``--blocking-saves``.
+    background save needs to hold what is not yet written when a shard is next updated: it
+    stages beyond this budget, up to the whole checkpoint, what the host has free at the save
+    (MemAvailable less 2 GiB). "auto" = 0: a run that never saves in the background pays nothing;
+    `pyinfinity train --save-every` sets 1 GiB unless ``--blocking-saves``.
     A bf16 master with bf16 moments is DeepSpeed's ``bf16.bf16_master_weights_and_grads`` +
     ``bf16.bf16_optimizer_states``.
     """

@@ -1,7 +1,8 @@
 """Host RAM available now: what the kernel says (``/proc/meminfo`` MemAvailable) capped by the
 cgroup's limit (v2 ``memory.max - memory.current``, v1 ``limit_in_bytes - usage_in_bytes``), so a
 container's limit is honoured. The planner's host budget starts from it; the engine asks it
-before it moves state to the host that no plan charged (a device placement given up)."""
+before it takes host RAM that no plan charged (a device placement given up, a background save's
+staging beyond ``pyinfinity.checkpoint_staging``), leaving HOST_SPARE free."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,10 @@ import os
 from typing import Optional
 
 log = logging.getLogger(__name__)
+
+# host RAM the engine leaves free when it takes more than a plan charged (the process's other
+# allocations, the page cache the checkpoint and swap files go through)
+HOST_SPARE = 2 << 30
 
 
 def mem_available() -> int:

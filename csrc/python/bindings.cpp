@@ -292,6 +292,19 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     return pyinfinity::crc32c(info.ptr, n, crc);
   }, py::arg("data"), py::arg("crc") = 0);
+  m.def("copy_crc32c", [](py::buffer dst, py::buffer src, int threads) {
+    py::buffer_info d = dst.request(true), s = src.request();
+    for (const py::buffer_info* b : {&d, &s}) {
+      if (b->ndim != 1 || b->strides[0] != b->itemsize) throw py::value_error("copy_crc32c: expected 1-D contiguous buffers");
+    }
+    const auto n = static_cast<std::size_t>(d.size * d.itemsize);
+    if (static_cast<std::size_t>(s.size * s.itemsize) != n) {
+      throw py::value_error("copy_crc32c: dst has " + std::to_string(n) + " bytes, src " +
+                            std::to_string(s.size * s.itemsize));
+    }
+    py::gil_scoped_release nogil;
+    return pyinfinity::copy_crc32c(d.ptr, s.ptr, n, threads);
+  }, py::arg("dst"), py::arg("src"), py::arg("threads") = 1);
   m.def("crc32c_hardware", &crc32c_hardware);
   // The CPU optimizer steps: addresses of contiguous host arrays (no torch type in the core), the
   // hyperparameters, the threads and the instruction set ("auto": PYINFINITY_CPU_ISA, else the best).

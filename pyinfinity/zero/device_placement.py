@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from pyinfinity.config import format_size
-from pyinfinity.host_memory import mem_available
+from pyinfinity.host_memory import HOST_SPARE, mem_available
 from pyinfinity.layout.charges import DEVICE_HEADROOM, PlanError, TrainShape, grad_buffer_bytes, shape_refusal
 from pyinfinity.swap.tensor_swapper import Tier
 from pyinfinity.zero.budget import DeviceBudgetExceeded
@@ -31,9 +31,6 @@ from pyinfinity.zero.partition import FlatShard, Partition
 
 log = logging.getLogger(__name__)
 
-# host RAM a device placement given up leaves free (the process's other allocations): the
-# gradient accumulators come to the host only while they fit beside it
-HOST_SPARE = 2 << 30
 # a step whose measured device peak passes this share of the budget gives up part of the placement
 # (prefetch, device optimizer state, device accumulators, resident units) until the charges are back under the
 # planner's target (1 - DEVICE_HEADROOM of the budget)

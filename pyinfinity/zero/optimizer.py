@@ -96,6 +96,9 @@ class OffloadOptimizer:
         self._decay_of: dict[int, float] = {}  # id(parameter) -> its own weight decay (``set_weight_decay``)
         self.total_numel = total_numel  # trainable elements in all: what ratio splits
         self.background = background
+        # the last backward handed units to the worker as their gradients landed: a step then
+        # updates the shards in backward's order (the last first), else in order
+        self.steps_during_backward = False
         self.window = StepWindow()
         self.phases = PhaseClock()
         self.worker = StepWorker(swapper, step_shard=self._step_shard, finish=self._finish,
@@ -491,6 +494,7 @@ class OffloadOptimizer:
         ``eager`` (nothing global needed) each unit is handed to the worker as its gradient lands."""
         self.window.hyper = self._hyper()
         self.window.eager = eager and self.background and self.step_device is None
+        self.steps_during_backward = self.window.eager
         if self.window.eager:
             self.worker.start()
 

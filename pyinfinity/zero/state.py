@@ -417,6 +417,11 @@ class TrainingState:
             return kept[:nbytes]
         return aligned_empty(nbytes, torch.uint8)
 
+    def kept_checkpoint_staging(self) -> int:
+        """Bytes of the staging buffer kept from the last background save (0: none)."""
+        with self._staging_lock:
+            return 0 if self._checkpoint_staging is None else self._checkpoint_staging.numel()
+
     def give_back_checkpoint_staging(self, buf: torch.Tensor, keep: bool) -> None:
         """A save's staging once no write reads it: kept for the next save when ``keep`` (the layout
         charges ``pyinfinity.checkpoint_staging`` in host RAM), else freed."""

@@ -308,11 +308,14 @@ def test_ctrl_c_during_a_blocking_save_is_a_keyboard_interrupt_and_leaves_nothin
 
 @pytest.mark.parametrize("budget", [None, 3 * 4096, 1 << 20])
 def test_a_save_stages_no_more_than_the_checkpoint_staging_the_layout_charges(budget, tiny_lm, lm_batches,
-                                                                             engine_config, tmp_path):
+                                                                             engine_config, tmp_path, monkeypatch):
     """``pyinfinity.checkpoint_staging``: the planner's layout and the engine's pools charge the same
-    bytes in host RAM ("auto": none), and a background save never holds more shard copies not yet
-    written than that (or one shard's, when the budget is smaller)."""
+    bytes in host RAM ("auto": none), and with no host RAM free beyond it a background save never
+    holds more shard copies not yet written than that (or one shard's, when the budget is smaller)."""
+    from pyinfinity import checkpoint
     from pyinfinity.plan import Budgets, Rates, placement_of
+
+    monkeypatch.setattr(checkpoint, "mem_available", lambda: checkpoint.HOST_SPARE)  # nothing free beyond it
 
     cfg = engine_config("cpu")
     if budget is not None:
@@ -386,6 +389,59 @@ def test_a_save_writes_every_copy_from_one_staging_buffer_the_engine_keeps_betwe
     with pyinfinity.initialize(model(seed=7), config()) as eng:
         eng.load_checkpoint(str(tmp_path / "b"))
         assert train_steps(eng, batches[2:]) == losses[2:]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steps_go_on_while_the_disk_holds_a_background_saves_writes(overlap, tiny_lm, lm_batches, engine_config,
+                                                                    tmp_path, monkeypatch):
+    """A background save stages up to the whole checkpoint where the host has the RAM free now
+    (beyond ``pyinfinity.checkpoint_staging``, "auto" here): while the disk has not finished one of
+    its writes, the steps after the save train on, none waiting for the disk (the writer waits
+    without holding the lock a step's copy needs). The writer copies in the order the steps update
+    the shards. The checkpoint then completes and resumes bit for bit."""
+    import threading
+
+    from pyinfinity import checkpoint
+
+    def config(tier="cpu"):
+        cfg = engine_config(tier)
+        cfg["pyinfinity"]["overlap_step"] = overlap
+        return cfg
+    batches = lm_batches(STEPS)
+    disk = threading.Event()
+    order: list[int] = []
+    with pyinfinity.initialize(tiny_lm(), config()) as eng:
+        io = eng.state.checkpoint_io()
+        submit = io.submit
+
+        class Held:  # a write the disk has not finished until disk.set()
+            def __init__(self, req):
+                self.req = req
+
+            def wait(self, *a, **kw):
+                assert disk.wait(60), "the disk was never released"
+                return self.req.wait(*a, **kw)
+
+        def held(tensor, file, offset, write, *a, **kw):
+            return Held(submit(tensor, file, offset, write, *a, **kw))
+        monkeypatch.setattr(io, "submit", held)
+        take = checkpoint.CheckpointWrite._take
+
+        def recorded(self, e, st, flat):
+            order.append(e["shard"])
+            return take(self, e, st, flat)
+        monkeypatch.setattr(checkpoint.CheckpointWrite, "_take", recorded)
+        losses = train_steps(eng, batches[:2])
+        eng.save_checkpoint(str(tmp_path / "ckpt"), blocking=False, by_reference=False)
+        write = eng._checkpoint_write
+        shards = sorted(e["shard"] for e, _ in write._optim)
+        losses += train_steps(eng, batches[2:4])  # would hang were a step waiting for the held disk
+        assert not write.done and write.staged_peak == sum(e["nbytes"] for e, _ in write._optim)  # all in staging
+        disk.set()
+        eng.wait_for_checkpoint()
+        assert sorted(order) == shards and order == (shards[::-1] if overlap else shards)
+        losses += train_steps(eng, batches[4:])
+    assert _resumed_losses(tiny_lm, config, batches, tmp_path / "ckpt") == (2, losses[2:])
 
 
 def test_the_staging_ring_never_hands_out_bytes_a_copy_not_yet_written_holds():
