@@ -261,9 +261,10 @@ class CheckpointWrite:
         # the writer takes the copies in the order the next step updates the shards: as backward
         # reaches them (the last first) when the last step began during backward, else in order
         self._order = list(reversed(self._optim)) if opt.steps_during_backward else list(self._optim)
-        for e, st in self._optim:  # kept on the device: stepped there, their home written back any time
-            if st.dev is not None:
-                self._take(e, st, self._state_source(st))
+        with self._lock:  # _make_room lets go of it while it waits for a write
+            for e, st in self._optim:  # kept on the device: stepped there, their home written back any time
+                if st.dev is not None:
+                    self._take(e, st, self._state_source(st))
 
     # ------------------------------------------------------------------------- running
     def start(self) -> None:

@@ -444,6 +444,35 @@ def test_steps_go_on_while_the_disk_holds_a_background_saves_writes(overlap, tin
     assert _resumed_losses(tiny_lm, config, batches, tmp_path / "ckpt") == (2, losses[2:])
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_the_copies_a_save_takes_at_once_wait_for_staging_room_like_the_writers(blocking, tiny_lm, lm_batches,
+                                                                               engine_config, tmp_path, monkeypatch):
+    """The state of units stepped on the device is copied when the save fixes its point, before
+    it returns: with staging room for one shard only (no host RAM free beyond the budget), each
+    of those copies waits for the previous one's write, as the writer's copies do. (Shards are
+    marked as stepped on the device here; their homes are in RAM, as the device's are once synced.)"""
+    from pyinfinity import checkpoint
+
+    monkeypatch.setattr(checkpoint, "mem_available", lambda: checkpoint.HOST_SPARE)
+    batches = lm_batches(4)
+    with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
+        losses = train_steps(eng, batches[:2])
+        states = eng.optimizer.states
+        assert len(states) > 2
+        for st in states[:3]:
+            st.dev = object()
+        try:
+            eng.save_checkpoint(str(tmp_path / "ckpt"), blocking=blocking)
+            write = eng.wait_for_checkpoint() if not blocking else None
+        finally:
+            for st in states[:3]:
+                st.dev = None
+        if write is not None:
+            assert write.staged_peak == max(eng.optimizer.format.nbytes(st.numel) for st in states)
+        losses += train_steps(eng, batches[2:])
+    assert _resumed_losses(tiny_lm, engine_config, batches, tmp_path / "ckpt") == (2, losses[2:])
+
+
 def test_the_staging_ring_never_hands_out_bytes_a_copy_not_yet_written_holds():
     """``StagingRing``: copies placed one after the other at page boundaries, wrapping to the
     start, given back oldest first; a place never overlaps a held copy and never passes the end."""
