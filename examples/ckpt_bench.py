@@ -9,13 +9,14 @@ cap by default; `--model-size tiny --device cpu` checks the script end to end on
 prints a table and writes it as JSON. Per way: the mean step time (the steps' own seconds, the
 first WARMUP steps left out), the mean effective step time (the training loop's seconds a step, the
 time training stopped for saves included) and its ratio to the run without saves; per save the
-longest time training stopped for it (the save call, plus what the next save waited for it), the
-mean time from the call to `latest` moved, the bytes written and the shard copies a step took
+longest time training stopped for it (the save call, the copies steps took first, plus what the
+next save waited for it), the mean time from the call to `latest` moved and then the removal of
+the checkpoints `--save-total-limit` lets go, the bytes written and the shard copies a step took
 first; the save directory's size at the end (the end-of-run save included) and the free disk a
 run needs (`--save-total-limit` + 1 checkpoints: the newest is complete before the oldest goes).
 Why a case cannot meet a ratio: per way with saves, the write rate (a checkpoint's bytes / the
 mean time from the call to `latest`), and per background way the disk-bound floor of its ratio,
-max(1, mean save seconds / (save_every x the no-saves step seconds)): a save that takes longer
+max(1, (mean save + removal seconds) / (save_every x the no-saves step seconds)): a save that takes longer
 than the steps between saves makes training wait for the disk whatever the engine does. The JSON
 holds every step's seconds of each way (`step_seconds`) besides.
 
@@ -89,13 +90,14 @@ def summarize(way: str, res: dict, base: dict | None, save_every: int) -> dict:
     loop_base = loop if base is None else base["effective_step_s"]
     ckpt = max((s["bytes"] for s in saves), default=0)
     mean_save = (sum(s["total_s"] or 0 for s in saves) / len(saves)) if saves else 0.0
+    mean_rotate = (sum(s.get("rotate_s", 0.0) for s in saves) / len(saves)) if saves else 0.0
     return {
         "way": way, "steps": len(seconds), "step_s": step_mean, "effective_step_s": loop,
         "ratio": loop / loop_base if loop_base else None, "saves": len(saves),
         "max_blocked_s": max((s["blocked_s"] for s in saves), default=0.0),
-        "mean_save_total_s": mean_save, "bytes_written": sum(s["bytes"] for s in saves), "checkpoint_bytes": ckpt,
+        "mean_save_total_s": mean_save, "mean_rotate_s": mean_rotate, "bytes_written": sum(s["bytes"] for s in saves), "checkpoint_bytes": ckpt,
         "write_rate_bytes_s": ckpt / mean_save if saves and mean_save > 0 else None,
-        "disk_floor_ratio": (disk_floor(mean_save, save_every, base["step_s"])
+        "disk_floor_ratio": (disk_floor(mean_save + mean_rotate, save_every, base["step_s"])
                              if saves and base is not None and way != "blocking" else None),
         "copied_by_step": sum(s["copied_by_step"] for s in saves), "disk_at_end": res["disk_bytes"],
         "wall_s": res["wall_s"], "step_seconds": seconds, "saves_detail": saves,
@@ -105,7 +107,8 @@ def summarize(way: str, res: dict, base: dict | None, save_every: int) -> dict:
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     gb = 1e9
     head = (f"{'way':<11} {'steps':>5} {'step s':>8} {'eff. s':>8} {'ratio':>6} {'floor':>6} {'saves':>5} "
-            f"{'max blocked s':>13} {'save s':>7} {'GB/s':>6} {'written GB':>10} {'disk GB':>8} {'copied':>6}")
+            f"{'max blocked s':>13} {'save s':>7} {'rot. s':>6} {'GB/s':>6} {'written GB':>10} {'disk GB':>8} "
+            f"{'copied':>6}")
     lines = [head, "-" * len(head)]
 
     def opt(v: float | None, width: int, digits: int) -> str:
@@ -114,13 +117,15 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         rate = r["write_rate_bytes_s"] / gb if r["write_rate_bytes_s"] is not None else None
         lines.append(f"{r['way']:<11} {r['steps']:>5} {r['step_s']:>8.3f} {r['effective_step_s']:>8.3f} "
                      f"{r['ratio']:>6.3f} {opt(r['disk_floor_ratio'], 6, 3)} {r['saves']:>5} "
-                     f"{r['max_blocked_s']:>13.3f} {r['mean_save_total_s']:>7.2f} {opt(rate, 6, 2)} "
+                     f"{r['max_blocked_s']:>13.3f} {r['mean_save_total_s']:>7.2f} {r['mean_rotate_s']:>6.2f} "
+                     f"{opt(rate, 6, 2)} "
                      f"{r['bytes_written'] / gb:>10.2f} {r['disk_at_end'] / gb:>8.2f} {r['copied_by_step']:>6}")
     ck = max(r["checkpoint_bytes"] for r in rows)
     lines.append(f"one checkpoint {ck / gb:.2f} GB; free disk a run needs: {(args.save_total_limit + 1) * ck / gb:.2f} "
                  f"GB (--save-total-limit {args.save_total_limit} + 1 while the newest is written)")
-    lines.append(f"GB/s: a checkpoint's bytes / the mean save time; floor: the lowest ratio background saves reach "
-                 f"when the disk is the limit, max(1, save s / ({args.save_every} x the no-saves step s))")
+    lines.append(f"GB/s: a checkpoint's bytes / the mean save time (to latest); rot. s: then removing the oldest; "
+                 f"floor: the lowest ratio background saves reach when the disk is the limit, "
+                 f"max(1, (save s + rot. s) / ({args.save_every} x the no-saves step s))")
     return "\n".join(lines)
 
 

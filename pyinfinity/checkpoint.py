@@ -52,6 +52,7 @@ import torch
 
 from pyinfinity.config import STATE_FORMATS, format_size, placement_values
 from pyinfinity.host_memory import HOST_SPARE, mem_available
+from pyinfinity.layout.pools import save_staging_bytes
 from pyinfinity.resume import apply_hyperparameters, hyperparameters
 from pyinfinity.swap.manifest import fsync_path, write_fsynced
 from pyinfinity.swap.ownership import clean_checkpoint_leftovers
@@ -169,10 +170,12 @@ class CheckpointWrite:
         self.copied_by_step = 0  # shard copies a step took before updating the shard
         self._threads = max(1, int(state.optimizer.threads or torch.get_num_threads()))  # of each copy
         self.seconds: Optional[float] = None  # from this save's start to latest moved (once complete)
+        self.rotate_s = 0.0  # then removing the checkpoints keep_last lets go (the next save waits for it too)
         self._t0 = time.perf_counter()
         self._data_path = os.path.join(tmp, "state.bin")
         self._io = state.checkpoint_io()
         self._lock = threading.Lock()  # one copy taken at a time; the in-flight queue
+        self._stats_lock = threading.Lock()  # blocked_s, added to by the steps' threads and join
         self._inflight: collections.deque = collections.deque()  # (request, bytes), oldest first, as the ring's spans
         self._ring: Optional[StagingRing] = None  # made once the entries are known (its capacity)
         self._keep_staging = staging > 0  # charged in the layout's host RAM: the engine keeps it for the next save
@@ -246,14 +249,9 @@ class CheckpointWrite:
                 space.freeze(slot, self.ref)
             opt.swapper.note_links([os.path.join(self.path, n) for n in self.ref.names])
         largest = max((e["nbytes"] for e in self.entries if "ref" not in e), default=0)
-        if largest:  # the budget (whole pages), or one larger copy; never more than the checkpoint's bytes
-            budget = staging // ALIGN * ALIGN
-            room = (mem_available() - HOST_SPARE + state.kept_checkpoint_staging()) // ALIGN * ALIGN
-            if background:  # what the host has free now, beyond the budget: no step waits for the disk
-                budget = max(budget, room)
-            else:  # two copies where the host has them free: the next copy is taken while one is written
-                budget = max(budget, min(room, 2 * _pages(largest)))
-            capacity = min(max(budget, _pages(largest)), self.data_bytes)
+        if largest:  # the budget, what the host has free beyond it (layout.pools.save_staging_bytes)
+            room = mem_available() - HOST_SPARE + state.kept_checkpoint_staging()
+            capacity = save_staging_bytes(staging, largest, self.data_bytes, room, background)
             self.staging = max(self.staging, capacity)
             self._ring = StagingRing(state.take_checkpoint_staging(capacity))
         self._pending = {e["shard"] for e, _ in self._optim}  # shards whose copy is not taken yet
@@ -269,8 +267,8 @@ class CheckpointWrite:
     # ------------------------------------------------------------------------- running
     def start(self) -> None:
         """Writes in a thread of its own; the optimizer's steps take their shard's copy first."""
+        self.blocked_s = time.perf_counter() - self._t0  # before a step can add to it
         self.state.optimizer.set_before_update(self._before_update)
-        self.blocked_s = time.perf_counter() - self._t0
         self._thread = threading.Thread(target=self.run, name="pyinfinity-checkpoint", daemon=True)
         self._thread.start()
 
@@ -292,11 +290,12 @@ class CheckpointWrite:
                         raise
                     self._submit(e, buf)
             with self._lock:
-                while self._inflight:
-                    self._inflight.popleft()[0].wait()
+                self._drain()
+                if self.failure is not None:  # a step's copy failed: its shard is not in state.bin
+                    raise self.failure
             self._complete()
         except BaseException as exc:  # noqa: BLE001 - kept, raised at the caller's next call
-            self.failure = exc
+            self.failure = self.failure or exc
         finally:
             self._drop_hook()
             self._pending = set()
@@ -327,25 +326,32 @@ class CheckpointWrite:
         if st.shard.index not in self._pending:
             return
         t0 = time.perf_counter()
-        with self._lock:
-            try:
-                if st.shard.index in self._pending and self.failure is None and self._ring is not None:
-                    if self._take(self._entry_of[st.shard.index], st,
-                                  flat if flat is not None else self._state_source(st)):
-                        self.copied_by_step += 1
-            except BaseException as exc:  # noqa: BLE001 - the save fails, the step goes on
-                self.failure = self.failure or exc
-                self._pending = set()
-            self.blocked_s += time.perf_counter() - t0
+        try:
+            with self._lock:
+                try:
+                    if st.shard.index in self._pending and self.failure is None and self._ring is not None:
+                        if self._take(self._entry_of[st.shard.index], st,
+                                      flat if flat is not None else self._state_source(st)):
+                            self.copied_by_step += 1
+                except BaseException as exc:  # noqa: BLE001 - the save fails, the step goes on
+                    self.failure = self.failure or exc
+                    self._pending = set()
+                    if not isinstance(exc, Exception):  # Ctrl-C in a wait for room: the step's too
+                        raise
+        finally:
+            self._add_blocked(time.perf_counter() - t0)
+
+    def _add_blocked(self, seconds: float) -> None:
+        with self._stats_lock:
+            self.blocked_s += seconds
 
     def _take(self, e: dict, st: Any, flat: Optional[torch.Tensor]) -> bool:
         """The copy of one shard's state (under the lock) into staging, then written: from ``flat``
         (a state in RAM), or with None read from its home on disk straight into staging. False
         when the other thread took it while this one waited for room."""
         fmt = self.state.optimizer.format
-        buf = self._make_room(e["nbytes"])
-        if e["shard"] not in self._pending:
-            self._ring.drop_newest()
+        buf = self._make_room(e["nbytes"], e["shard"])
+        if buf is None:
             return False
         try:
             if flat is None:
@@ -367,23 +373,36 @@ class CheckpointWrite:
         """A shard's state to copy: its home in RAM, or None when the home is on disk."""
         return self.state.optimizer.home_in_ram(st) if self.state.optimizer.home_on_host(st) else None
 
-    def _make_room(self, n: int) -> torch.Tensor:
+    def _make_room(self, n: int, shard: Optional[int] = None) -> Optional[torch.Tensor]:
         """Waits until a copy of ``n`` bytes fits the staging budget beside the copies still being
         written (or none is) and has a place in the ring: the oldest copy's write first. Called
         and returning with the lock held; the lock is let go while a write is waited for, so a
-        step can take its shard's copy meanwhile (the caller checks its shard is still pending).
-        Returns that place."""
+        step can take its shard's copy meanwhile. Returns that place, or None when ``shard``'s
+        copy was taken by the other thread meanwhile (or the save ended)."""
         while self._inflight and (self._staged() + n > self.staging or self._ring.place(n) is None):
-            req = self._inflight[0][0]
-            self._lock.release()
-            try:
-                req.wait()
-            finally:
-                self._lock.acquire()
-            if self._inflight and self._inflight[0][0] is req:  # not given back by the other thread meanwhile
-                self._inflight.popleft()
-                self._ring.release()
+            self._wait_oldest()
+            if self._ring is None or (shard is not None and shard not in self._pending):
+                return None
         return self._ring.take(n)
+
+    def _drain(self) -> None:
+        """Waits for every write in flight, oldest first, each place in the ring given back (the
+        lock held when called and on return, let go while waiting)."""
+        while self._inflight:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        """Waits for the oldest write in flight without the lock (held when called and on
+        return), then gives its place in the ring back unless the other thread did meanwhile."""
+        req = self._inflight[0][0]
+        self._lock.release()
+        try:
+            req.wait()
+        finally:
+            self._lock.acquire()
+        if self._inflight and self._inflight[0][0] is req:
+            self._inflight.popleft()
+            self._ring.release()
 
     def _staged(self) -> int:
         return sum(n for _, n in self._inflight)
@@ -421,9 +440,11 @@ class CheckpointWrite:
         self.seconds = time.perf_counter() - self._t0
         log.info("checkpoint saved: %s (%s)", self.path, format_size(self.data_bytes))
         if self.keep_last is not None:  # only now: the new checkpoint is complete, fsynced and named by latest
+            t0 = time.perf_counter()
             rotate(self.save_dir, self.keep_last)
             if self.ref is not None:
                 self.ref.space.release_refs(SwapRef.alive)
+            self.rotate_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------- the caller's side
     @property
@@ -438,7 +459,7 @@ class CheckpointWrite:
                 if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError(f"checkpoint {self.path}: the thread writing it died")
         finally:
-            self.blocked_s += time.perf_counter() - t0
+            self._add_blocked(time.perf_counter() - t0)
 
     def wait(self, what: str = "wait_for_checkpoint()") -> None:
         """``join``, then raises the write's failure, once."""

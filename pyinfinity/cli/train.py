@@ -199,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "steps": [asdict(r) for r in records], "config": cfg,
-                       "memory": asdict(report), "saves": [{**asdict(r), "blocked_s": r.blocked_s}
-                                                           for r in result.saves]}, f, indent=1, default=str)
+                       "memory": asdict(report), "saves": [{**{k: v for k, v in asdict(r).items() if k != "called_at"},
+                                                            "blocked_s": r.blocked_s} for r in result.saves]}, f, indent=1, default=str)
     return 0
 
 

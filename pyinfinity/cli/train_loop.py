@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,10 +44,14 @@ class SaveRecord:
     total_s: Optional[float] = None  # from the call to latest moved
     bytes: int = 0  # the checkpoint's files
     copied_by_step: int = 0  # background: shard copies a step took before updating its shard
+    copy_s: float = 0.0  # background: what the steps spent taking those copies
+    rotate_s: float = 0.0  # removing the checkpoints --save-total-limit let go, after latest moved
+    called_at: float = 0.0  # time.perf_counter() at the call
+    said_slow: bool = False  # the warning that the disk does not keep up came with this one
 
     @property
     def blocked_s(self) -> float:
-        return self.call_s + self.wait_s
+        return self.call_s + self.wait_s + self.copy_s
 
 
 @dataclass
@@ -95,12 +100,20 @@ def save(engine: Any, args: argparse.Namespace, data: Batches, *, blocking: bool
         log.info("checkpoint %s: writing in the background (training stopped %.3f s for it)", path, call)
     if saves is not None:
         saves.append(SaveRecord(engine.global_steps, path, not blocking, call, total_s=None if not blocking else call,
-                                bytes=0 if not blocking else _dir_bytes(path)))
+                                bytes=0 if not blocking else _dir_bytes(path), called_at=t0))
     return path
 
 
+# a background save the next one waited longer for than this (and this share of the steps between
+# them) is reported once: the disk does not keep up with --save-every
+SLOW_SAVE_WAIT_S = 0.5
+SLOW_SAVE_SHARE = 0.05
+
+
 def finish_saves(engine: Any, saves: list) -> None:
-    """Waits for the last background save of ``saves`` and completes its record."""
+    """Waits for the last background save of ``saves`` and completes its record. The first time
+    the wait is long (the disk slower than --save-every's steps), says so once with the
+    --save-every that would hide the writes."""
     if not saves or not saves[-1].background or saves[-1].total_s is not None:
         return
     t0 = time.perf_counter()
@@ -109,7 +122,21 @@ def finish_saves(engine: Any, saves: list) -> None:
     rec.wait_s = time.perf_counter() - t0
     if write is not None:
         rec.total_s, rec.copied_by_step = write.seconds, write.copied_by_step
+        rec.copy_s = max(0.0, write.blocked_s - rec.call_s - rec.wait_s)  # its point and the wait are counted
+        rec.rotate_s = write.rotate_s
     rec.bytes = _dir_bytes(rec.path)
+    between = t0 - rec.called_at  # the steps since the call, which the write ran beside
+    steps = engine.global_steps - rec.step
+    if (write is not None and write.seconds and steps > 0 and between > 0 and not any(r.said_slow for r in saves)
+            and rec.wait_s > max(SLOW_SAVE_WAIT_S, SLOW_SAVE_SHARE * between)):
+        rec.said_slow = True
+        every = max(steps + 1, math.ceil(steps * (write.seconds + write.rotate_s) / between * 1.1))
+        log.warning("checkpoint %s: training waited %.1f s for it: a save writes %.2f GB in %.1f s (%.2f GB/s)%s, "
+                    "the %d steps between saves took %.1f s; --save-every %d (or --save on a faster disk) keeps "
+                    "the writes behind training", rec.path, rec.wait_s, write.data_bytes / 1e9, write.seconds,
+                    write.data_bytes / write.seconds / 1e9,
+                    f" and removing the oldest took {write.rotate_s:.1f} s" if write.rotate_s >= 0.05 else "",
+                    steps, between, every)
 
 
 def _dir_bytes(path: str) -> int:

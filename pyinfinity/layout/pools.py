@@ -61,6 +61,19 @@ def home_slack(state: StateFormat, n_modules: int) -> int:
     return int(n_modules * home_bytes(state, MIN_QUANTIZED_NUMEL - 1))
 
 
+def save_staging_bytes(budget: int, largest: int, checkpoint: int, room: int, background: bool) -> int:
+    """One save's staging buffer at run time, in whole pages: ``budget`` (``pyinfinity.checkpoint_staging``,
+    what the layout charges) and beyond it what the host has free now (``room``): up to the whole
+    ``checkpoint`` for a background save (each shard is updated every step: with a disk slower
+    than the step, what is not staged makes a step wait for the disk), two copies of the
+    ``largest`` for a blocking one (the next copy taken while one is written); at least one
+    copy, never more than the checkpoint."""
+    copy = page_rounded(max(1, largest))
+    free = max(0, int(room)) // mmap.PAGESIZE * mmap.PAGESIZE
+    grant = free if background else min(free, 2 * copy)
+    return min(max(int(budget) // mmap.PAGESIZE * mmap.PAGESIZE, grant, copy), int(checkpoint))
+
+
 def checkpoint_staging_bytes(budget: int, sizes: ModelSizes, state: StateFormat) -> int:
     """Host RAM a save's shard copies take at most under ``pyinfinity.checkpoint_staging`` =
     ``budget``: none when 0 (a run that does not save in the background), else the budget or one

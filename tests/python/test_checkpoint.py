@@ -234,6 +234,43 @@ def test_a_background_save_failure_is_raised_at_the_next_call_and_latest_stays(t
     assert _listing(ckpt) == ["global_step1", "global_step3", "latest"]  # close() waited for it
 
 
+def test_a_copy_a_step_fails_to_take_fails_the_save_and_latest_stays(tiny_lm, lm_batches, engine_config, tmp_path,
+                                                                     held_writer, monkeypatch):
+    """A step's copy of its shard that fails (a read error) fails the background save: the writer
+    does not complete a checkpoint missing that shard, ``latest`` keeps naming the previous one,
+    the error is raised at the next call and training goes on."""
+    import errno
+    import threading
+
+    from pyinfinity import checkpoint
+
+    take = checkpoint.CheckpointWrite._take
+    by_step = []
+
+    def failing(self, e, st, flat):
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            by_step.append(e["shard"])
+            if len(by_step) == 2:
+                raise OSError(errno.EIO, "injected read error")
+        return take(self, e, st, flat)
+    monkeypatch.setattr(checkpoint.CheckpointWrite, "_take", failing)
+    ckpt = tmp_path / "ckpt"
+    batches = lm_batches(4)
+    with pyinfinity.initialize(tiny_lm(), engine_config("cpu")) as eng:
+        train_steps(eng, batches[:1])
+        eng.save_checkpoint(str(ckpt))
+        train_steps(eng, batches[1:2])
+        eng.save_checkpoint(str(ckpt), blocking=False, by_reference=False)
+        train_steps(eng, batches[2:3])  # the step's second copy fails; the step goes on
+        held_writer.set()
+        with pytest.raises(OSError, match="was not saved"):
+            eng.wait_for_checkpoint()
+        train_steps(eng, batches[3:])
+    assert len(by_step) >= 2
+    assert (ckpt / "latest").read_text() == "global_step1"
+    assert complete_checkpoints(str(ckpt)) == ["global_step1"]
+
+
 @pytest.mark.parametrize("call", ["close", "export", "load_checkpoint"])
 def test_close_export_and_load_wait_for_a_background_save(call, tiny_lm, lm_batches, engine_config, tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -343,6 +380,23 @@ def test_a_save_stages_no_more_than_the_checkpoint_staging_the_layout_charges(bu
             assert write.staged_peak > largest
 
 
+def test_a_saves_staging_is_its_budget_and_what_the_host_has_free_beyond_it():
+    """``layout.pools.save_staging_bytes``: whole pages; at least one copy; a background save up to
+    the whole checkpoint as the free host RAM allows, a blocking one two copies; never more than
+    the checkpoint."""
+    import mmap
+
+    from pyinfinity.layout.pools import save_staging_bytes
+
+    page = mmap.PAGESIZE
+    assert save_staging_bytes(0, 10, 100 * page, 0, True) == page  # one copy, however little is free
+    assert save_staging_bytes(0, 3 * page, 100 * page, -5 * page, True) == 3 * page
+    assert save_staging_bytes(0, 3 * page, 100 * page, 50 * page + 7, True) == 50 * page
+    assert save_staging_bytes(0, 3 * page, 100 * page, 500 * page, True) == 100 * page  # the checkpoint at most
+    assert save_staging_bytes(0, 3 * page, 100 * page, 500 * page, False) == 6 * page  # blocking: two copies
+    assert save_staging_bytes(8 * page + 5, 3 * page, 100 * page, 0, False) == 8 * page  # the charged budget
+
+
 @pytest.mark.parametrize("tier, budget", [("cpu", 1 << 20), ("nvme", 1 << 20), ("cpu", None)])
 def test_a_save_writes_every_copy_from_one_staging_buffer_the_engine_keeps_between_background_saves(
         tier, budget, tiny_lm, lm_batches, engine_config, tmp_path, monkeypatch):
@@ -407,6 +461,7 @@ def test_steps_go_on_while_the_disk_holds_a_background_saves_writes(overlap, tin
         cfg = engine_config(tier)
         cfg["pyinfinity"]["overlap_step"] = overlap
         return cfg
+    monkeypatch.setattr(checkpoint, "mem_available", lambda: checkpoint.HOST_SPARE + (1 << 30))  # a GiB free
     batches = lm_batches(STEPS)
     disk = threading.Event()
     order: list[int] = []
@@ -428,16 +483,21 @@ def test_steps_go_on_while_the_disk_holds_a_background_saves_writes(overlap, tin
         take = checkpoint.CheckpointWrite._take
 
         def recorded(self, e, st, flat):
-            order.append(e["shard"])
-            return take(self, e, st, flat)
+            took = take(self, e, st, flat)
+            if took:
+                order.append(e["shard"])
+            return took
         monkeypatch.setattr(checkpoint.CheckpointWrite, "_take", recorded)
         losses = train_steps(eng, batches[:2])
         eng.save_checkpoint(str(tmp_path / "ckpt"), blocking=False, by_reference=False)
         write = eng._checkpoint_write
         shards = sorted(e["shard"] for e, _ in write._optim)
-        losses += train_steps(eng, batches[2:4])  # would hang were a step waiting for the held disk
-        assert not write.done and write.staged_peak == sum(e["nbytes"] for e, _ in write._optim)  # all in staging
-        disk.set()
+        try:
+            losses += train_steps(eng, batches[2:4])  # would hang were a step waiting for the held disk
+            assert not write.done
+            assert write.staged_peak == sum(e["nbytes"] for e, _ in write._optim)  # all of it in staging
+        finally:
+            disk.set()
         eng.wait_for_checkpoint()
         assert sorted(order) == shards and order == (shards[::-1] if overlap else shards)
         losses += train_steps(eng, batches[4:])
@@ -471,6 +531,48 @@ def test_the_copies_a_save_takes_at_once_wait_for_staging_room_like_the_writers(
             assert write.staged_peak == max(eng.optimizer.format.nbytes(st.numel) for st in states)
         losses += train_steps(eng, batches[2:])
     assert _resumed_losses(tiny_lm, engine_config, batches, tmp_path / "ckpt") == (2, losses[2:])
+
+
+def test_a_step_waiting_for_staging_room_while_the_writer_drains_gets_no_place_and_the_ring_empties():
+    """A step waiting for room (the lock let go) while the writer takes its shard and then waits
+    for every write (the end of a save): once the writes are done the step finds its shard taken
+    and takes no place; every place in the ring is given back."""
+    import collections
+    import threading
+    import time
+
+    import torch
+
+    from pyinfinity.checkpoint import CheckpointWrite, StagingRing
+
+    class Request:  # a write the test finishes
+        def __init__(self):
+            self.done = threading.Event()
+
+        def wait(self):
+            assert self.done.wait(30)
+    w = CheckpointWrite.__new__(CheckpointWrite)
+    w._lock, w._inflight, w.staging = threading.Lock(), collections.deque(), 2 * 4096
+    w._ring, w._pending = StagingRing(torch.zeros(2 * 4096, dtype=torch.uint8)), {7}
+    writes = [Request(), Request()]
+    for req in writes:  # the ring full of copies being written
+        w._ring.take(4096)
+        w._inflight.append((req, 4096))
+    got = {}
+
+    def step():
+        with w._lock:
+            got["place"] = w._make_room(4096, 7)
+    t = threading.Thread(target=step)
+    t.start()
+    time.sleep(0.1)  # the step waits for the oldest write, without the lock
+    with w._lock:
+        w._pending.discard(7)  # the writer took shard 7 meanwhile
+        for req in writes:
+            req.done.set()
+        w._drain()
+    t.join(30)
+    assert got == {"place": None} and w._ring.held == 0 and not w._inflight
 
 
 def test_the_staging_ring_never_hands_out_bytes_a_copy_not_yet_written_holds():

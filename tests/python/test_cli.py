@@ -666,6 +666,53 @@ def test_train_save_every_charges_the_background_saves_staging_and_blocking_save
     assert staging("--config", str(file), *save) == CHECKPOINT_STAGING
 
 
+def test_a_disk_slower_than_save_every_is_reported_once_with_the_save_every_that_keeps_up(caplog):
+    """`train --save-every`: when the next save waits for a background save (the disk writes a
+    checkpoint slower than the steps between saves), one warning gives the write rate and a
+    --save-every whose steps outlast a save; the records count that wait and the steps' copies as
+    blocked. A save the steps outlast says nothing."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from pyinfinity.cli import train_loop
+
+    class Engine:
+        global_steps = 0
+
+        def __init__(self):
+            self.write = None
+
+        def wait_for_checkpoint(self):
+            write, self.write = self.write, None
+            time.sleep(write.seconds_left)
+            return write
+
+    eng = Engine()
+    saves = []
+
+    def run(steps: int, step_s: float, save_s: float, copies_s: float = 0.0) -> None:
+        eng.global_steps += steps
+        saves.append(train_loop.SaveRecord(eng.global_steps - steps, f"/ck/global_step{eng.global_steps - steps}",
+                                           True, 0.01, called_at=time.perf_counter() - steps * step_s))
+        eng.write = SimpleNamespace(seconds=save_s, data_bytes=int(12e9), copied_by_step=2, rotate_s=0.0,
+                                    blocked_s=0.01 + copies_s + max(0.0, save_s - steps * step_s),
+                                    seconds_left=max(0.0, save_s - steps * step_s))
+        train_loop.finish_saves(eng, saves)
+
+    with caplog.at_level(logging.WARNING, logger=train_loop.log.name):
+        run(5, 0.2, 0.5, copies_s=0.05)  # the steps outlast the save: nothing to say
+        assert not caplog.records and saves[0].wait_s < 0.05
+        assert saves[0].blocked_s == pytest.approx(0.01 + saves[0].wait_s + 0.05, abs=0.02)
+        run(5, 0.1, 1.5)  # 0.5 s of steps, a 1.5 s save: 1 s waited
+        run(5, 0.1, 1.5)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "waited 1.0 s" in warnings[0] and "12.00 GB in 1.5 s (8.00 GB/s)" in warnings[0]
+    assert "--save-every 17" in warnings[0], warnings[0]  # 5 x 1.5 / 0.5 x 1.1 = 16.5
+    assert saves[1].said_slow and not saves[2].said_slow
+
+
 def test_plan_writes_the_unit_size_and_overlap_step_it_planned_with_and_train_runs_with_them(tmp_path):
     """`plan -o` decides "auto" unit_bytes and overlap_step as the engine does (one function each)
     and writes them: `train --config` then cuts the model into the units the planner printed and
