@@ -178,7 +178,8 @@ class TrainingState:
             # a random init draws its values on the GPU, a module at a time, within a quarter of the budget
             materialize = functools.partial(materialize_module, init_device=device, init_bytes=device_memory // 4)
         progress = Progress("loading the weights into their tiers" if loading else
-                            "writing the weights to their tiers", n_modules, sizes.param_bytes)
+                            "writing the weights to their tiers", n_modules, sizes.param_bytes,
+                            disk_written=self._disk_written)
         make = materialize or materialize_module
 
         def materialize_counted(m: nn.Module, root: Any, replaced: dict) -> None:
@@ -392,6 +393,10 @@ class TrainingState:
     def checkpoint_io(self) -> Any:
         """The swap engine checkpoint files are read and written through (one of its own)."""
         return self._swap_engine("checkpoint")
+
+    def _disk_written(self) -> int:
+        """Bytes every swap engine has written so far."""
+        return sum(int(e.stats()["write"]["bytes"]) for e in list(self._swap_engines.values()))
 
     def io_stats(self) -> dict[str, Any]:
         """Each swap engine's counters, by state class ("params", "optimizer", "checkpoint")."""

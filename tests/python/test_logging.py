@@ -101,6 +101,25 @@ def test_the_starts_progress_says_modules_bytes_and_time_left_every_interval(cap
         "about 20s left"]
 
 
+def test_the_starts_progress_says_what_it_wrote_to_disk_beside_the_weights_it_placed(caplog):
+    """A state placed on disk writes more than the weights' bytes (an fp32 master and moments):
+    the progress line says the disk's bytes and rate beside the weights' (counted from its start)."""
+    import logging
+
+    from pyinfinity.progress import Progress
+
+    now, written = [0.0], [7 << 30]  # 7 GiB written before this phase: not its own
+
+    prog = Progress("writing the weights to their tiers", 4, 4 << 30, interval=5.0, clock=lambda: now[0],
+                    disk_written=lambda: written[0])
+    with caplog.at_level(logging.INFO, logger="pyinfinity.progress"):
+        now[0], written[0] = 5.0, (7 << 30) + (5 << 30)
+        prog.advance(modules=1, nbytes=1 << 30)
+    assert [r.getMessage() for r in caplog.records] == [
+        "writing the weights to their tiers: 1/4 modules, 1.00 GiB of 4.00 GiB (204.80 MiB/s), 5.00 GiB written "
+        "to disk (1.00 GiB/s), 5s so far, about 15s left"]
+
+
 def test_the_planned_step_is_logged_once_not_with_every_decision(caplog, tmp_path):
     import logging
 
