@@ -159,7 +159,6 @@ class CheckpointWrite:
             raise ValueError(f"staging: expected bytes >= 0 (pyinfinity.checkpoint_staging), got {staging!r}")
         self.state = state
         self.staging = staging
-        self.background = background
         self.staged_peak = 0  # most bytes of copies held at once (never above max(staging, one copy))
         self._frozen_slots: list = []  # NVMe slots saved by reference
         self.save_dir, self.tag, self.tmp = save_dir, tag, tmp
@@ -168,6 +167,7 @@ class CheckpointWrite:
         self.failure: Optional[BaseException] = None
         self.blocked_s = 0.0  # time training spent in this save (fixing the point, a step's copies and waits)
         self.copied_by_step = 0  # shard copies a step took before updating the shard
+        self.step_s = 0.0  # of blocked_s: what the steps spent taking (or waiting for) their shards' copies
         self._threads = max(1, int(state.optimizer.threads or torch.get_num_threads()))  # of each copy
         self.seconds: Optional[float] = None  # from this save's start to latest moved (once complete)
         self.rotate_s = 0.0  # then removing the checkpoints keep_last lets go (the next save waits for it too)
@@ -339,11 +339,13 @@ class CheckpointWrite:
                     if not isinstance(exc, Exception):  # Ctrl-C in a wait for room: the step's too
                         raise
         finally:
-            self._add_blocked(time.perf_counter() - t0)
+            self._add_blocked(time.perf_counter() - t0, by_step=True)
 
-    def _add_blocked(self, seconds: float) -> None:
+    def _add_blocked(self, seconds: float, by_step: bool = False) -> None:
         with self._stats_lock:
             self.blocked_s += seconds
+            if by_step:
+                self.step_s += seconds
 
     def _take(self, e: dict, st: Any, flat: Optional[torch.Tensor]) -> bool:
         """The copy of one shard's state (under the lock) into staging, then written: from ``flat``

@@ -122,7 +122,7 @@ def finish_saves(engine: Any, saves: list) -> None:
     rec.wait_s = time.perf_counter() - t0
     if write is not None:
         rec.total_s, rec.copied_by_step = write.seconds, write.copied_by_step
-        rec.copy_s = max(0.0, write.blocked_s - rec.call_s - rec.wait_s)  # its point and the wait are counted
+        rec.copy_s = write.step_s
         rec.rotate_s = write.rotate_s
     rec.bytes = _dir_bytes(rec.path)
     between = t0 - rec.called_at  # the steps since the call, which the write ran beside

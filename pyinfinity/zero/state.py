@@ -396,7 +396,7 @@ class TrainingState:
 
     def _disk_written(self) -> int:
         """Bytes every swap engine has written so far."""
-        return sum(int(e.stats()["write"]["bytes"]) for e in list(self._swap_engines.values()))
+        return sum(int(s["write"]["bytes"]) for s in self.io_stats().values())
 
     def io_stats(self) -> dict[str, Any]:
         """Each swap engine's counters, by state class ("params", "optimizer", "checkpoint")."""

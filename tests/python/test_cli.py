@@ -696,7 +696,7 @@ def test_a_disk_slower_than_save_every_is_reported_once_with_the_save_every_that
         saves.append(train_loop.SaveRecord(eng.global_steps - steps, f"/ck/global_step{eng.global_steps - steps}",
                                            True, 0.01, called_at=time.perf_counter() - steps * step_s))
         eng.write = SimpleNamespace(seconds=save_s, data_bytes=int(12e9), copied_by_step=2, rotate_s=0.0,
-                                    blocked_s=0.01 + copies_s + max(0.0, save_s - steps * step_s),
+                                    step_s=copies_s, blocked_s=0.01 + copies_s + max(0.0, save_s - steps * step_s),
                                     seconds_left=max(0.0, save_s - steps * step_s))
         train_loop.finish_saves(eng, saves)
 
